@@ -1,0 +1,215 @@
+"""Predictive distributions: MAP and Monte-Carlo over posterior weight samples.
+
+MC predictive (DESIGN §1 "Predictive"): for ``t = 0..K-1`` draw ``θ_t = θ* + δ_t``
+with ``δ_t ~ N(0, P^{-1})`` from the posterior, and return
+
+    p(y | x) ≈ (1/K) Σ_t softmax(f(x; θ_t))            (average of probabilities)
+
+``δ_t`` is a deterministic function of ``(seed, t)`` and the posterior's device
+type only: sample ``t`` is ``posterior.sample(1, g_t)`` with a fresh
+``torch.Generator`` seeded by :func:`sample_seed` (a BLAKE2b hash of
+``(seed, t)``, stable across processes and Python versions). Every actor, every
+batch and every shard therefore sees the same ``θ_t``, whatever the batch order.
+Weights are set with :func:`laplace_core.layers.perturbed`, which restores the
+MAP values exactly (saved copies). The model runs in ``eval()`` mode under
+``torch.no_grad()``; the modules' training flags are restored afterwards.
+
+Memory is flat in ``K``: one sample's deltas (the size of the curvature layers'
+weights) plus one ``[B, C]`` float64 running sum. Trade-off for large data:
+``predict(x)`` redraws ``δ_t`` for every batch (``K`` draws per batch; for INF and
+Diag a draw costs far less than a forward pass). :meth:`MCPredictor.predict_batches`
+instead draws each ``δ_t`` once and loops batches inside (needs a re-iterable
+sequence of batches and holds all ``[N, C]`` running sums), and ``cache_bytes``
+keeps all ``K`` deltas in memory when they fit that budget. All three give the
+same numbers (same ``θ_t``, same summation order over ``t``).
+
+GLM / MC-GLM / probit predictives live elsewhere (not here yet).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Callable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .layers import find_layers, get_matrix, perturbed
+from .structures.base import Posterior
+
+__all__ = [
+    "LIKELIHOODS",
+    "sample_seed",
+    "sample_generator",
+    "draw_sample",
+    "map_predict",
+    "mc_predict",
+    "MCPredictor",
+]
+
+LIKELIHOODS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "classification": lambda logits: torch.softmax(logits, dim=-1),
+}
+
+
+def _link(likelihood: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if likelihood not in LIKELIHOODS:
+        raise ValueError(f"unknown likelihood {likelihood!r}; valid: {', '.join(LIKELIHOODS)}")
+    return LIKELIHOODS[likelihood]
+
+
+def sample_seed(seed: int, t: int) -> int:
+    """64-bit generator seed of MC sample ``t`` under run seed ``seed`` (BLAKE2b of both)."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (seed, t)):
+        raise ValueError(f"seed and sample index must be ints, got {seed!r}, {t!r}")
+    digest = hashlib.blake2b(f"infoform.mc:{seed}:{t}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def sample_generator(seed: int, t: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A fresh ``torch.Generator`` on ``device`` seeded with :func:`sample_seed` ``(seed, t)``."""
+    g = torch.Generator(device=device)
+    g.manual_seed(sample_seed(seed, t))
+    return g
+
+
+def _posterior_device(posterior: Posterior) -> torch.device:
+    if not posterior.layers:
+        raise ValueError("posterior has no layers")
+    lp = next(iter(posterior.layers.values()))
+    return next(iter(lp.tensors().values())).device
+
+
+def draw_sample(posterior: Posterior, seed: int, t: int) -> dict[str, torch.Tensor]:
+    """Deltas of MC sample ``t``: ``name -> (m, n)`` perturbation of ``W~``, ``~ N(0, P^{-1})``."""
+    g = sample_generator(seed, t, _posterior_device(posterior))
+    return {k: v[0] for k, v in posterior.sample(1, g).items()}
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model.eval()`` inside, every module's training flag restored on exit."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, f in flags:
+            m.training = f
+
+
+def map_predict(model: nn.Module, x: torch.Tensor, likelihood: str = "classification") -> torch.Tensor:
+    """``softmax(f(x; θ*))``: ``x`` ``[B, ...]`` -> probabilities ``[B, C]`` (eval mode, no grad)."""
+    link = _link(likelihood)
+    with torch.no_grad(), _eval_mode(model):
+        return link(model(x))
+
+
+class MCPredictor:
+    """MC predictive of ``model`` under ``posterior`` with ``n_samples`` weight samples.
+
+    ``modules`` maps the posterior's layer names to the model's modules (default:
+    :func:`laplace_core.layers.find_layers`). Every posterior layer must exist there
+    with a ``W~`` of the same shape. ``cache_bytes``: keep the ``n_samples`` deltas
+    in memory after first use when they need at most this many bytes (default 0:
+    redraw per call). Probabilities are summed over samples in float64 and
+    returned in the model's output dtype.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        posterior: Posterior,
+        n_samples: int = 30,
+        seed: int = 0,
+        likelihood: str = "classification",
+        *,
+        modules: Mapping[str, nn.Module] | None = None,
+        cache_bytes: int = 0,
+    ):
+        if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 1:
+            raise ValueError(f"n_samples must be an int >= 1, got {n_samples!r}")
+        sample_seed(seed, 0)  # validates seed
+        self.link = _link(likelihood)
+        self.model = model
+        self.posterior = posterior
+        self.n_samples = n_samples
+        self.seed = seed
+        self.likelihood = likelihood
+        self.modules = dict(find_layers(model)[0] if modules is None else modules)
+        missing = [k for k in posterior.layers if k not in self.modules]
+        if missing:
+            raise ValueError(f"posterior layers not found in the model: {missing}; model layers: {list(self.modules)}")
+        for k, lp in posterior.layers.items():
+            shape = tuple(get_matrix(self.modules[k]).shape)
+            if tuple(lp.shape) != shape:
+                raise ValueError(f"layer {k!r}: posterior W~ shape {tuple(lp.shape)} != model W~ shape {shape}")
+        per_sample = sum(
+            lp.shape[0] * lp.shape[1] * next(iter(lp.tensors().values())).element_size()
+            for lp in posterior.layers.values()
+        )
+        self.cache = per_sample * n_samples <= cache_bytes
+        self._cached: dict[int, dict[str, torch.Tensor]] = {}
+
+    def sample(self, t: int) -> dict[str, torch.Tensor]:
+        """Deltas of sample ``t`` (see :func:`draw_sample`), from the cache when enabled."""
+        if not 0 <= t < self.n_samples:
+            raise ValueError(f"sample index {t} out of range [0, {self.n_samples})")
+        if t in self._cached:
+            return self._cached[t]
+        d = draw_sample(self.posterior, self.seed, t)
+        if self.cache:
+            self._cached[t] = d
+        return d
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.link(self.model(x))
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, ...]`` -> ``(1/K) Σ_t softmax(f(x; θ* + δ_t))`` ``[B, C]``."""
+        total = None
+        with torch.no_grad(), _eval_mode(self.model):
+            for t in range(self.n_samples):
+                with perturbed(self.modules, self.sample(t)):
+                    p = self._forward(x)
+                total = p.to(torch.float64) if total is None else total + p.to(torch.float64)
+        return (total / self.n_samples).to(p.dtype)
+
+    def predict_batches(self, batches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Samples outer, batches inner: each ``δ_t`` is drawn once. ``batches`` must be
+        re-iterable (a list, or a DataLoader yielding input tensors in a fixed order);
+        returns one ``[B_j, C]`` tensor per batch, equal to ``predict`` on that batch."""
+        if iter(batches) is batches:
+            raise ValueError("predict_batches needs a re-iterable sequence of batches, not a one-shot iterator")
+        totals: list[torch.Tensor] = []
+        dtypes: list[torch.dtype] = []
+        with torch.no_grad(), _eval_mode(self.model):
+            for t in range(self.n_samples):
+                with perturbed(self.modules, self.sample(t)):
+                    j = -1
+                    for j, x in enumerate(batches):
+                        p = self._forward(x)
+                        if t == 0:
+                            totals.append(p.to(torch.float64))
+                            dtypes.append(p.dtype)
+                        elif j >= len(totals):
+                            raise ValueError("batches yielded more batches on a later pass")
+                        else:
+                            totals[j] = totals[j] + p.to(torch.float64)
+                    if j + 1 != len(totals):
+                        raise ValueError(f"batches yielded {j + 1} batches on pass {t}, {len(totals)} on the first")
+        return [(s / self.n_samples).to(dt) for s, dt in zip(totals, dtypes)]
+
+
+def mc_predict(
+    model: nn.Module,
+    posterior: Posterior,
+    x: torch.Tensor,
+    *,
+    n_samples: int = 30,
+    seed: int = 0,
+    modules: Mapping[str, nn.Module] | None = None,
+    likelihood: str = "classification",
+) -> torch.Tensor:
+    """MC predictive probabilities ``[B, C]`` for ``x`` (see :class:`MCPredictor`)."""
+    return MCPredictor(model, posterior, n_samples, seed, likelihood, modules=modules).predict(x)

@@ -1,0 +1,196 @@
+"""The one interface every posterior structure implements (DESIGN §2, §3).
+
+A posterior is a collection of independent per-layer Gaussians
+``N(θ*_l, P_l^{-1})`` over ``vec(W~_l)`` (column stacking, ``W~`` is ``m x n``).
+Every per-layer quantity is handled in the ``m x n`` shape of ``W~``; nothing is
+ever flattened by index arithmetic.
+
+Per layer (:class:`LayerPosterior`):
+
+* ``precision_matvec(V)`` -> ``P V`` (``V`` is ``m x n``; the product is read as
+  ``unvec(P vec(V))``).
+* ``scale_matvec(Z)`` -> ``F Z`` with ``F F^T = P^{-1}``; ``sample`` only draws ``Z``.
+* ``to_dense()`` -> ``P`` as an ``(mn) x (mn)`` matrix in ``vec`` (column-stacking)
+  order, for small layers in tests only.
+* ``num_stored()`` -> numbers stored (Table 3 counting).
+* ``tensors()`` / ``meta()`` and the class method ``from_tensors`` for
+  serialisation; values are immutable after construction.
+
+:class:`Posterior` maps layer names to :class:`LayerPosterior` objects and applies
+the per-layer operations to dicts ``name -> tensor``.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
+
+import torch
+
+__all__ = ["LayerPosterior", "Posterior", "vec", "unvec"]
+
+
+def vec(x: torch.Tensor) -> torch.Tensor:
+    """Column-stacking ``vec`` of the last two dims: ``(..., m, n)`` -> ``(..., m*n)``."""
+    return x.transpose(-1, -2).reshape(*x.shape[:-2], -1)
+
+
+def unvec(v: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`vec`: ``(..., m*n)`` -> ``(..., m, n)``."""
+    return v.reshape(*v.shape[:-1], n, m).transpose(-1, -2)
+
+
+class LayerPosterior(abc.ABC):
+    """Gaussian over one layer's ``W~`` (``m x n``) given by its precision ``P``."""
+
+    method: ClassVar[str]
+
+    @property
+    @abc.abstractmethod
+    def shape(self) -> tuple[int, int]:
+        """``(m, n)``."""
+
+    @abc.abstractmethod
+    def precision_matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """``P v`` for ``v`` of shape ``(m, n)`` or ``(k, m, n)`` (batched)."""
+
+    @abc.abstractmethod
+    def scale_matvec(self, z: torch.Tensor) -> torch.Tensor:
+        """``F z`` with ``F F^T = P^{-1}``, ``z`` of shape ``(m, n)`` or ``(k, m, n)``."""
+
+    @abc.abstractmethod
+    def to_dense(self) -> torch.Tensor:
+        """Dense ``P`` (``mn x mn``, vec order). Tests only; refuses big layers."""
+
+    @abc.abstractmethod
+    def num_stored(self) -> int:
+        """Numbers stored for this layer."""
+
+    @abc.abstractmethod
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors needed to rebuild the layer (flat names, no '/')."""
+
+    @abc.abstractmethod
+    def meta(self) -> dict[str, Any]:
+        """JSON-able scalars needed to rebuild the layer."""
+
+    @classmethod
+    @abc.abstractmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> "LayerPosterior":
+        """Inverse of ``tensors()``/``meta()``."""
+
+    def marginal_variance(self) -> torch.Tensor:
+        """``diag(P^{-1})`` as ``m x n``. Default: exact via dense inverse (small layers);
+        structures override with their closed forms."""
+        m, n = self.shape
+        cov = torch.linalg.inv(self.to_dense())
+        return unvec(torch.diagonal(cov), m, n)
+
+    def _check_dense_size(self, limit: int = 20_000) -> None:
+        m, n = self.shape
+        if m * n > limit:
+            raise ValueError(f"to_dense() is for small layers (tests); this layer has {m * n} weights")
+
+
+@dataclass(frozen=True)
+class Posterior:
+    """A Laplace posterior over all curvature layers: ``name -> LayerPosterior``.
+
+    ``method`` is the registry name (``diag``, ``kfac``, ``kfac_exact``, ``efb``,
+    ``inf``, ...); ``n_data`` and ``prior_precision`` are the hyperparameters
+    ``N`` and ``τ`` of ``P = N F/M + τ I``; ``info`` holds run counts (e.g. clipped
+    ``D`` entries) for the run summary.
+    """
+
+    method: str
+    layers: dict[str, LayerPosterior]
+    n_data: float
+    prior_precision: float
+    rank: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- linear maps
+    def precision_matvec(self, v: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: self.layers[k].precision_matvec(t) for k, t in v.items()}
+
+    def scale_matvec(self, z: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: self.layers[k].scale_matvec(t) for k, t in z.items()}
+
+    def sample(self, n: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """``n`` zero-mean draws per layer: ``name -> (n, m, n_in)`` deltas to add to ``W~``.
+
+        Draws ``z ~ N(0, I)`` layer by layer in model order from ``generator`` and
+        returns ``F z``; the same generator state gives the same samples.
+        """
+        out = {}
+        for k, lp in self.layers.items():
+            ref = self._ref_tensor(lp)
+            z = torch.randn((n, *lp.shape), generator=generator, dtype=ref.dtype, device=ref.device)
+            out[k] = lp.scale_matvec(z)
+        return out
+
+    def to_dense(self, layer: str) -> torch.Tensor:
+        return self.layers[layer].to_dense()
+
+    def marginal_variance(self) -> dict[str, torch.Tensor]:
+        return {k: lp.marginal_variance() for k, lp in self.layers.items()}
+
+    def num_stored(self) -> int:
+        return int(sum(lp.num_stored() for lp in self.layers.values()))
+
+    @staticmethod
+    def _ref_tensor(lp: LayerPosterior) -> torch.Tensor:
+        ts = lp.tensors()
+        return next(iter(ts.values()))
+
+    # ---------------------------------------------------------------- serialisation
+    def state_dict(self) -> dict[str, Any]:
+        """``{"meta": json-able dict, "tensors": {"<layer>/<field>": tensor}}``."""
+        tensors: dict[str, torch.Tensor] = {}
+        layer_meta: dict[str, Any] = {}
+        for k, lp in self.layers.items():
+            for f, t in lp.tensors().items():
+                tensors[f"{k}/{f}"] = t.detach().contiguous()
+            layer_meta[k] = {"method": lp.method, **lp.meta()}
+        meta = {
+            "format": "infoform.posterior",
+            "version": 1,
+            "method": self.method,
+            "n_data": float(self.n_data),
+            "prior_precision": float(self.prior_precision),
+            "rank": self.rank,
+            "info": self.info,
+            "layers": layer_meta,
+            "order": list(self.layers),
+        }
+        return {"meta": meta, "tensors": tensors}
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> "Posterior":
+        from .registry import layer_class
+
+        meta = state["meta"]
+        if meta.get("format") != "infoform.posterior":
+            raise ValueError("not an infoform posterior (format tag missing)")
+        tensors = state["tensors"]
+        layers = {}
+        for k in meta["order"]:
+            lm = dict(meta["layers"][k])
+            lcls = layer_class(lm.pop("method"))
+            prefix = f"{k}/"
+            lt = {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix) and "/" not in name[len(prefix):]}
+            layers[k] = lcls.from_tensors(lt, lm)
+        return cls(
+            method=meta["method"],
+            layers=layers,
+            n_data=float(meta["n_data"]),
+            prior_precision=float(meta["prior_precision"]),
+            rank=meta.get("rank"),
+            info=dict(meta.get("info", {})),
+        )
+
+    def save(self, uri: str) -> None:
+        from ..io import save_tensors
+
+        sd = self.state_dict()
+        save_tensors(uri, sd["tensors"], sd["meta"])
