@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 # Submodules that share a name with a public function are imported eagerly, so that
 # the package attribute is the function, not the module (both are light).
 from .eigenbasis import eigenbasis  # noqa: E402
+from .sparsify import sparsify  # noqa: E402
 
 _EXPORTS = {
     "CurvatureStatistics": "statistics",
@@ -34,6 +35,7 @@ _EXPORTS = {
     "eigenbasis": "eigenbasis",
     "build_posterior": "posterior",
     "METHODS": "posterior",
+    "with_hyper": "posterior",
     "Posterior": "structures.base",
     "sparsify": "sparsify",
     "load_posterior": "io",

@@ -1,0 +1,237 @@
+"""Build a Laplace posterior from curvature statistics (DESIGN §1, §3).
+
+``P = N F/M + τ I`` per layer, with ``F`` one of the registered structures:
+
+=============  ===============================================================  =====================
+method         per-layer precision                                              needs
+=============  ===============================================================  =====================
+``diag``       ``N diag/M + τ``                                                 stats
+``kfac``       ``(√N A/M + √τ I) ⊗ (√N G/M + √τ I)`` (Ritter et al. eq. 9)      eigenbasis
+``kfac_exact`` ``(U_A ⊗ U_G) diag(N S_G S_A^T + τ) (U_A ⊗ U_G)^T`` (Lee F.3.2)  eigenbasis
+``efb``        ``(U_A ⊗ U_G) diag(N Λ/M + τ) (U_A ⊗ U_G)^T`` (George et al.)    eigenbasis + EFB pass
+``inf``        low rank ``(U_a ⊗ U_g) N Λ_L/M (..)^T`` + ``diag(N D + τ)``       eigenbasis + EFB pass
+=============  ===============================================================  =====================
+
+Hyperparameter searches rebuild the same posterior under new ``(N, τ)`` with
+:func:`with_hyper`, which reuses the stored normalised pieces (``Λ/M``, ``D``,
+eigenvectors) and never redoes an eigendecomposition of a Kronecker factor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from enum import Enum
+from typing import Callable, Mapping
+
+import torch
+
+from .eigenbasis import Eigenbasis, LayerBasis, eigenbasis
+from .sparsify import sparsify
+from .statistics import CurvatureStatistics, LayerStatistics
+from .structures.base import LayerPosterior, Posterior
+from .structures.diag import DiagLayer, check_hyper
+from .structures.efb import EFBLayer, KronExactLayer
+from .structures.inf import MAX_L, InfLayer
+from .structures.kron import KronLayer
+
+__all__ = ["Method", "METHODS", "build_posterior", "with_hyper", "resolve_method"]
+
+
+class Method(str, Enum):
+    DIAG = "diag"
+    KFAC = "kfac"
+    KFAC_EXACT = "kfac_exact"
+    EFB = "efb"
+    INF = "inf"
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerInput:
+    """Normalised pieces for one layer: ``diag/M``, ``A``/``G`` eigenbasis, ``Λ/M`` (or None)."""
+
+    fisher_diag: torch.Tensor
+    basis: LayerBasis | None
+    lam: torch.Tensor | None
+
+
+# builder(inputs, N, τ, rank, max_l) -> (layer, clipped D count)
+Builder = Callable[[_LayerInput, float, float, "int | None", int], "tuple[LayerPosterior, int]"]
+
+
+def _build_diag(x: _LayerInput, N, tau, rank, max_l):
+    return DiagLayer(x.fisher_diag, N, tau), 0
+
+
+def _build_kfac(x: _LayerInput, N, tau, rank, max_l):
+    b = x.basis
+    return KronLayer(b.U_A, b.S_A, b.U_G, b.S_G, N, tau), 0
+
+
+def _build_kfac_exact(x: _LayerInput, N, tau, rank, max_l):
+    b = x.basis
+    return KronExactLayer.from_factors(b.U_A, b.S_A, b.U_G, b.S_G, N, tau), 0
+
+
+def _build_efb(x: _LayerInput, N, tau, rank, max_l):
+    return EFBLayer(x.basis.U_A, x.basis.U_G, x.lam, N, tau), 0
+
+
+def _build_inf(x: _LayerInput, N, tau, rank, max_l):
+    m, n = x.lam.shape
+    if rank is None:
+        if m * n > max_l:
+            raise ValueError(
+                f"full-rank INF keeps all {m}*{n} = {m * n} eigenvalues, above max_l={max_l}; pass rank= (top-K)"
+            )
+        dev = x.lam.device
+        rows, cols = torch.arange(m, device=dev), torch.arange(n, device=dev)
+    else:
+        rows, cols = sparsify(x.lam, min(int(rank), m * n))
+    layer = InfLayer.from_eigen(x.fisher_diag, x.basis.U_G, x.basis.U_A, x.lam, rows, cols, N, tau, max_l=max_l)
+    return layer, layer.clipped_D
+
+
+METHODS: dict[str, Builder] = {
+    Method.DIAG.value: _build_diag,
+    Method.KFAC.value: _build_kfac,
+    Method.KFAC_EXACT.value: _build_kfac_exact,
+    Method.EFB.value: _build_efb,
+    Method.INF.value: _build_inf,
+}
+_NEEDS_BASIS = {"kfac", "kfac_exact", "efb", "inf"}
+_NEEDS_EFB = {"efb", "inf"}
+
+
+def resolve_method(method: str | Method) -> str:
+    """Registry name for ``method``; ``ValueError`` listing the valid ones."""
+    name = method.value if isinstance(method, Method) else str(method)
+    if name not in METHODS:
+        raise ValueError(f"unknown posterior method {method!r}; valid: {', '.join(METHODS)}")
+    return name
+
+
+def _check_rank(name: str, rank) -> None:
+    if rank is None:
+        return
+    if name != "inf":
+        raise ValueError(f"rank= applies only to method 'inf', not {name!r}")
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1:
+        raise ValueError(f"rank must be a positive int (top-K eigenvalues per layer) or None, got {rank!r}")
+
+
+def _check_basis(basis: Eigenbasis, stats: CurvatureStatistics) -> None:
+    for k, info in stats.infos.items():
+        if k not in basis:
+            raise ValueError(f"eigenbasis has no entry for layer {k!r}")
+        b = basis[k]
+        m, n = info.shape
+        if tuple(b.U_G.shape) != (m, m) or tuple(b.U_A.shape) != (n, n):
+            raise ValueError(
+                f"layer {k!r}: eigenbasis shapes U_G {tuple(b.U_G.shape)}, U_A {tuple(b.U_A.shape)} "
+                f"do not match W~ of shape {(m, n)}"
+            )
+
+
+def build_posterior(
+    stats: CurvatureStatistics,
+    method: str | Method,
+    rank: int | None = None,
+    n_data: float | None = None,
+    prior_precision: float = 1.0,
+    basis: Eigenbasis | Mapping[str, LayerBasis] | None = None,
+    *,
+    dtype: torch.dtype = torch.float64,
+    max_l: int = MAX_L,
+) -> Posterior:
+    """Laplace posterior ``P = N F/M + τ I`` for every layer of ``stats``.
+
+    ``n_data`` = ``N`` (default ``stats.count`` = ``M``), ``prior_precision`` = ``τ >= 0``
+    (``τ = 0`` only where the precision stays positive definite). ``basis`` defaults to
+    ``eigenbasis(stats)``; for ``efb``/``inf`` it must be the basis the EFB pass used
+    (recomputing it from the same ``stats`` reproduces it). ``rank`` (``inf`` only) is
+    the top-``K`` count of Algorithm 1 per layer (``K >= m n`` keeps the full layer);
+    ``None`` is full rank, refused when ``m n > max_l``. Everything is computed in
+    float64 and stored as ``dtype``.
+
+    ``info`` holds ``clipped_D`` (negative ``D`` entries clipped, Lemma 3; total and
+    ``clipped_D_per_layer``), ``clamped_eigenvalues`` (negative factor eigenvalues
+    clamped by the eigenbasis) and, for ``inf``, ``kept`` (``L`` per layer).
+    """
+    name = resolve_method(method)
+    _check_rank(name, rank)
+    if not isinstance(stats, CurvatureStatistics):
+        raise ValueError(f"stats must be CurvatureStatistics, got {type(stats).__name__}")
+    if stats.count <= 0:
+        raise ValueError("cannot build a posterior from statistics of zero examples (count = 0)")
+    N, tau = check_hyper(stats.count if n_data is None else n_data, prior_precision)
+    if name in _NEEDS_EFB and not stats.has_efb:
+        raise ValueError(
+            f"method {name!r} needs EFB eigenvalues: run a second pass "
+            "collect_statistics(..., basis=eigenbasis(stats)) and build from its result"
+        )
+    stats64 = stats.to(torch.float64)
+    if name in _NEEDS_BASIS:
+        if basis is None:
+            basis = eigenbasis(stats64)
+        _check_basis(basis, stats)
+
+    layers: dict[str, LayerPosterior] = {}
+    clipped: dict[str, int] = {}
+    for k, ls in stats64.layers.items():
+        x = _layer_input(ls, stats64, basis[k] if name in _NEEDS_BASIS else None, name, dtype)
+        try:
+            layers[k], clipped[k] = METHODS[name](x, N, tau, rank, max_l)
+        except ValueError as e:
+            raise ValueError(f"layer {k!r}: {e}") from None
+
+    info: dict = {
+        "clipped_D": int(sum(clipped.values())),
+        "clamped_eigenvalues": _clamped(basis) if name in _NEEDS_BASIS else 0,
+    }
+    if name == "inf":
+        info["clipped_D_per_layer"] = {k: int(v) for k, v in clipped.items()}
+        info["kept"] = {k: int(lp.rank) for k, lp in layers.items()}
+    return Posterior(method=name, layers=layers, n_data=N, prior_precision=tau,
+                     rank=None if rank is None else int(rank), info=info)
+
+
+def _clamped(basis) -> int:
+    """Negative factor eigenvalues clamped by the eigenbasis (Eigenbasis or name -> LayerBasis)."""
+    if isinstance(basis, Eigenbasis):
+        return int(basis.total_clamped())
+    return int(sum(int(getattr(b, "clamped", 0)) for b in basis.values()))
+
+
+def _layer_input(ls: LayerStatistics, stats: CurvatureStatistics, b: LayerBasis | None, name: str,
+                 dtype: torch.dtype) -> _LayerInput:
+    fisher_diag = ls.diag / stats.count
+    lam = ls.efb / stats.efb_count if name in _NEEDS_EFB else None
+    if b is not None:
+        b = b.to(dtype=torch.float64, device=ls.diag.device)
+        if dtype != torch.float64:
+            b = b.to(dtype=dtype)
+    return _LayerInput(
+        fisher_diag=fisher_diag.to(dtype),
+        basis=b,
+        lam=None if lam is None else lam.to(dtype),
+    )
+
+
+def with_hyper(posterior: Posterior, n_data: float, prior_precision: float) -> Posterior:
+    """The same posterior structure under new ``(N, τ)``.
+
+    Reuses every stored normalised piece (``diag/M``, eigenvectors, ``Λ/M``, ``D``);
+    only INF redoes its ``L x L`` eigendecomposition (it depends on ``N D + τ``).
+    Cost per call: ``O(mn)`` for diag/efb/kfac_exact, ``O(m + n)`` for kfac,
+    ``O(L³ + ...)`` for inf.
+    """
+    N, tau = check_hyper(n_data, prior_precision)
+    layers = {}
+    for k, lp in posterior.layers.items():
+        if not hasattr(lp, "with_hyper"):
+            raise ValueError(f"layer {k!r}: structure {lp.method!r} does not support with_hyper; rebuild it")
+        try:
+            layers[k] = lp.with_hyper(N, tau)
+        except ValueError as e:
+            raise ValueError(f"layer {k!r}: {e}") from None
+    return dataclasses.replace(posterior, layers=layers, n_data=N, prior_precision=tau, info=dict(posterior.info))

@@ -1,0 +1,32 @@
+"""Explicit registry ``method name -> LayerPosterior class`` (DESIGN §2).
+
+Used by :meth:`~laplace_core.structures.base.Posterior.from_state_dict` to rebuild
+layers from their saved ``method`` tag.
+"""
+from __future__ import annotations
+
+from .base import LayerPosterior
+from .diag import DiagLayer
+from .efb import EFBLayer, KronExactLayer
+from .inf import InfLayer
+from .kron import KronLayer
+
+__all__ = ["LAYER_CLASSES", "layer_class"]
+
+LAYER_CLASSES: dict[str, type[LayerPosterior]] = {
+    "diag": DiagLayer,
+    "kfac": KronLayer,
+    "kfac_exact": KronExactLayer,
+    "efb": EFBLayer,
+    "inf": InfLayer,
+}
+
+
+def layer_class(method_name: str) -> type[LayerPosterior]:
+    """The layer class for a registry name; ``ValueError`` listing the valid names otherwise."""
+    try:
+        return LAYER_CLASSES[str(method_name)]
+    except KeyError:
+        raise ValueError(
+            f"unknown posterior structure {method_name!r}; valid: {', '.join(LAYER_CLASSES)}"
+        ) from None
