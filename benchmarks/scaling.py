@@ -1,0 +1,138 @@
+"""Scaling of the distributed curvature pass: 1 vs 2 (or more) CPU workers.
+
+Runs :func:`pipelines.curvature.run_curvature` on the same synthetic images with
+each worker count (one torch thread per worker) and prints, per run, the pass-1
+wall time, images/s, the time spent in the statistics all-reduce and its share of
+the pass, and the speedup over the first worker count.
+
+    python benchmarks/scaling.py                      # demo_cnn, 512 images 32x32, workers 1 2
+    python benchmarks/scaling.py --model resnet18 --images 256 --size 64 --workers 1 2 4
+
+Starts its own local Ray (``num_cpus`` = ``--cpus``, default the machine's cores) in a
+temporary directory and shuts it down at the end; everything it writes goes to a
+temporary directory that is removed afterwards (``--keep`` to keep it).
+Numbers on a shared 2-core machine are noisy: repeat with ``--repeats``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
+
+def _datasets(n: int, size: int, partitions: int, num_classes: int, seed: int):
+    import numpy as np
+    import ray.data
+
+    rng = np.random.default_rng(seed)
+    per = [len(c) for c in np.array_split(np.arange(n), partitions)]
+    out, start = [], 0
+    for k in per:
+        items = [
+            {
+                "image": rng.standard_normal((3, size, size)).astype(np.float32),
+                "label": int(rng.integers(num_classes)),
+                "path": f"synthetic/{start + i:06d}",
+                "valid": True,
+            }
+            for i in range(k)
+        ]
+        out.append(ray.data.from_items(items, override_num_blocks=max(1, min(8, k // 16))))
+        start += k
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="demo_cnn")
+    ap.add_argument("--num-classes", type=int, default=10)
+    ap.add_argument("--images", type=int, default=512)
+    ap.add_argument("--size", type=int, default=32)
+    ap.add_argument("--partitions", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--methods", nargs="*", default=["diag", "kfac"])
+    ap.add_argument("--fisher", default="mc", choices=["mc", "empirical"])
+    ap.add_argument("--cpus", type=float, default=None, help="Ray num_cpus (default: os.cpu_count())")
+    ap.add_argument("--cpus-per-worker", type=float, default=0.5)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+    pp = os.environ.get("PYTHONPATH", "")
+    if _REPO not in pp.split(os.pathsep):
+        os.environ["PYTHONPATH"] = _REPO + (os.pathsep + pp if pp else "")
+
+    import ray
+    import torch
+
+    from pipelines.curvature import CurvatureConfig, run_curvature
+    from pipelines.models import load_model
+
+    work = tempfile.mkdtemp(prefix="infoform-scaling-")
+    ray_tmp = tempfile.mkdtemp(prefix="rsc", dir="/tmp")
+    ray.init(num_cpus=args.cpus or os.cpu_count(), include_dashboard=False, _temp_dir=ray_tmp,
+             logging_level=logging.WARNING)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    rows = []
+    try:
+        weights = os.path.join(work, "model.pt")
+        torch.save(load_model(args.model, num_classes=args.num_classes).state_dict(), weights)
+        spec = type("Spec", (), {"name": args.model, "weights": weights, "num_classes": args.num_classes})()
+        for rep in range(args.repeats):
+            for w in args.workers:
+                parts = _datasets(args.images, args.size, args.partitions, args.num_classes, seed=rep)
+                cfg = CurvatureConfig(num_workers=w, use_gpu=False, cpus_per_worker=args.cpus_per_worker,
+                                      fisher=args.fisher, batch_size=args.batch_size, methods=tuple(args.methods),
+                                      rank=None if "inf" not in args.methods else 100, max_failures=0,
+                                      torch_threads=1, log_every_s=30.0)
+                out = os.path.join(work, f"run-w{w}-r{rep}")
+                t0 = time.perf_counter()
+                res = run_curvature(spec, parts, cfg, out)
+                total = time.perf_counter() - t0
+                p1 = res.timings["worker"]["pass1"]
+                rows.append({
+                    "workers": w, "repeat": rep, "images": p1["images"], "pass1_s": p1["wall_s"],
+                    "collect_s": p1["collect_s"], "allreduce_s": p1["allreduce_s"],
+                    "allreduce_bytes": p1["allreduce_bytes"], "allreduce_share": p1["allreduce_s"] / max(p1["wall_s"], 1e-12),
+                    "images_per_s": p1["images"] / max(p1["wall_s"], 1e-12), "fit_s": res.timings["fit_s"], "total_s": total,
+                })
+    finally:
+        ray.shutdown()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    base = {}
+    for r in rows:
+        base.setdefault(r["repeat"], r["pass1_s"])
+        r["speedup"] = base[r["repeat"]] / max(r["pass1_s"], 1e-12)
+    print(f"model={args.model} images={args.images} size={args.size} partitions={args.partitions} "
+          f"batch={args.batch_size} fisher={args.fisher} methods={','.join(args.methods)}")
+    print(f"{'workers':>7} {'rep':>3} {'pass1 s':>8} {'img/s':>8} {'speedup':>7} {'allred s':>8} "
+          f"{'allred %':>8} {'MB/worker':>9} {'fit s':>7}")
+    for r in rows:
+        print(f"{r['workers']:>7} {r['repeat']:>3} {r['pass1_s']:>8.2f} {r['images_per_s']:>8.1f} {r['speedup']:>7.2f} "
+              f"{r['allreduce_s']:>8.3f} {100 * r['allreduce_share']:>7.1f}% {r['allreduce_bytes'] / 2**20:>9.2f} "
+              f"{r['fit_s']:>7.1f}")
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,916 @@
+"""The distributed curvature pass (Ray Train ``TorchTrainer``), DESIGN §2 and §4.
+
+Data flow: **partitions -> per-worker sums -> all-reduce -> partition file ->
+sum of partition files -> eigenbasis (spread over workers) -> EFB sums (second
+pass, same scheme) -> reduced statistics -> posteriors.**
+
+Every worker runs the same :func:`laplace_core.collect.collect_statistics` that a
+unit test runs in one process; statistics are sums, so the all-reduced sums of
+``W`` workers over a partition equal the single-process sums over the same
+images (exactly for ``fisher="empirical"``; with ``fisher="mc"`` the sampled
+labels depend on which worker draws them, so only the distribution agrees).
+
+Artifact layout under ``output_uri`` (local path or ``s3://bucket/prefix``); each
+``<dir>/`` is a :mod:`laplace_core.io` artifact (``tensors.safetensors`` +
+``manifest.json``, manifest written last):
+
+``stats/partitions/pass1/part-00003/``
+    reduced pass-1 sums of partition 3 (a ``CurvatureStatistics`` + partition meta:
+    rows read, invalid rows, run id, write time). A partition is *finished* when its
+    ``manifest.json`` exists; a re-run skips it, so nothing is counted twice.
+``stats/partitions/pass2/part-00003/``
+    reduced EFB sums (``<layer>/efb``, ``m x n``) of partition 3 in the run's eigenbasis.
+``stats/eigenbasis/``
+    ``<layer>/{U_A,S_A,U_G,S_G}`` of ``A/M`` and ``G/M`` (pass-1 sums of all partitions).
+``stats/reduced/``
+    the final ``CurvatureStatistics`` (pass-1 sums of all partitions, in partition
+    order, with the EFB sums of the EFB subset attached).
+``stats/worker_report.json``
+    rank 0's timings of the last (successful) attempt.
+``stats/curvature.json``
+    run summary: timings per pass, all-reduce seconds and bytes, skipped images,
+    which partitions this run computed, posterior summaries.
+``posterior/<method>/``
+    one :class:`laplace_core.structures.base.Posterior` per requested method.
+
+Fault tolerance: ``FailureConfig(max_failures)`` restarts the worker group after
+a worker dies; the restarted loop skips finished partitions (and reuses a saved
+eigenbasis), so a run resumes at partition granularity, also across jobs.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from laplace_core.eigenbasis import Eigenbasis, LayerBasis, layer_eigenbasis
+from laplace_core.io import load_tensors, save_tensors
+from laplace_core.layers import find_layers
+from laplace_core.statistics import CurvatureStatistics, LayerStatistics
+
+from . import storage
+from .eigen import assign_layers
+from .posterior import BASIS_METHODS, EFB_METHODS, build_and_save
+
+__all__ = [
+    "FaultInjection",
+    "CurvatureConfig",
+    "CurvatureResult",
+    "run_curvature",
+    "partition_uri",
+    "basis_uri",
+    "reduced_uri",
+    "efb_partition_ids",
+    "finished_partitions",
+    "load_eigenbasis",
+    "save_eigenbasis",
+]
+
+FISHER_TYPES = ("mc", "empirical")
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
+METHOD_NAMES = ("diag", "kfac", "kfac_exact", "efb", "inf")
+
+
+# =========================================================================== config
+@dataclass(frozen=True)
+class FaultInjection:
+    """Test-only: worker ``rank`` (``None``: whichever rank gets there first) kills its
+    own process (``os._exit(1)``) in pass ``pass_no`` while reading partition
+    ``partition``, after ``after_batches`` valid batches, exactly once: it first
+    writes ``once_marker`` (a URI), and a restarted attempt that finds the marker
+    runs clean."""
+
+    pass_no: int
+    partition: int
+    once_marker: str
+    rank: int | None = None
+    after_batches: int = 1
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> "FaultInjection":
+        known = {"pass", "pass_no", "partition", "rank", "once_marker", "after_batches"}
+        bad = set(d) - known
+        if bad:
+            raise ValueError(f"unknown fault_injection keys {sorted(bad)}; valid: {sorted(known)}")
+        return cls(
+            pass_no=int(d.get("pass_no", d.get("pass", 1))),
+            partition=int(d["partition"]),
+            rank=None if d.get("rank") is None else int(d["rank"]),
+            once_marker=str(d["once_marker"]),
+            after_batches=int(d.get("after_batches", 1)),
+        )
+
+
+@dataclass(frozen=True)
+class CurvatureConfig:
+    """Settings of the distributed curvature pass.
+
+    ``use_gpu=None``: use GPUs when the cluster has any (checked from the driver).
+    ``cpus_per_worker``: 0.5 on a 2-core machine, so that Ray Data keeps a CPU to
+    read shards (1 CPU per worker hangs there, see ENVIRONMENT.md).
+    ``efb_fraction`` / ``efb_max_examples``: the second (EFB) pass runs on an evenly
+    spaced, deterministic subset of the partitions (:func:`efb_partition_ids`).
+    ``model_dtype``: the dtype the model computes in (``float64`` for exact tests);
+    ``stats_dtype``: the dtype of the accumulated sums.
+    ``bucket_mb``: size of the flattened all-reduce buffers.
+    """
+
+    num_workers: int = 2
+    use_gpu: bool | None = None
+    cpus_per_worker: float = 0.5
+    gpus_per_worker: float = 1.0
+    fisher: str = "mc"
+    mc_samples: int = 1
+    seed: int = 0
+    batch_size: int = 32
+    methods: tuple[str, ...] = ("diag", "kfac", "efb", "inf")
+    rank: int | None = 100
+    n_data: float | None = None
+    prior_precision: float = 1.0
+    efb_fraction: float = 1.0
+    efb_max_examples: int | None = None
+    max_failures: int = 2
+    torch_threads: int | None = 1
+    model_dtype: str = "float32"
+    stats_dtype: str = "float64"
+    bucket_mb: float = 64.0
+    log_every_s: float = 10.0
+    fault_injection: FaultInjection | None = None
+
+    def __post_init__(self):
+        if isinstance(self.fault_injection, Mapping):
+            object.__setattr__(self, "fault_injection", FaultInjection.from_mapping(self.fault_injection))
+        object.__setattr__(self, "methods", tuple(self.methods))
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.fisher not in FISHER_TYPES:
+            raise ValueError(f"unknown fisher {self.fisher!r}; valid: {', '.join(FISHER_TYPES)}")
+        if self.mc_samples < 1:
+            raise ValueError(f"mc_samples must be >= 1, got {self.mc_samples}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        for m in self.methods:
+            if m not in METHOD_NAMES:
+                raise ValueError(f"unknown posterior method {m!r}; valid: {', '.join(METHOD_NAMES)}")
+        for name in ("model_dtype", "stats_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(DTYPES)}")
+        if not (0.0 < self.efb_fraction <= 1.0):
+            raise ValueError(f"efb_fraction must be in (0, 1], got {self.efb_fraction}")
+        if self.efb_max_examples is not None and self.efb_max_examples < 1:
+            raise ValueError(f"efb_max_examples must be >= 1, got {self.efb_max_examples}")
+        if self.cpus_per_worker <= 0:
+            raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker}")
+        if self.max_failures < -1:
+            raise ValueError(f"max_failures must be >= -1 (-1 = unlimited), got {self.max_failures}")
+
+    @property
+    def needs_basis(self) -> bool:
+        return any(m in BASIS_METHODS for m in self.methods)
+
+    @property
+    def needs_efb(self) -> bool:
+        return any(m in EFB_METHODS for m in self.methods)
+
+
+@dataclass(frozen=True)
+class CurvatureResult:
+    """What a run produced (everything is also in the artifacts under ``output_uri``).
+
+    ``stats``: reduced statistics (pass-1 sums of all partitions + EFB sums);
+    ``basis``: the eigenbasis (None when no method needs it); ``posteriors``:
+    method -> summary from :func:`pipelines.posterior.build_and_save`; ``timings``:
+    per pass and stage seconds; ``allreduce_seconds`` / ``allreduce_bytes``: time
+    in and payload of the statistics all-reduces of this run (per worker);
+    ``skipped``: rows read / invalid rows per pass (+ a sample of invalid paths);
+    ``computed_partitions`` / ``reused_partitions``: ``{"pass1": (...), "pass2": (...)}``.
+    """
+
+    output_uri: str
+    stats: CurvatureStatistics
+    basis: Eigenbasis | None
+    posteriors: dict[str, dict[str, Any]]
+    timings: dict[str, Any]
+    allreduce_seconds: float
+    allreduce_bytes: int
+    skipped: dict[str, Any]
+    computed_partitions: dict[str, tuple[int, ...]]
+    reused_partitions: dict[str, tuple[int, ...]]
+    efb_partitions: tuple[int, ...]
+    num_workers: int
+    use_gpu: bool
+    run_id: str
+
+
+# =========================================================================== layout
+def partition_uri(output_uri: str, pass_no: int, pid: int) -> str:
+    """``<output>/stats/partitions/pass<k>/part-<pid:05d>``."""
+    return storage.join(output_uri, "stats", "partitions", f"pass{pass_no}", f"part-{pid:05d}")
+
+
+def _manifest(uri: str) -> str:
+    return storage.join(uri, "manifest.json")
+
+
+def _basis_uri(output_uri: str) -> str:
+    return storage.join(output_uri, "stats", "eigenbasis")
+
+
+def _reduced_uri(output_uri: str) -> str:
+    return storage.join(output_uri, "stats", "reduced")
+
+
+#: Public names of the artifact locations: ``<output>/stats/eigenbasis`` and ``<output>/stats/reduced``.
+basis_uri = _basis_uri
+reduced_uri = _reduced_uri
+
+
+def finished_partitions(output_uri: str, pass_no: int, ids: Sequence[int], endpoint_url: str | None = None) -> list[int]:
+    """Partitions of ``ids`` whose artifact manifest exists (the commit point)."""
+    return [pid for pid in ids if storage.exists(_manifest(partition_uri(output_uri, pass_no, pid)), endpoint_url)]
+
+
+def efb_partition_ids(
+    ids: Sequence[int], rows: Mapping[int, int | None], fraction: float = 1.0, max_examples: int | None = None
+) -> tuple[int, ...]:
+    """Deterministic, evenly spaced subset of the partitions for the EFB pass.
+
+    ``k = ceil(fraction * P)`` partitions at positions ``floor(i P / k)``; with
+    ``max_examples`` the smallest such ``k`` whose rows reach ``max_examples``
+    (needs known partition sizes). Only depends on the arguments.
+    """
+    ids = list(ids)
+    P = len(ids)
+    if P == 0:
+        return ()
+
+    def pick(k: int) -> list[int]:
+        return [ids[(i * P) // k] for i in range(k)]
+
+    k = max(1, min(P, math.ceil(fraction * P - 1e-9)))
+    if max_examples is not None:
+        if any(rows.get(p) is None for p in ids):
+            raise ValueError("efb_max_examples needs partitions with known sizes")
+        for kk in range(1, k + 1):
+            if sum(int(rows[p]) for p in pick(kk)) >= max_examples:
+                k = kk
+                break
+    return tuple(pick(k))
+
+
+# =========================================================================== eigenbasis I/O
+def save_eigenbasis(uri: str, basis: Eigenbasis, count: int) -> None:
+    """``<uri>/`` artifact with ``<layer>/{U_A,S_A,U_G,S_G}`` and the clamp counts."""
+    meta = {
+        "format": "infoform.eigenbasis",
+        "version": 1,
+        "names": list(basis.layers),
+        "clamped": {k: int(v) for k, v in basis.clamped.items()},
+        "count": int(count),
+    }
+    save_tensors(uri, basis.flat_tensors(), meta)
+
+
+def load_eigenbasis(uri: str) -> Eigenbasis:
+    tensors, meta = load_tensors(uri)
+    if meta.get("format") != "infoform.eigenbasis":
+        raise ValueError(f"{uri}: not an eigenbasis artifact (format {meta.get('format')!r})")
+    return Eigenbasis.from_flat(tensors, list(meta["names"]), meta.get("clamped", {}))
+
+
+# =========================================================================== worker side
+@dataclass(frozen=True)
+class _ModelRef:
+    name: str
+    weights: str | None
+    num_classes: int | None
+
+
+@dataclass(frozen=True)
+class _Job:
+    """Everything a worker needs; pickled into ``train_loop_config``."""
+
+    model: _ModelRef
+    cfg: CurvatureConfig
+    output_uri: str
+    endpoint_url: str | None
+    pass1: tuple[int, ...]
+    pass2: tuple[int, ...]
+    rows: dict[int, int | None]
+    run_id: str
+    use_gpu: bool
+
+
+def _seed(*parts: int) -> int:
+    h = hashlib.sha256(("/".join(str(int(p)) for p in parts)).encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+class _Counter:
+    """Rows read, valid rows and the skip report (undecodable images) of one worker
+    in one partition."""
+
+    def __init__(self):
+        from .data import SkipReport
+
+        self.rows = 0
+        self.valid = 0
+        self.batches = 0
+        self.skipped = SkipReport()
+
+
+def _iter_valid_batches(shard, job: _Job, pass_no: int, pid: int, rank: int,
+                        device, dtype, counter: _Counter, progress) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(x, y)`` batches of the shard's valid rows on ``device`` in the model dtype
+    (:func:`pipelines.data.iter_valid_batches`); counts rows and skipped images.
+
+    Also the test-only fault injection point.
+    """
+    from .data import iter_valid_batches
+
+    fi = job.cfg.fault_injection
+    for b in iter_valid_batches(shard, batch_size=job.cfg.batch_size, device=device):
+        n = int(b.y.shape[0]) + b.skipped.count
+        counter.rows += n
+        if b.skipped.count:
+            counter.skipped = counter.skipped.merge(b.skipped)
+        if b.y.shape[0] == 0:
+            progress(n)
+            continue
+        counter.valid += int(b.y.shape[0])
+        counter.batches += 1
+        yield b.x.to(dtype=dtype), b.y
+        progress(n)
+        if (fi is not None and fi.pass_no == pass_no and fi.partition == pid and fi.rank in (None, rank)
+                and counter.batches >= fi.after_batches):
+            ep = job.endpoint_url
+            if not storage.exists(fi.once_marker, ep):
+                storage.write_json_atomic(fi.once_marker, {"pass": pass_no, "partition": pid, "rank": rank,
+                                                           "time": time.time()}, ep)
+                print(f"[curvature] fault injection: rank {rank} exits in pass {pass_no} partition {pid}", flush=True)
+                os._exit(1)
+
+
+class _Progress:
+    """Rank-0 log line every ``every_s`` seconds: images/s and ETA of the pass."""
+
+    def __init__(self, pass_no: int, total: int | None, world: int, rank: int, every_s: float):
+        self.pass_no, self.total, self.world, self.rank, self.every_s = pass_no, total, world, rank, every_s
+        self.t0 = time.perf_counter()
+        self.last = self.t0
+        self.done_local = 0
+        self.done_global = 0  # exact, updated after each partition
+
+    def __call__(self, n: int) -> None:
+        self.done_local += n
+        now = time.perf_counter()
+        if self.rank == 0 and now - self.last >= self.every_s:
+            self.last = now
+            est = self.done_global + self.done_local * self.world
+            rate = est / max(now - self.t0, 1e-9)
+            eta = "?" if not self.total else f"{max(self.total - est, 0) / max(rate, 1e-9):.0f}s"
+            print(f"[curvature] pass {self.pass_no}: ~{est}/{self.total or '?'} images, "
+                  f"{rate:.1f} img/s, ETA {eta}", flush=True)
+
+    def partition_done(self, rows_global: int) -> None:
+        self.done_global += rows_global
+        self.done_local = 0
+
+
+def _zero_stats(infos, excluded, cfg: CurvatureConfig, device, dtype) -> CurvatureStatistics:
+    layers = {}
+    for k, info in infos.items():
+        m, n = info.shape
+        layers[k] = LayerStatistics(
+            A=torch.zeros(n, n, dtype=dtype, device=device),
+            G=torch.zeros(m, m, dtype=dtype, device=device),
+            diag=torch.zeros(m, n, dtype=dtype, device=device),
+        )
+    return CurvatureStatistics(layers=layers, infos=dict(infos), count=0, fisher=cfg.fisher,
+                               mc_samples=cfg.mc_samples, excluded=dict(excluded))
+
+
+def _buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive groups of tensor indices whose total size stays under ``bucket_bytes``
+    (a single larger tensor gets a bucket of its own)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        nb = t.numel() * t.element_size()
+        if cur and size + nb > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += nb
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _allreduce_sum(tensors: list[torch.Tensor], bucket_bytes: int, rec: dict) -> list[torch.Tensor]:
+    """SUM-all-reduce of ``tensors`` (same dtype/device) in flattened buckets.
+
+    Returns new tensors with the summed values; adds seconds/bytes/calls to ``rec``.
+    """
+    import torch.distributed as dist
+
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for group in _buckets(tensors, bucket_bytes):
+        flat = torch.cat([tensors[i].reshape(-1) for i in group])
+        t0 = time.perf_counter()
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        if flat.is_cuda:
+            torch.cuda.synchronize(flat.device)
+        rec["allreduce_s"] += time.perf_counter() - t0
+        rec["allreduce_bytes"] += flat.numel() * flat.element_size()
+        rec["allreduce_calls"] += 1
+        off = 0
+        for i in group:
+            k = tensors[i].numel()
+            out[i] = flat[off: off + k].view_as(tensors[i])
+            off += k
+    return out  # type: ignore[return-value]
+
+
+def _broadcast_object(obj, rank: int):
+    import torch.distributed as dist
+
+    box = [obj if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _run_pass(pass_no: int, job: _Job, model, infos, excluded, basis: Eigenbasis | None,
+              rank: int, world: int, device, rec: dict) -> None:
+    """Compute, all-reduce and store every unfinished partition of pass ``pass_no``."""
+    import ray.train
+    import torch.distributed as dist
+
+    from laplace_core.collect import collect_efb, collect_statistics
+
+    cfg = job.cfg
+    ids = job.pass1 if pass_no == 1 else job.pass2
+    ep = job.endpoint_url
+    done = _broadcast_object(finished_partitions(job.output_uri, pass_no, ids, ep) if rank == 0 else None, rank)
+    todo = [p for p in ids if p not in set(done)]
+    known = [job.rows.get(p) for p in todo]
+    total = sum(known) if todo and all(r is not None for r in known) else None
+    prog = _Progress(pass_no, total, world, rank, cfg.log_every_s)
+    model_dtype = DTYPES[cfg.model_dtype]
+    stats_dtype = DTYPES[cfg.stats_dtype]
+    p = rec.setdefault(f"pass{pass_no}", {"collect_s": 0.0, "allreduce_s": 0.0, "allreduce_bytes": 0, "allreduce_calls": 0,
+                                          "write_s": 0.0, "images": 0, "invalid": 0, "computed": [], "reused": list(done)})
+    t_pass = time.perf_counter()
+    if rank == 0 and todo:
+        print(f"[curvature] pass {pass_no}: {len(todo)} partition(s) to compute, {len(done)} already finished", flush=True)
+    for pid in todo:
+        shard = ray.train.get_dataset_shard(f"p{pass_no}_{pid}")
+        counter = _Counter()
+        gen = torch.Generator(device=device)
+        gen.manual_seed(_seed(cfg.seed, pass_no, pid, rank))
+        batches = _iter_valid_batches(shard, job, pass_no, pid, rank, device, model_dtype, counter, prog)
+        t0 = time.perf_counter()
+        first = next(batches, None)
+        names = list(infos)
+
+        def chain():
+            yield first
+            yield from batches
+
+        if pass_no == 1:
+            if first is None:
+                local = _zero_stats(infos, excluded, cfg, device, stats_dtype)
+            else:
+                local = collect_statistics(model, chain(), fisher=cfg.fisher, mc_samples=cfg.mc_samples,
+                                           generator=gen, dtype=stats_dtype)
+            tensors = [getattr(local.layers[k], f).to(device=device, dtype=stats_dtype)
+                       for k in names for f in ("A", "G", "diag")]
+            nums = [local.count, 0, local.skipped_batches, local.skipped_examples]
+        else:
+            if first is None:
+                efb_local = {k: torch.zeros(i.shape, dtype=stats_dtype, device=device) for k, i in infos.items()}
+                n_local = 0
+            else:
+                efb_local, n_local = collect_efb(model, chain(), basis, fisher=cfg.fisher, mc_samples=cfg.mc_samples,
+                                                 generator=gen, dtype=stats_dtype)
+            tensors = [efb_local[k].to(device=device, dtype=stats_dtype) for k in names]
+            nums = [0, n_local, 0, 0]
+        p["collect_s"] += time.perf_counter() - t0
+        # ---- all-reduce (pass 1: A, G, diag; pass 2: efb) + counts, in flat buckets
+        counts = torch.tensor(nums + [counter.rows, counter.skipped.count], dtype=torch.float64, device=device)
+        sub = {"allreduce_s": 0.0, "allreduce_bytes": 0, "allreduce_calls": 0}
+        reduced = _allreduce_sum(tensors + [counts], int(cfg.bucket_mb * 2**20), sub)
+        for k2 in sub:
+            p[k2] += sub[k2]
+        counts_r = [int(round(float(v))) for v in reduced[-1].cpu()]
+        count, efb_count, sk_b, sk_e, rows_read, rows_invalid = counts_r
+        reports = [None] * world
+        dist.all_gather_object(reports, counter.skipped)
+        skip_report = reports[0]
+        for r in reports[1:]:
+            skip_report = skip_report.merge(r)
+        expected = job.rows.get(pid)
+        if expected is not None and rows_read != expected:
+            raise RuntimeError(f"pass {pass_no} partition {pid}: workers read {rows_read} rows, expected {expected}")
+        prog.partition_done(rows_read)
+        p["images"] += rows_read
+        p["invalid"] += rows_invalid
+        p["computed"].append(pid)
+        # ---- rank 0 writes the partition (manifest last = commit point)
+        t0 = time.perf_counter()
+        if rank == 0:
+            vals = [t.detach().cpu() for t in reduced[:-1]]
+            part_meta = {"partition": pid, "pass": pass_no, "rows": rows_read, "invalid_rows": rows_invalid,
+                         "skipped": skip_report.to_dict(), "run_id": job.run_id, "written_at": time.time(),
+                         "world_size": world}
+            uri = partition_uri(job.output_uri, pass_no, pid)
+            if pass_no == 1:
+                layers = {k: LayerStatistics(A=vals[3 * i], G=vals[3 * i + 1], diag=vals[3 * i + 2]) for i, k in enumerate(names)}
+                st = CurvatureStatistics(layers=layers, infos=dict(infos), count=count, skipped_batches=sk_b,
+                                         skipped_examples=sk_e, fisher=cfg.fisher, mc_samples=cfg.mc_samples,
+                                         excluded=dict(excluded))
+                save_tensors(uri, st.flat_tensors(), {**st.meta(), **part_meta})
+            else:
+                meta = {"format": "infoform.efb_partition", "version": 1, "efb_count": efb_count,
+                        "names": names, **part_meta}
+                save_tensors(uri, {f"{k}/efb": vals[i] for i, k in enumerate(names)}, meta)
+            print(f"[curvature] pass {pass_no}: partition {pid} done ({rows_read} rows, {rows_invalid} invalid)", flush=True)
+        dist.barrier()
+        p["write_s"] += time.perf_counter() - t0
+    p["wall_s"] = time.perf_counter() - t_pass
+
+
+def _read_pass1(job: _Job) -> tuple[CurvatureStatistics, dict]:
+    """Sum of every pass-1 partition file, in partition order (each counted once)."""
+    from .data import SkipReport
+
+    parts = []
+    rows = 0
+    skipped = SkipReport()
+    for pid in job.pass1:
+        tensors, meta = load_tensors(partition_uri(job.output_uri, 1, pid))
+        parts.append(CurvatureStatistics.from_flat(meta, tensors))
+        rows += int(meta.get("rows", 0))
+        skipped = skipped.merge(SkipReport.from_dict(meta["skipped"]))
+    return CurvatureStatistics.merge_all(parts), {"rows": rows, "skipped": skipped.to_dict()}
+
+
+def _read_pass2(job: _Job, names: Sequence[str]) -> tuple[dict[str, torch.Tensor], int, dict]:
+    from .data import SkipReport
+
+    efb: dict[str, torch.Tensor] | None = None
+    n = rows = 0
+    skipped = SkipReport()
+    for pid in job.pass2:
+        tensors, meta = load_tensors(partition_uri(job.output_uri, 2, pid))
+        if meta.get("format") != "infoform.efb_partition":
+            raise ValueError(f"{partition_uri(job.output_uri, 2, pid)}: not an EFB partition artifact")
+        part = {k: tensors[f"{k}/efb"] for k in names}
+        efb = part if efb is None else {k: efb[k] + part[k] for k in names}
+        n += int(meta["efb_count"])
+        rows += int(meta.get("rows", 0))
+        skipped = skipped.merge(SkipReport.from_dict(meta["skipped"]))
+    assert efb is not None
+    return efb, n, {"rows": rows, "skipped": skipped.to_dict()}
+
+
+def _distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, device, rec: dict) -> Eigenbasis:
+    """Each rank decomposes its layers (:func:`pipelines.eigen.assign_layers`), then every
+    rank broadcasts its packed results (one collective per rank)."""
+    import torch.distributed as dist
+
+    shapes = {k: info.shape for k, info in stats.infos.items()}
+    plan = assign_layers(shapes, world)
+    t0 = time.perf_counter()
+    mine = {k: layer_eigenbasis(stats.layers[k].A, stats.layers[k].G, stats.count, name=k) for k in plan[rank]}
+    rec["eigh_s"] = time.perf_counter() - t0
+    rec["eigh_layers"] = list(plan[rank])
+    t0 = time.perf_counter()
+    got: dict[str, LayerBasis] = {}
+    nbytes = 0
+    for src in range(world):
+        names = plan[src]
+        sizes = []
+        for k in names:
+            m, n = shapes[k]
+            sizes.append((n * n, n, m * m, m, 1))
+        total = sum(sum(s) for s in sizes)
+        if total == 0:
+            continue
+        if src == rank:
+            buf = torch.cat([torch.cat([b.U_A.reshape(-1), b.S_A, b.U_G.reshape(-1), b.S_G,
+                                        torch.tensor([float(b.clamped)], dtype=torch.float64)])
+                             for b in (mine[k] for k in names)]).to(device=device, dtype=torch.float64)
+        else:
+            buf = torch.empty(total, dtype=torch.float64, device=device)
+        dist.broadcast(buf, src=src)
+        nbytes += buf.numel() * 8
+        buf = buf.cpu()
+        off = 0
+        for k, (a2, a, g2, g, _) in zip(names, sizes):
+            m, n = shapes[k]
+            U_A = buf[off: off + a2].reshape(n, n); off += a2
+            S_A = buf[off: off + a]; off += a
+            U_G = buf[off: off + g2].reshape(m, m); off += g2
+            S_G = buf[off: off + g]; off += g
+            clamped = int(buf[off]); off += 1
+            got[k] = mine[k] if src == rank else LayerBasis(U_A.clone(), S_A.clone(), U_G.clone(), S_G.clone(), clamped)
+    rec["eigen_broadcast_s"] = time.perf_counter() - t0
+    rec["eigen_broadcast_bytes"] = nbytes
+    layers = {k: got[k] for k in stats.layers}
+    return Eigenbasis(layers=layers, clamped={k: b.clamped for k, b in layers.items()})
+
+
+def _train_loop(config: dict) -> None:
+    """``train_loop_per_worker``: pass 1, eigenbasis, pass 2, reduced statistics."""
+    import ray.train
+    import torch.distributed as dist
+
+    from .models import load_model
+
+    job: _Job = config["job"]
+    cfg = job.cfg
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if job.endpoint_url:
+        os.environ["AWS_ENDPOINT_URL_S3"] = job.endpoint_url
+    if cfg.torch_threads:
+        torch.set_num_threads(int(cfg.torch_threads))
+    if job.use_gpu:
+        import ray.train.torch as rtt
+
+        device = rtt.get_device()
+    else:
+        device = torch.device("cpu")
+    rec: dict[str, Any] = {"rank": rank, "world_size": world, "device": str(device)}
+    t_all = time.perf_counter()
+    t0 = time.perf_counter()
+    model = load_model(job.model.name, job.model.weights, job.model.num_classes, endpoint_url=job.endpoint_url)
+    model = model.to(device=device, dtype=DTYPES[cfg.model_dtype]).eval()
+    _, infos, excluded = find_layers(model)
+    rec["model_load_s"] = time.perf_counter() - t0
+
+    _run_pass(1, job, model, infos, excluded, None, rank, world, device, rec)
+    t0 = time.perf_counter()
+    stats, skip1 = _read_pass1(job)
+    rec["read_pass1_s"] = time.perf_counter() - t0
+    rec["skipped_pass1"] = skip1
+
+    basis = None
+    if cfg.needs_basis:
+        buri = _basis_uri(job.output_uri)
+        have = _broadcast_object(storage.exists(_manifest(buri), job.endpoint_url) if rank == 0 else None, rank)
+        t0 = time.perf_counter()
+        if have:
+            basis = load_eigenbasis(buri)
+            rec["eigenbasis"] = "loaded"
+        else:
+            basis = _distributed_eigenbasis(stats, rank, world, device, rec)
+            rec["eigenbasis"] = "computed"
+            if rank == 0:
+                save_eigenbasis(buri, basis, stats.count)
+            dist.barrier()
+        rec["eigen_s"] = time.perf_counter() - t0
+
+    if job.pass2:
+        dev_basis = Eigenbasis(layers={k: b.to(device=device) for k, b in basis.layers.items()}, clamped=dict(basis.clamped))
+        _run_pass(2, job, model, infos, excluded, dev_basis, rank, world, device, rec)
+        t0 = time.perf_counter()
+        efb, efb_count, skip2 = _read_pass2(job, list(stats.layers))
+        rec["read_pass2_s"] = time.perf_counter() - t0
+        rec["skipped_pass2"] = skip2
+        stats = stats.with_efb(efb, efb_count)
+
+    if rank == 0:
+        t0 = time.perf_counter()
+        stats.save(_reduced_uri(job.output_uri))
+        rec["write_reduced_s"] = time.perf_counter() - t0
+        rec["total_s"] = time.perf_counter() - t_all
+        storage.write_json_atomic(storage.join(job.output_uri, "stats", "worker_report.json"), rec, job.endpoint_url)
+    dist.barrier()
+
+
+# =========================================================================== driver side
+def _lossless_data_config():
+    """A ``ray.train.DataConfig`` whose split delivers every row exactly once.
+
+    Ray Train's default ``streaming_split(..., equal=True)`` may drop rows to make the
+    shards equal; sums must see every image, so this uses ``equal=False``.
+    """
+    import ray.train
+
+    class LosslessSplit(ray.train.DataConfig):
+        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+            output = [{} for _ in range(world_size)]
+            for name, ds in datasets.items():
+                if ds.name is None:
+                    ds.set_name(name)
+                ds = ds.copy(ds)
+                ds.context.execution_options = self._resolve_execution_options(name)
+                hints = worker_node_ids if self._enable_shard_locality else None
+                for i, split in enumerate(ds.streaming_split(world_size, equal=False, locality_hints=hints)):
+                    output[i][name] = split
+            return output
+
+    return LosslessSplit()
+
+
+def _model_ref(model_spec) -> _ModelRef:
+    if isinstance(model_spec, str):
+        return _ModelRef(model_spec, None, None)
+    try:
+        return _ModelRef(str(model_spec.name), model_spec.weights, model_spec.num_classes)
+    except AttributeError:
+        raise ValueError("model_spec must be a model name or have .name, .weights, .num_classes") from None
+
+
+def _partition_id(p, i: int) -> int:
+    for attr in ("index", "id", "pid"):
+        v = getattr(p, attr, None)
+        if isinstance(v, int):
+            return v
+    return i
+
+
+def _partition_rows(p) -> int | None:
+    import ray.data
+
+    if isinstance(p, ray.data.Dataset):
+        return None
+    for attr in ("num_rows", "size"):
+        v = getattr(p, attr, None)
+        if isinstance(v, int):
+            return v
+    files = getattr(p, "files", None)
+    if files is not None:
+        return len(files)
+    try:
+        return len(p)
+    except TypeError:
+        return None
+
+
+def _partition_dataset(p, data_config, endpoint_url):
+    import ray.data
+
+    if isinstance(p, ray.data.Dataset):
+        return p
+    from .data import build_dataset
+
+    return build_dataset(p, data_config)
+
+
+@contextlib.contextmanager
+def _endpoint_env(endpoint_url: str | None):
+    """Temporarily export ``AWS_ENDPOINT_URL_S3`` so that :mod:`laplace_core.io` (plain
+    fsspec URLs, no endpoint argument) reaches the same S3-compatible store."""
+    if not endpoint_url:
+        yield
+        return
+    old = os.environ.get("AWS_ENDPOINT_URL_S3")
+    os.environ["AWS_ENDPOINT_URL_S3"] = endpoint_url
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+        else:
+            os.environ["AWS_ENDPOINT_URL_S3"] = old
+
+
+def run_curvature(
+    model_spec,
+    partitions: Sequence[Any],
+    cfg: CurvatureConfig,
+    output_uri: str,
+    *,
+    data_config=None,
+    endpoint_url: str | None = None,
+    run_name: str | None = None,
+) -> CurvatureResult:
+    """Run the distributed curvature pass and build the posteriors; see the module docstring.
+
+    ``model_spec``: a model name or anything with ``.name``, ``.weights``,
+    ``.num_classes`` (e.g. :class:`pipelines.config.ModelSpec`); loaded in every
+    worker with :func:`pipelines.models.load_model`. ``partitions``: fixed, ordered
+    data partitions (``pipelines.data`` partitions, turned into Ray Datasets with
+    ``build_dataset(partition, data_config)``, or ready ``ray.data.Dataset`` objects
+    with columns ``image`` (float32 3xHxW), ``label``, optional ``valid``/``path``).
+    Partition ids are the partitions' ``index`` or their list position. Ray must be
+    initialised (or this calls ``ray.init()``).
+    """
+    import ray
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    if not isinstance(cfg, CurvatureConfig):
+        raise ValueError(f"cfg must be a CurvatureConfig, got {type(cfg).__name__}")
+    if not partitions:
+        raise ValueError("run_curvature needs at least one data partition")
+    if not ray.is_initialized():
+        ray.init()
+    endpoint_url = storage.resolve_endpoint(endpoint_url) if storage.is_remote(output_uri) else endpoint_url
+    model = _model_ref(model_spec)
+    ids = [_partition_id(p, i) for i, p in enumerate(partitions)]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"partition ids must be unique, got {ids}")
+    by_id = dict(zip(ids, partitions))
+    rows = {pid: _partition_rows(p) for pid, p in by_id.items()}
+    efb_ids = efb_partition_ids(ids, rows, cfg.efb_fraction, cfg.efb_max_examples) if cfg.needs_efb else ()
+    use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
+    run_id = run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+
+    done1 = finished_partitions(output_uri, 1, ids, endpoint_url)
+    done2 = finished_partitions(output_uri, 2, efb_ids, endpoint_url)
+    datasets = {}
+    for pid in ids:
+        if pid not in done1:
+            datasets[f"p1_{pid}"] = _partition_dataset(by_id[pid], data_config, endpoint_url)
+    for pid in efb_ids:
+        if pid not in done2:
+            datasets[f"p2_{pid}"] = _partition_dataset(by_id[pid], data_config, endpoint_url)
+
+    job = _Job(model=model, cfg=cfg, output_uri=output_uri, endpoint_url=endpoint_url, pass1=tuple(ids),
+               pass2=tuple(efb_ids), rows=rows, run_id=run_id, use_gpu=bool(use_gpu))
+    resources = {"CPU": cfg.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = cfg.gpus_per_worker
+    if storage.is_remote(output_uri):
+        storage_path = os.path.join(tempfile.gettempdir(), "infoform_ray_train")
+    else:
+        storage_path = os.path.abspath(storage.join(output_uri, "_ray_train"))
+    trainer = TorchTrainer(
+        _train_loop,
+        train_loop_config={"job": job},
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=bool(use_gpu),
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(name=f"curvature-{run_id}", storage_path=storage_path,
+                                       failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
+        datasets=datasets,
+        dataset_config=_lossless_data_config(),
+    )
+    t0 = time.perf_counter()
+    trainer.fit()
+    fit_s = time.perf_counter() - t0
+
+    with _endpoint_env(endpoint_url if storage.is_remote(output_uri) else None):
+        stats = CurvatureStatistics.load(_reduced_uri(output_uri))
+        basis = load_eigenbasis(_basis_uri(output_uri)) if cfg.needs_basis else None
+        report = storage.read_json(storage.join(output_uri, "stats", "worker_report.json"), endpoint_url)
+        t0 = time.perf_counter()
+        posteriors = build_and_save(stats, basis, cfg.methods, cfg.rank, output_uri,
+                                    n_data=cfg.n_data, prior_precision=cfg.prior_precision) if cfg.methods else {}
+        post_s = time.perf_counter() - t0
+
+    computed = {"pass1": tuple(p for p in ids if p not in done1), "pass2": tuple(p for p in efb_ids if p not in done2)}
+    reused = {"pass1": tuple(done1), "pass2": tuple(done2)}
+    passes = {k: v for k, v in report.items() if k.startswith("pass")}
+    ar_s = float(sum(v.get("allreduce_s", 0.0) for v in passes.values()))
+    ar_b = int(sum(v.get("allreduce_bytes", 0) for v in passes.values()))
+    timings = {"fit_s": fit_s, "posterior_s": post_s, "worker": report}
+    skipped = {"pass1": report.get("skipped_pass1", {}), "pass2": report.get("skipped_pass2", {})}
+    summary = {
+        "run_id": run_id,
+        "model": dataclasses.asdict(model),
+        "config": _cfg_json(cfg),
+        "num_workers": cfg.num_workers,
+        "use_gpu": bool(use_gpu),
+        "partitions": list(ids),
+        "efb_partitions": list(efb_ids),
+        "computed_partitions": {k: list(v) for k, v in computed.items()},
+        "reused_partitions": {k: list(v) for k, v in reused.items()},
+        "count": stats.count,
+        "efb_count": stats.efb_count,
+        "excluded": stats.excluded,
+        "clamped_eigenvalues": basis.total_clamped() if basis is not None else 0,
+        "allreduce_s": ar_s,
+        "allreduce_bytes": ar_b,
+        "timings": timings,
+        "skipped": skipped,
+        "posteriors": posteriors,
+    }
+    storage.write_json_atomic(storage.join(output_uri, "stats", "curvature.json"), summary, endpoint_url)
+    return CurvatureResult(
+        output_uri=output_uri, stats=stats, basis=basis, posteriors=posteriors, timings=timings,
+        allreduce_seconds=ar_s, allreduce_bytes=ar_b, skipped=skipped, computed_partitions=computed,
+        reused_partitions=reused, efb_partitions=tuple(efb_ids), num_workers=cfg.num_workers,
+        use_gpu=bool(use_gpu), run_id=run_id,
+    )
+
+
+def _cfg_json(cfg: CurvatureConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["methods"] = list(cfg.methods)
+    return json.loads(json.dumps(d, default=str))

@@ -1,0 +1,256 @@
+"""Model loading for the pipelines: torchvision classifiers plus the project's demo net.
+
+``load_model(name, weights, num_classes)`` returns an ``nn.Module`` in ``eval()``
+mode (DESIGN §1: curvature is fitted with running BN statistics, no dropout).
+
+Names come from an explicit registry: every torchvision *classification* model
+(``torchvision.models.list_models(module=torchvision.models)``) and the extra
+entries of :data:`EXTRA_MODELS` (``"demo_cnn"`` -> ``pipelines.demo_data.small_cnn``,
+imported lazily). An unknown name raises a one-line ``ValueError`` listing the
+ResNet/DenseNet names (and pointing at the full list).
+
+``weights`` is one of
+
+* ``None`` — random initialisation (tests, shape-only tools);
+* a torchvision weights enum name such as ``"ResNet50_Weights.IMAGENET1K_V2"`` —
+  resolved with ``torchvision.models.get_weight`` (downloads in real use);
+* a local path or URI (``s3://bucket/key``; ``endpoint_url`` or
+  ``AWS_ENDPOINT_URL_S3`` for S3-compatible stores, see :mod:`pipelines.storage`)
+  of a state dict: ``.safetensors`` is read with
+  ``safetensors.torch.load``; anything else with
+  ``torch.load(..., weights_only=True, map_location="cpu")`` (never unpickles
+  arbitrary objects). Checkpoints wrapped as ``{"state_dict": ...}`` /
+  ``{"model": ...}`` and DDP ``module.`` prefixes are unwrapped.
+
+Missing / unexpected keys and shape mismatches raise a one-line ``ValueError``
+naming the first offending key (and both shapes).
+"""
+from __future__ import annotations
+
+import io
+import re
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+__all__ = [
+    "EXTRA_MODELS",
+    "tiny_cnn",
+    "model_names",
+    "resolve_weights_enum",
+    "read_state_dict",
+    "check_state_dict",
+    "load_model",
+]
+
+
+def _demo_cnn(num_classes: int | None) -> nn.Module:
+    from pipelines import demo_data  # lazy: written by another module, pulls in data deps
+
+    if num_classes is None:
+        return demo_data.small_cnn()
+    return demo_data.small_cnn(num_classes=num_classes)
+
+
+def tiny_cnn(num_classes: int | None = None) -> nn.Module:
+    """A few-hundred-weight conv net for pipeline tests and benchmarks (any image size >= 4).
+
+    conv(3->4, 3x3) - BN - ReLU - conv(4->6, 3x3, stride 2) - ReLU - avgpool(2x2) - Linear(24 -> C).
+    The BatchNorm is a point estimate (listed in ``excluded``); the convs and the
+    Linear carry curvature.
+    """
+    c = 3 if num_classes is None else int(num_classes)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 6, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(24, c),
+    )
+
+
+# name -> builder(num_classes or None). torchvision names are resolved separately.
+EXTRA_MODELS: dict[str, Callable[[int | None], nn.Module]] = {
+    "demo_cnn": _demo_cnn,
+    "tiny_cnn": tiny_cnn,
+}
+
+_ENUM_RE = re.compile(r"^[A-Za-z0-9_]+_Weights\.[A-Za-z0-9_]+$")
+
+
+def _torchvision_names() -> list[str]:
+    import torchvision.models as tvm
+
+    return list(tvm.list_models(module=tvm))
+
+
+def model_names() -> list[str]:
+    """Every valid ``name``: torchvision classification models plus :data:`EXTRA_MODELS`."""
+    return sorted(set(_torchvision_names()) | set(EXTRA_MODELS))
+
+
+def _unknown_model(name: str) -> ValueError:
+    common = [n for n in _torchvision_names() if n.startswith(("resnet", "densenet", "wide_resnet", "resnext"))]
+    return ValueError(
+        f"unknown model {name!r}; valid ResNet/DenseNet names: {', '.join(sorted(common))}; "
+        f"also {', '.join(sorted(EXTRA_MODELS))} and every torchvision classification model "
+        f"(pipelines.models.model_names())"
+    )
+
+
+def resolve_weights_enum(name: str):
+    """``"ResNet50_Weights.IMAGENET1K_V2"`` -> the torchvision ``WeightsEnum`` member.
+
+    Does not download anything. Raises ``ValueError`` for an unknown enum name.
+    """
+    import torchvision.models as tvm
+
+    try:
+        return tvm.get_weight(name)
+    except (ValueError, KeyError, AttributeError) as e:
+        raise ValueError(f"unknown torchvision weights {name!r} ({e})") from None
+
+
+def _is_enum_name(weights: str) -> bool:
+    return bool(_ENUM_RE.match(weights)) and "/" not in weights
+
+
+def _read_bytes(uri: str, endpoint_url: str | None) -> bytes:
+    from . import storage
+
+    try:
+        return storage.read_bytes(uri, endpoint_url)
+    except FileNotFoundError:
+        raise ValueError(f"weights file not found: {uri}") from None
+
+
+def _unwrap(obj) -> dict[str, torch.Tensor]:
+    if isinstance(obj, Mapping):
+        for key in ("state_dict", "model", "model_state_dict"):
+            inner = obj.get(key)
+            if isinstance(inner, Mapping) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
+                obj = inner
+                break
+    if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError("weights file does not hold a state dict (a mapping of parameter names to tensors)")
+    sd = dict(obj)
+    if sd and all(k.startswith("module.") for k in sd):
+        sd = {k[len("module."):]: v for k, v in sd.items()}
+    return sd
+
+
+def read_state_dict(uri: str, *, endpoint_url: str | None = None) -> dict[str, torch.Tensor]:
+    """Read a state dict from a local path or fsspec URI (``.safetensors`` or a torch file).
+
+    torch files are read with ``weights_only=True`` (no arbitrary unpickling).
+    """
+    data = _read_bytes(uri, endpoint_url)
+    if uri.endswith(".safetensors"):
+        from safetensors.torch import load as st_load
+
+        try:
+            return _unwrap(st_load(data))
+        except Exception as e:  # safetensors raises its own error type
+            if isinstance(e, ValueError) and "state dict" in str(e):
+                raise
+            raise ValueError(f"cannot read safetensors weights {uri}: {e}") from None
+    try:
+        obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except Exception as e:
+        raise ValueError(f"cannot read weights {uri} with torch.load(weights_only=True): {str(e).splitlines()[0]}") from None
+    return _unwrap(obj)
+
+
+def check_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
+    """Raise a one-line ``ValueError`` unless ``sd`` matches ``model.state_dict()`` exactly
+    (same keys, same shapes). Reports the first offending key in model order."""
+    own = model.state_dict()
+    for k, v in own.items():
+        if k not in sd:
+            raise ValueError(f"weights are missing key {k!r} (expected shape {tuple(v.shape)})")
+        if tuple(sd[k].shape) != tuple(v.shape):
+            raise ValueError(
+                f"shape mismatch for {k!r}: weights have {tuple(sd[k].shape)}, model expects {tuple(v.shape)}"
+            )
+    for k in sd:
+        if k not in own:
+            raise ValueError(f"weights have unexpected key {k!r} (shape {tuple(sd[k].shape)})")
+
+
+def _last_linear(model: nn.Module) -> str | None:
+    last = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            last = name
+    return last
+
+
+def _infer_num_classes(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> int | None:
+    """Output size of the model's last Linear layer as stored in ``sd`` (or None)."""
+    last = _last_linear(model)
+    w = None if last is None else sd.get(f"{last}.weight")
+    return None if w is None else int(w.shape[0])
+
+
+def _check_enum_fits(name: str, enum, weights: str) -> None:
+    import torchvision.models as tvm
+
+    if name in EXTRA_MODELS:
+        raise ValueError(f"model {name!r} has no torchvision weights; pass a state-dict file")
+    expected = tvm.get_model_weights(name)
+    if not isinstance(enum, expected):
+        raise ValueError(f"weights {weights!r} do not belong to model {name!r} (expected {expected.__name__}.*)")
+
+
+def _build(name: str, num_classes: int | None, weights_enum=None) -> nn.Module:
+    if name in EXTRA_MODELS:
+        if weights_enum is not None:
+            raise ValueError(f"model {name!r} has no torchvision weights; pass a state-dict file")
+        return EXTRA_MODELS[name](num_classes)
+    import torchvision.models as tvm
+
+    if name not in _torchvision_names():
+        raise _unknown_model(name)
+    kwargs = {}
+    if num_classes is not None:
+        kwargs["num_classes"] = int(num_classes)
+    return tvm.get_model(name, weights=weights_enum, **kwargs)
+
+
+def load_model(
+    name: str,
+    weights: str | None = None,
+    num_classes: int | None = None,
+    *,
+    endpoint_url: str | None = None,
+) -> nn.Module:
+    """Build model ``name``, load ``weights`` and return it in ``eval()`` mode on CPU.
+
+    ``num_classes=None`` means the architecture's default, or, with a state-dict
+    file, the output size of the file's last Linear layer.
+    """
+    if name not in EXTRA_MODELS and name not in _torchvision_names():
+        raise _unknown_model(name)
+    if weights is None:
+        model = _build(name, num_classes)
+    elif _is_enum_name(weights):
+        enum = resolve_weights_enum(weights)
+        _check_enum_fits(name, enum, weights)
+        n_cat = len(enum.meta.get("categories") or [])
+        if num_classes is not None and n_cat and int(num_classes) != n_cat:
+            raise ValueError(f"{weights} has {n_cat} classes, num_classes={num_classes} was requested")
+        model = _build(name, None, enum)
+    else:
+        sd = read_state_dict(weights, endpoint_url=endpoint_url)
+        model = _build(name, num_classes)
+        if num_classes is None:
+            inferred = _infer_num_classes(model, sd)
+            if inferred is not None and inferred != model.get_submodule(_last_linear(model)).out_features:
+                model = _build(name, inferred)
+        check_state_dict(model, sd)
+        model.load_state_dict(sd, strict=True)
+    return model.eval()

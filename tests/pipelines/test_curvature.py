@@ -1,0 +1,255 @@
+"""pipelines.curvature on a real local Ray: 2 Train workers over 4 partitions.
+
+Four ``TorchTrainer.fit`` calls in all (each costs ~11-16 s of Ray Train overhead here):
+
+* ``local_run`` (module scope): images with bad files in them, float64, empirical
+  Fisher, every method. Checked against one process running
+  ``collect_statistics`` / ``collect_efb`` over the valid images (A, G, diag, efb at
+  1e-10 of each tensor's scale), the skip counts, and posteriors built from the
+  single-process sums (dense precision of every layer).
+* S3: images read from and artifacts written to moto's server, with a worker killed
+  mid-partition of the EFB pass (``FailureConfig(max_failures=1)`` restarts the
+  group, which resumes from the stored partitions and eigenbasis): same statistics
+  as one process.
+* resume: a job killed in partition 2 with ``max_failures=0`` (fit raises), then
+  re-run: only partitions 2 and 3 are computed (0 and 1 untouched on storage), same
+  statistics as one process.
+
+``fisher="empirical"``: with ``fisher="mc"`` the sampled labels depend on which
+worker sees which image, so only the distribution (not the bits) would agree.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import imagegen
+from laplace_core.collect import collect_efb, collect_statistics
+from laplace_core.io import load_posterior
+from laplace_core.posterior import build_posterior
+from pipelines.config import ModelSpec
+from pipelines.curvature import (
+    CurvatureConfig,
+    _buckets,
+    efb_partition_ids,
+    finished_partitions,
+    load_eigenbasis,
+    partition_uri,
+    run_curvature,
+)
+from pipelines.data import DataConfig, iter_local_batches, partition, scan
+from pipelines.models import load_model, tiny_cnn
+
+METHODS = ("diag", "kfac", "kfac_exact", "efb", "inf")
+NUM_PARTS = 4
+TOL = 1e-10  # of each tensor's max magnitude (float64 sums of ~24 examples)
+
+
+def _cfg(**kw) -> CurvatureConfig:
+    base = dict(num_workers=2, cpus_per_worker=0.5, use_gpu=False, fisher="empirical", model_dtype="float64",
+                batch_size=3, methods=METHODS, rank=6, efb_fraction=0.5, max_failures=0, torch_threads=1,
+                log_every_s=2.0)
+    base.update(kw)
+    return CurvatureConfig(**base)
+
+
+def _data_cfg(root: str, endpoint=None) -> DataConfig:
+    # explicit class list: S3 has no empty "folders", so the empty class would vanish there
+    return DataConfig(root=root, split="train", image_size=12, resize_size=12, decode_batch_size=2,
+                      decode_num_cpus=0.25, endpoint_url=endpoint, classes=imagegen.ALL_CLASSES)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> bool:
+    scale = max(float(b.abs().max()), 1e-300)
+    return float((a - b).abs().max()) <= tol * scale
+
+
+def _assert_stats_equal(got, ref, what: str, efb: bool = True):
+    assert got.count == ref.count, what
+    assert list(got.layers) == list(ref.layers), what
+    for k in ref.layers:
+        for f in ("A", "G", "diag"):
+            assert _close(getattr(got.layers[k], f), getattr(ref.layers[k], f)), f"{what}: {k}.{f}"
+    if efb:
+        assert got.has_efb and ref.has_efb, what
+        assert got.efb_count == ref.efb_count, what
+        for k in ref.layers:
+            assert _close(got.layers[k].efb, ref.layers[k].efb), f"{what}: {k}.efb"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Image tree (with bad files), partitions, model weights and the single-process reference."""
+    tmp = tmp_path_factory.mktemp("curv")
+    tree = imagegen.make_imagenet_tree(tmp / "images", per_class=5, bad=True, size=(16, 14))
+    dcfg = _data_cfg(str(tmp / "images"))
+    parts = partition(scan(dcfg), num_partitions=NUM_PARTS)
+    weights = tmp / "tiny.pt"
+    torch.save(tiny_cnn(num_classes=len(tree.classes)).state_dict(), weights)
+    spec = ModelSpec(name="tiny_cnn", weights=str(weights), num_classes=len(tree.classes))
+    model = load_model(spec.name, spec.weights, spec.num_classes).to(torch.float64)
+
+    def valid_batches(ps):
+        for p in ps:
+            for b in iter_local_batches(p, dcfg, batch_size=4):
+                v = torch.from_numpy(b["valid"])
+                if v.any():
+                    yield torch.from_numpy(b["image"])[v].to(torch.float64), torch.from_numpy(b["label"])[v]
+
+    ref = collect_statistics(model, valid_batches(parts), fisher="empirical")
+    return dict(tmp=tmp, tree=tree, dcfg=dcfg, parts=parts, spec=spec, model=model, ref=ref,
+                valid_batches=valid_batches)
+
+
+@pytest.fixture(scope="module")
+def local_run(setup, ray_session):
+    out = str(setup["tmp"] / "out_local")
+    res = run_curvature(setup["spec"], setup["parts"], _cfg(), out, data_config=setup["dcfg"])
+    return res, out
+
+
+def _reference_with_efb(setup, basis):
+    """Single-process EFB sums over the EFB partitions, in the run's basis."""
+    parts = setup["parts"]
+    efb_ids = efb_partition_ids([p.id for p in parts], {}, 0.5)
+    efb, n = collect_efb(setup["model"], setup["valid_batches"]([parts[i] for i in efb_ids]), basis,
+                         fisher="empirical")
+    return setup["ref"].with_efb(efb, n), efb_ids
+
+
+# ---------------------------------------------------------------------------- local run
+def test_two_workers_equal_single_process(setup, local_run):
+    res, out = local_run
+    ref, efb_ids = _reference_with_efb(setup, res.basis)
+    assert res.efb_partitions == tuple(efb_ids) == (0, 2)
+    assert res.computed_partitions == {"pass1": (0, 1, 2, 3), "pass2": (0, 2)}
+    _assert_stats_equal(res.stats, ref, "2 workers vs 1 process")
+    # the eigenbasis the workers computed (spread over ranks) diagonalises the reference factors
+    for k, ls in ref.layers.items():
+        b = res.basis[k]
+        assert _close(b.U_A @ torch.diag(b.S_A) @ b.U_A.T, ls.A / ref.count, 1e-9), k
+        assert _close(b.U_G @ torch.diag(b.S_G) @ b.U_G.T, ls.G / ref.count, 1e-9), k
+    assert _close(load_eigenbasis(os.path.join(out, "stats", "eigenbasis"))[k].U_A, res.basis[k].U_A, 0.0)
+
+
+def test_skip_counts(setup, local_run):
+    res, _ = local_run
+    tree = setup["tree"]
+    n_files = len(tree.train_good) + len(tree.train_bad)
+    sk = res.skipped["pass1"]
+    assert sk["rows"] == n_files
+    assert sk["skipped"]["count"] == len(tree.train_invalid) == 4
+    assert sorted(e["path"] for e in sk["skipped"]["examples"]) == sorted(tree.train_invalid)
+    assert res.stats.count == n_files - 4 == setup["ref"].count
+
+
+def test_posteriors_equal_single_process(setup, local_run):
+    res, out = local_run
+    ref, _ = _reference_with_efb(setup, res.basis)
+    assert set(res.posteriors) == set(METHODS)
+    g = torch.Generator().manual_seed(0)
+    for method in METHODS:
+        saved = load_posterior(os.path.join(out, "posterior", method))
+        built = build_posterior(ref, method, rank=6 if method == "inf" else None, basis=res.basis)
+        assert saved.num_stored() == built.num_stored() == res.posteriors[method]["num_stored"]
+        for k in built.layers:
+            d_saved, d_built = saved.to_dense(k), built.to_dense(k)
+            assert _close(d_saved, d_built, 1e-8), f"{method}/{k}"
+        z = {k: torch.randn(lp.shape, generator=g, dtype=torch.float64) for k, lp in built.layers.items()}
+        sm, bm = saved.scale_matvec(z), built.scale_matvec(z)
+        for k in z:
+            assert _close(sm[k], bm[k], 1e-7), f"{method}/{k} scale_matvec"
+
+
+def test_summary_json(local_run):
+    import json
+
+    res, out = local_run
+    summary = json.loads(Path(out, "stats", "curvature.json").read_text())
+    assert summary["count"] == res.stats.count and summary["efb_partitions"] == [0, 2]
+    w = summary["timings"]["worker"]
+    assert w["pass1"]["allreduce_bytes"] > 0 and w["pass1"]["allreduce_calls"] == NUM_PARTS
+    assert w["pass2"]["allreduce_calls"] == 2 and res.allreduce_bytes > 0
+    assert summary["timings"]["fit_s"] > 0
+
+
+# ---------------------------------------------------------------------------- S3 + worker killed
+def test_s3_with_worker_killed_mid_pass(setup, ray_session, s3_bucket):
+    import s3fs
+
+    bucket, endpoint = s3_bucket
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
+    fs.put(str(setup["tmp"] / "images") + "/", bucket[len("s3://"):] + "/images/", recursive=True)
+    dcfg = _data_cfg(f"{bucket}/images", endpoint)
+    parts = partition(scan(dcfg), num_partitions=NUM_PARTS)
+    assert [(p.paths, p.labels) for p in parts] == [(p.paths, p.labels) for p in setup["parts"]]
+    marker = f"{bucket}/fault-marker.json"
+    # killed in the EFB pass: the restarted group skips every pass-1 partition and EFB
+    # partition 0, reloads the saved eigenbasis and recomputes EFB partition 2 only
+    cfg = _cfg(max_failures=1, fault_injection={"pass": 2, "partition": 2, "once_marker": marker})
+    res = run_curvature(setup["spec"], parts, cfg, f"{bucket}/out", data_config=dcfg, endpoint_url=endpoint)
+    assert fs.exists(marker[len("s3://"):]), "the fault was not injected"
+    worker = res.timings["worker"]  # rank 0 of the last (restarted) attempt
+    assert worker["eigenbasis"] == "loaded" and worker["pass1"]["computed"] == []
+    assert worker["pass2"]["computed"] == [2] and worker["pass2"]["reused"] == [0]
+    ref, _ = _reference_with_efb(setup, res.basis)
+    _assert_stats_equal(res.stats, ref, "S3 with a killed worker vs 1 process")
+    assert fs.exists(f"{bucket[5:]}/out/posterior/inf/manifest.json")
+    assert res.skipped["pass1"]["skipped"]["count"] == 4
+
+
+# ---------------------------------------------------------------------------- resume after a failed job
+def test_resume_computes_only_missing_partitions(setup, ray_session):
+    out = str(setup["tmp"] / "out_resume")
+    marker = str(setup["tmp"] / "resume-marker.json")
+    cfg = _cfg(max_failures=0, methods=("diag",), fault_injection={"pass": 1, "partition": 2, "once_marker": marker})
+    with pytest.raises(Exception):
+        run_curvature(setup["spec"], setup["parts"], cfg, out, data_config=setup["dcfg"])
+    assert os.path.exists(marker)
+    ids = [p.id for p in setup["parts"]]
+    assert finished_partitions(out, 1, ids) == [0, 1]
+    before = {pid: os.stat(os.path.join(partition_uri(out, 1, pid), "manifest.json")).st_mtime_ns for pid in (0, 1)}
+
+    # tiny all-reduce buckets (2 KiB): the statistics travel in many flat buffers
+    res = run_curvature(setup["spec"], setup["parts"], _cfg(methods=("diag",), bucket_mb=2 / 1024), out,
+                        data_config=setup["dcfg"])
+    assert res.computed_partitions["pass1"] == (2, 3) and res.reused_partitions["pass1"] == (0, 1)
+    after = {pid: os.stat(os.path.join(partition_uri(out, 1, pid), "manifest.json")).st_mtime_ns for pid in (0, 1)}
+    assert before == after
+    assert res.timings["worker"]["pass1"]["computed"] == [2, 3]
+    assert res.timings["worker"]["pass1"]["allreduce_calls"] > 2 * 2  # > 1 bucket per partition
+    _assert_stats_equal(res.stats, setup["ref"], "resumed vs 1 process", efb=False)  # A, G, diag (no EFB here)
+    assert not res.stats.has_efb and set(res.posteriors) == {"diag"}
+
+
+# ---------------------------------------------------------------------------- pure helpers (no Ray)
+def test_efb_partition_ids():
+    assert efb_partition_ids([0, 1, 2, 3], {}, 1.0) == (0, 1, 2, 3)
+    assert efb_partition_ids([0, 1, 2, 3], {}, 0.5) == (0, 2)
+    assert efb_partition_ids([0, 1, 2, 3, 4], {}, 0.2) == (0,)
+    rows = {0: 10, 1: 10, 2: 10, 3: 10}
+    assert efb_partition_ids([0, 1, 2, 3], rows, 1.0, max_examples=15) == (0, 2)
+    with pytest.raises(ValueError, match="known sizes"):
+        efb_partition_ids([0, 1], {0: None, 1: 3}, 1.0, max_examples=2)
+
+
+def test_buckets():
+    ts = [torch.zeros(n, dtype=torch.float64) for n in (10, 300, 5, 5, 1000, 1)]  # 8 bytes each
+    groups = _buckets(ts, 800)
+    assert groups == [[0], [1], [2, 3], [4], [5]]
+    assert sum(groups, []) == list(range(len(ts)))
+    assert _buckets(ts, 10**9) == [list(range(len(ts)))]
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="unknown fisher"):
+        CurvatureConfig(fisher="exact")
+    with pytest.raises(ValueError, match="unknown posterior method"):
+        CurvatureConfig(methods=("diag", "laplace"))
+    with pytest.raises(ValueError, match="efb_fraction"):
+        CurvatureConfig(efb_fraction=0.0)
+    with pytest.raises(ValueError, match="unknown fault_injection keys"):
+        CurvatureConfig(fault_injection={"partition": 1, "once_marker": "x", "when": 3})
