@@ -1,0 +1,31 @@
+# Two commands for a fresh machine: `make demo` and `make test`.
+# Both create .venv/ (Python 3.11) when missing and install the project with one pip command;
+# the install is skipped while .venv/.installed-stamp is newer than pyproject.toml.
+
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+# Ray on one machine: bind to 127.0.0.1 and no token auth (../shared/ENVIRONMENT.md).
+export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
+export RAY_AUTH_MODE := disabled
+
+.PHONY: demo test install clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -e '.[dev]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) jobs/core_demo.py
+
+# pytest exits 5 when it collects no tests; make then fails, as it should.
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,102 @@
+"""The ``infoform`` CLI (``python -m pipelines``): ``sizes`` offline, without weights or data."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipelines.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, timeout=300):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONWARNINGS"] = "ignore"
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def param_counts(model):
+    """Independent count straight from the parameters of Linear / ungrouped Conv2d modules."""
+    diag = kfac = 0
+    for mod in model.modules():
+        if type(mod) in (nn.Linear, nn.Conv2d) and getattr(mod, "groups", 1) == 1:
+            params = list(mod.parameters(recurse=False))
+            m = mod.weight.shape[0]
+            n = sum(p.numel() for p in params) // m
+            diag += sum(p.numel() for p in params)
+            kfac += m * m + n * n
+    return diag, kfac
+
+
+def test_sizes_json_resnet18_offline():
+    torchvision = pytest.importorskip("torchvision")
+    res = run_cli("sizes", "--model", "resnet18", "--rank", "100", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    model = torchvision.models.resnet18(weights=None)
+    diag, kfac = param_counts(model)
+    meth = out["methods"]
+    assert meth["diag"]["numbers"] == diag == 11_679_912  # Lee et al. 2020, Table 3
+    assert meth["kfac"]["numbers"] == kfac
+    assert meth["efb"]["numbers"] == meth["kfac_exact"]["numbers"] == kfac + diag
+    assert round(meth["diag"]["mb"], 1) == 44.6
+    assert meth["diag"]["mb"] == pytest.approx(diag * 4 / 2**20, rel=1e-12)
+    # INF needs statistics: only a labelled lower bound
+    assert meth["inf"]["numbers"] is None
+    assert diag < meth["inf"]["lower_bound"] <= 12_317_373
+    assert out["num_layers"] == 21 and len(out["excluded"]) == 20  # 20 BatchNorms stay point estimates
+
+
+def test_unknown_model_is_one_line_exit_2():
+    res = run_cli("sizes", "--model", "resnet1800")
+    assert res.returncode == 2
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, res.stderr
+    assert "unknown model 'resnet1800'" in lines[0] and "resnet18" in lines[0]
+    assert res.stdout == ""
+
+
+def test_sizes_table_in_process(capsys):
+    assert main(["sizes", "--model", "resnet18", "--rank", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "11,679,912" in out and "44.6" in out and "lower bound" in out
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main(["sizes"]) == 2
+    assert main(["sizes", "--model", "resnet18", "--stats", "/nonexistent"]) == 2  # --stats needs --rank
+    assert main(["sizes", "--model", "resnet18", "--rank", "3", "--stats", "/nonexistent/stats"]) == 2
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert "--rank" in err and "cannot load statistics" in err
+    with pytest.raises(SystemExit) as e:
+        main(["sizes", "--model", "resnet18", "--rank", "0"])
+    assert e.value.code == 2
+
+
+def test_sizes_with_statistics_file(tmp_path, capsys):
+    """--stats gives the exact INF count, equal to the posterior's own num_stored()."""
+    lc = pytest.importorskip("laplace_core")
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 5))
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(2)]
+    stats = lc.collect_statistics(model, batches, generator=torch.Generator().manual_seed(1))
+    stats = lc.collect_statistics(model, batches, generator=torch.Generator().manual_seed(1), basis=lc.eigenbasis(stats))
+    uri = str(tmp_path / "stats")
+    stats.save(uri)
+    assert main(["sizes", "--stats", uri, "--rank", "6", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    post = lc.build_posterior(stats, "inf", rank=6)
+    assert out["methods"]["inf"]["numbers"] == post.num_stored()
+    for meth in ("diag", "kfac", "kfac_exact", "efb"):
+        assert out["methods"][meth]["numbers"] == lc.build_posterior(stats, meth).num_stored(), meth
