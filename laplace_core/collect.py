@@ -41,6 +41,7 @@ from torch import nn
 
 from .eigenbasis import Eigenbasis, LayerBasis
 from .hooks import capture, layer_inputs, layer_output_grads, num_positions
+from .keyed_rng import KeyedSampler, keyed_categorical, keyed_normal
 from .layers import find_layers
 from .statistics import CurvatureStatistics, LayerInfo, LayerStatistics
 
@@ -87,6 +88,10 @@ class _Classification:
         probs = torch.softmax(out, dim=1)
         return torch.multinomial(probs, S, replacement=True, generator=generator).T.contiguous()  # (S, B)
 
+    def sample_keyed(self, out: torch.Tensor, S: int, seed: int, keys: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(out.to(torch.float64), dim=1)
+        return torch.stack([keyed_categorical(probs, seed, keys, s) for s in range(S)]).to(out.device)
+
     def log_lik(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logp = torch.log_softmax(out, dim=1)
         return logp.gather(1, targets.T).sum()
@@ -121,6 +126,10 @@ class _Regression:
     def sample(self, out: torch.Tensor, S: int, generator: torch.Generator | None) -> torch.Tensor:
         eps = torch.randn((S,) + tuple(out.shape), generator=generator, dtype=out.dtype, device=out.device)
         return out.unsqueeze(0) + eps
+
+    def sample_keyed(self, out: torch.Tensor, S: int, seed: int, keys: torch.Tensor) -> torch.Tensor:
+        eps = torch.stack([keyed_normal(tuple(out.shape[1:]), seed, keys, s) for s in range(S)])
+        return out.unsqueeze(0) + eps.to(device=out.device, dtype=out.dtype)
 
     def log_lik(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return -0.5 * (targets - out.unsqueeze(0)).square().sum()
@@ -355,19 +364,21 @@ class _Layer:
 
 
 # =========================================================================== batches
-def _split(batch, i: int) -> tuple[torch.Tensor, object]:
+def _split(batch, i: int) -> tuple[torch.Tensor, object, object]:
+    """``(x, y, keys)``; ``keys`` (per-example integer ids for keyed MC sampling) come from
+    a dict batch's ``"key"`` entry or the third element of an ``(x, y, keys)`` tuple."""
     if isinstance(batch, Mapping):
         x = batch["image"] if "image" in batch else batch.get("x")
         y = batch["label"] if "label" in batch else batch.get("y")
         if x is None:
             raise ValueError(f"batch {i}: dict batches need an 'image' (or 'x') entry, got keys {sorted(batch)}")
-        return x, y
+        return x, y, batch.get("key")
     if isinstance(batch, (tuple, list)):
-        if len(batch) != 2:
-            raise ValueError(f"batch {i}: expected an (x, y) pair, got a sequence of length {len(batch)}")
-        return batch[0], batch[1]
+        if len(batch) not in (2, 3):
+            raise ValueError(f"batch {i}: expected an (x, y) pair or (x, y, keys), got a sequence of length {len(batch)}")
+        return batch[0], batch[1], (batch[2] if len(batch) == 3 else None)
     if isinstance(batch, torch.Tensor):
-        return batch, None
+        return batch, None, None
     raise ValueError(f"batch {i}: expected (x, y), a dict with 'image'/'label', or a tensor; got {type(batch).__name__}")
 
 
@@ -465,7 +476,7 @@ def _run(
         with capture(model, modules) as cap, torch.enable_grad():
             for i, batch in enumerate(batches):
                 n_batches += 1
-                x, y = _split(batch, i)
+                x, y, keys = _split(batch, i)
                 if not isinstance(x, torch.Tensor):
                     x = torch.as_tensor(x)
                 if x.dim() == 0 or x.shape[0] == 0:
@@ -489,7 +500,17 @@ def _run(
                     if progress is not None:
                         progress(seen)
                     continue
-                targets = labels.unsqueeze(0) if fisher == "empirical" else lik.sample(od, S, generator)
+                if fisher == "empirical":
+                    targets = labels.unsqueeze(0)
+                elif isinstance(generator, KeyedSampler):
+                    if keys is None:
+                        raise ValueError(f"batch {i}: a KeyedSampler needs per-example keys (dict key 'key')")
+                    keys = torch.as_tensor(keys).reshape(-1)
+                    if keys.shape[0] != B:
+                        raise ValueError(f"batch {i}: {keys.shape[0]} keys for {B} examples")
+                    targets = lik.sample_keyed(od, S, generator.seed, keys)
+                else:
+                    targets = lik.sample(od, S, generator)
                 go = lik.output_grad(od, targets).to(out.dtype)
                 checks = [lik.log_lik(od, targets).reshape(1)]
                 grads: dict[str, list[torch.Tensor]] = {k: [] for k in modules}
@@ -537,7 +558,7 @@ def collect_statistics(
     *,
     fisher: str = "mc",
     mc_samples: int = 1,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | KeyedSampler | None = None,
     basis: Eigenbasis | Mapping[str, LayerBasis] | None = None,
     dtype: torch.dtype = torch.float64,
     likelihood: str = "classification",
@@ -553,7 +574,10 @@ def collect_statistics(
     (or ``"x"``/``"y"``); ``y`` may be ``None`` for ``fisher="mc"``. The model runs in
     ``eval()`` mode (each module's mode is restored afterwards); parameters keep
     ``requires_grad`` and ``.grad`` is never written. ``generator`` drives the label
-    sampling (see :func:`sample_targets`). A batch whose outputs, log-likelihood,
+    sampling (see :func:`sample_targets`); a :class:`~laplace_core.keyed_rng.KeyedSampler`
+    instead draws each label from ``(seed, example key, draw)`` so that the sums do not
+    depend on batching, sharding or restarts (batches then carry keys: ``"key"`` in dict
+    batches or ``(x, y, keys)``). A batch whose outputs, log-likelihood,
     captured inputs or gradients are not finite is skipped and counted in
     ``skipped_batches`` / ``skipped_examples``. ``progress(n)`` is called after each
     batch with the number of examples seen so far. Products run in the model's dtype

@@ -17,7 +17,21 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["keyed_uniform", "keyed_categorical", "keyed_normal"]
+__all__ = ["KeyedSampler", "keyed_uniform", "keyed_categorical", "keyed_normal"]
+
+
+class KeyedSampler:
+    """Pass as ``generator=`` to :func:`laplace_core.collect.collect_statistics` to draw
+    the MC-Fisher labels from ``(seed, example key, draw)`` instead of a stream; every
+    batch must then carry integer keys (dict batches: ``"key"``)."""
+
+    __slots__ = ("seed",)
+
+    def __init__(self, seed: int):
+        self.seed = int(seed)
+
+    def __repr__(self) -> str:
+        return f"KeyedSampler(seed={self.seed})"
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -7,8 +7,10 @@ pass, same scheme) -> reduced statistics -> posteriors.**
 Every worker runs the same :func:`laplace_core.collect.collect_statistics` that a
 unit test runs in one process; statistics are sums, so the all-reduced sums of
 ``W`` workers over a partition equal the single-process sums over the same
-images (exactly for ``fisher="empirical"``; with ``fisher="mc"`` the sampled
-labels depend on which worker draws them, so only the distribution agrees).
+images, up to round-off. For ``fisher="mc"`` each label is drawn from
+``(seed, key of the image path, draw)`` (:class:`laplace_core.keyed_rng.KeyedSampler`,
+:func:`path_keys`), so it does not matter which worker sees which image, nor whether
+a worker was restarted.
 
 Artifact layout under ``output_uri`` (local path or ``s3://bucket/prefix``); each
 ``<dir>/`` is a :mod:`laplace_core.io` artifact (``tensors.safetensors`` +
@@ -311,11 +313,6 @@ class _Job:
     use_gpu: bool
 
 
-def _seed(*parts: int) -> int:
-    h = hashlib.sha256(("/".join(str(int(p)) for p in parts)).encode()).digest()
-    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
-
-
 class _Counter:
     """Rows read, valid rows and the skip report (undecodable images) of one worker
     in one partition."""
@@ -329,9 +326,17 @@ class _Counter:
         self.skipped = SkipReport()
 
 
+def path_keys(paths: Sequence[str]) -> torch.Tensor:
+    """Stable int64 example keys (first 63 bits of SHA-1 of the relative path) for keyed
+    MC label sampling: the same image gets the same label draw on any worker, in any
+    partition layout and after any restart."""
+    return torch.tensor([int.from_bytes(hashlib.sha1(p.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+                         for p in paths], dtype=torch.int64)
+
+
 def _iter_valid_batches(shard, job: _Job, pass_no: int, pid: int, rank: int,
                         device, dtype, counter: _Counter, progress) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(x, y)`` batches of the shard's valid rows on ``device`` in the model dtype
+    """``(x, y, keys)`` batches of the shard's valid rows on ``device`` in the model dtype
     (:func:`pipelines.data.iter_valid_batches`); counts rows and skipped images.
 
     Also the test-only fault injection point.
@@ -349,7 +354,7 @@ def _iter_valid_batches(shard, job: _Job, pass_no: int, pid: int, rank: int,
             continue
         counter.valid += int(b.y.shape[0])
         counter.batches += 1
-        yield b.x.to(dtype=dtype), b.y
+        yield b.x.to(dtype=dtype), b.y, path_keys(b.paths).to(b.y.device)
         progress(n)
         if (fi is not None and fi.pass_no == pass_no and fi.partition == pid and fi.rank in (None, rank)
                 and counter.batches >= fi.after_batches):
@@ -458,6 +463,7 @@ def _run_pass(pass_no: int, job: _Job, model, infos, excluded, basis: Eigenbasis
     import torch.distributed as dist
 
     from laplace_core.collect import collect_efb, collect_statistics
+    from laplace_core.keyed_rng import KeyedSampler
 
     cfg = job.cfg
     ids = job.pass1 if pass_no == 1 else job.pass2
@@ -477,8 +483,9 @@ def _run_pass(pass_no: int, job: _Job, model, infos, excluded, basis: Eigenbasis
     for pid in todo:
         shard = ray.train.get_dataset_shard(f"p{pass_no}_{pid}")
         counter = _Counter()
-        gen = torch.Generator(device=device)
-        gen.manual_seed(_seed(cfg.seed, pass_no, pid, rank))
+        # MC labels drawn from (seed, image key, draw): independent of which worker sees
+        # which image, so 1 and N workers (and restarted ones) give the same sums.
+        gen = KeyedSampler(cfg.seed)
         batches = _iter_valid_batches(shard, job, pass_no, pid, rank, device, model_dtype, counter, prog)
         t0 = time.perf_counter()
         first = next(batches, None)

@@ -2,8 +2,8 @@
 
 Four ``TorchTrainer.fit`` calls in all (each costs ~11-16 s of Ray Train overhead here):
 
-* ``local_run`` (module scope): images with bad files in them, float64, empirical
-  Fisher, every method. Checked against one process running
+* ``local_run`` (module scope): images with bad files in them, float64, MC
+  Fisher (labels drawn from (seed, image key), so sharding does not matter), every method. Checked against one process running
   ``collect_statistics`` / ``collect_efb`` over the valid images (A, G, diag, efb at
   1e-10 of each tensor's scale), the skip counts, and posteriors built from the
   single-process sums (dense precision of every layer).
@@ -15,8 +15,9 @@ Four ``TorchTrainer.fit`` calls in all (each costs ~11-16 s of Ray Train overhea
   re-run: only partitions 2 and 3 are computed (0 and 1 untouched on storage), same
   statistics as one process.
 
-``fisher="empirical"``: with ``fisher="mc"`` the sampled labels depend on which
-worker sees which image, so only the distribution (not the bits) would agree.
+The MC Fisher draws each label from ``(seed, key of the image's path, draw)``
+(:class:`laplace_core.keyed_rng.KeyedSampler`), so 2 workers, a restarted worker and
+one process all draw the same labels and the sums agree to round-off.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import torch
 import imagegen
 from laplace_core.collect import collect_efb, collect_statistics
 from laplace_core.io import load_posterior
+from laplace_core.keyed_rng import KeyedSampler
 from laplace_core.posterior import build_posterior
 from pipelines.config import ModelSpec
 from pipelines.curvature import (
@@ -38,6 +40,7 @@ from pipelines.curvature import (
     finished_partitions,
     load_eigenbasis,
     partition_uri,
+    path_keys,
     run_curvature,
 )
 from pipelines.data import DataConfig, iter_local_batches, partition, scan
@@ -49,7 +52,7 @@ TOL = 1e-10  # of each tensor's max magnitude (float64 sums of ~24 examples)
 
 
 def _cfg(**kw) -> CurvatureConfig:
-    base = dict(num_workers=2, cpus_per_worker=0.5, use_gpu=False, fisher="empirical", model_dtype="float64",
+    base = dict(num_workers=2, cpus_per_worker=0.5, use_gpu=False, fisher="mc", model_dtype="float64",
                 batch_size=3, methods=METHODS, rank=6, efb_fraction=0.5, max_failures=0, torch_threads=1,
                 log_every_s=2.0)
     base.update(kw)
@@ -97,9 +100,10 @@ def setup(tmp_path_factory):
             for b in iter_local_batches(p, dcfg, batch_size=4):
                 v = torch.from_numpy(b["valid"])
                 if v.any():
-                    yield torch.from_numpy(b["image"])[v].to(torch.float64), torch.from_numpy(b["label"])[v]
+                    keys = path_keys([str(q) for q in b["path"][b["valid"]]])
+                    yield torch.from_numpy(b["image"])[v].to(torch.float64), torch.from_numpy(b["label"])[v], keys
 
-    ref = collect_statistics(model, valid_batches(parts), fisher="empirical")
+    ref = collect_statistics(model, valid_batches(parts), fisher="mc", generator=KeyedSampler(0))
     return dict(tmp=tmp, tree=tree, dcfg=dcfg, parts=parts, spec=spec, model=model, ref=ref,
                 valid_batches=valid_batches)
 
@@ -116,7 +120,7 @@ def _reference_with_efb(setup, basis):
     parts = setup["parts"]
     efb_ids = efb_partition_ids([p.id for p in parts], {}, 0.5)
     efb, n = collect_efb(setup["model"], setup["valid_batches"]([parts[i] for i in efb_ids]), basis,
-                         fisher="empirical")
+                         fisher="mc", generator=KeyedSampler(0))
     return setup["ref"].with_efb(efb, n), efb_ids
 
 
