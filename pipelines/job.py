@@ -1,4 +1,6 @@
-"""Laplace posteriors in the sparse information form for an ImageNet-scale classifier.
+"""The job's command line: ``jobs/imagenet_inf.py`` and ``infoform run`` (same parser).
+
+Laplace posteriors in the sparse information form for an ImageNet-scale classifier.
 
     ray job submit --working-dir . -- python jobs/imagenet_inf.py --preset imagenet-resnet50 \\
         --data s3://bucket/imagenet --weights s3://bucket/resnet50.pt --output s3://bucket/runs/r50
@@ -12,13 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):
-    # `python jobs/imagenet_inf.py` from a checkout / a Ray job's working dir
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from .config import ConfigError, RunConfig, list_presets, load_config
 
-from pipelines.config import ConfigError, RunConfig, list_presets, load_config  # noqa: E402
+__all__ = ["get_args_parser", "config_from_args", "main"]
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -96,21 +95,22 @@ def _init_ray(address: str | None) -> None:
         ray.init(include_dashboard=False)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "imagenet_inf.py") -> int:
     parser = get_args_parser(add_help=True)
+    parser.prog = prog
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args)
-        from pipelines.run import preflight
+        from .run import preflight
 
         preflight(cfg)  # paths, model names, weights: fail before any cluster work
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"imagenet_inf.py: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
         import yaml
 
-        from pipelines.config import to_dict
+        from .config import to_dict
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
@@ -118,12 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"infoform: running the embedded demo (preset {cfg.preset}): digits in-distribution, "
               "rendered letters out-of-distribution, a small CNN trained on the spot")
     _init_ray(args.address)
-    from pipelines.run import run
+    from .run import run
 
     result = run(cfg)
     print(f"infoform: report at {result.report_path}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

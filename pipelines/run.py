@@ -1,0 +1,539 @@
+"""The job: ``curvature -> posterior -> search -> evaluate -> report`` for one or several models.
+
+Each stage ends by writing ``<output>/stages/<stage>.json`` (atomically): its summary and
+a fingerprint of the settings it depends on. A stage whose marker exists with the same
+fingerprint is skipped (``force`` redoes it), so a re-submitted job resumes where the
+last one stopped; inside the curvature stage, finished data partitions are skipped as
+well (:mod:`pipelines.curvature`). A marker with a *different* fingerprint is an error:
+the output already holds a run with other settings (use a new ``--output`` or
+``--force STAGE``), never a silent mix. ``run.json`` is assembled from the markers, so a
+fully skipped re-run reproduces it.
+
+An audit (``models:`` with several entries) runs the same stages per model under
+``<output>/models/<name>/`` and writes one comparison report (``audit.html``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from . import storage
+from .config import STAGES, ModelSpec, RunConfig, to_dict
+
+__all__ = ["RunResult", "preflight", "run", "stage_marker_uri"]
+
+DEMO_NUM_CLASSES = 10
+
+
+@dataclass(frozen=True)
+class RunResult:
+    output: str
+    report_path: str
+    summary: dict[str, Any]
+
+
+# --------------------------------------------------------------------------- helpers
+def _log(msg: str) -> None:
+    print(f"[infoform {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _fingerprint(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def stage_marker_uri(output: str, stage: str) -> str:
+    return storage.join(output, "stages", f"{stage}.json")
+
+
+def _endpoint(cfg: RunConfig) -> str | None:
+    return cfg.data.endpoint_url
+
+
+class _Stages:
+    """Run-or-skip bookkeeping for one output folder."""
+
+    def __init__(self, cfg: RunConfig, output: str):
+        self.cfg = cfg
+        self.output = output
+        self.ep = _endpoint(cfg)
+        self.results: dict[str, Any] = {}
+
+    def run(self, stage: str, fp_obj: Any, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        uri = stage_marker_uri(self.output, stage)
+        fp = _fingerprint(fp_obj)
+        if stage not in self.cfg.stages:
+            if storage.exists(uri, self.ep):
+                self.results[stage] = storage.read_json(uri, self.ep)["summary"]
+                return self.results[stage]
+            _log(f"stage {stage}: not requested (--stages) and no earlier result")
+            return None
+        if storage.exists(uri, self.ep) and stage not in self.cfg.force:
+            marker = storage.read_json(uri, self.ep)
+            if marker.get("fingerprint") != fp:
+                raise ValueError(
+                    f"{self.output} already holds a {stage} result made with other settings; "
+                    f"use a new --output or --force {stage}"
+                )
+            _log(f"stage {stage}: done earlier, skipped ({uri})")
+            self.results[stage] = marker["summary"]
+            return marker["summary"]
+        _log(f"stage {stage}: running")
+        t0 = time.perf_counter()
+        summary = fn()
+        summary = {**summary, "seconds": time.perf_counter() - t0}
+        storage.write_json_atomic(uri, {"stage": stage, "fingerprint": fp, "summary": summary}, self.ep)
+        _log(f"stage {stage}: finished in {summary['seconds']:.1f} s")
+        self.results[stage] = summary
+        return summary
+
+
+# --------------------------------------------------------------------------- preflight
+def _is_weights_file(weights: str | None) -> bool:
+    from .models import _is_enum_name
+
+    return weights is not None and not _is_enum_name(weights)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Everything that can be checked before any cluster work: model names, weights
+    files, data and OOD roots. Raises ``ValueError``/``FileNotFoundError`` in one line."""
+    from .models import EXTRA_MODELS, model_names, resolve_weights_enum, _is_enum_name
+
+    valid = set(model_names())
+    for spec in cfg.all_models():
+        if spec.name not in valid:
+            fam = sorted(n for n in valid if n.startswith(("resnet", "densenet"))) + sorted(EXTRA_MODELS)
+            raise ValueError(f"unknown model {spec.name!r}; valid: {', '.join(fam)} (or any torchvision classifier)")
+        if spec.weights is not None:
+            if _is_enum_name(spec.weights):
+                resolve_weights_enum(spec.weights)
+            elif not storage.exists(spec.weights, _endpoint(cfg)):
+                raise FileNotFoundError(f"weights file not found: {spec.weights}")
+        elif not cfg.data.demo and spec.name != "demo_cnn":
+            raise ValueError(f"model {spec.name!r} needs --weights (a state-dict file or a torchvision weights name)")
+    if not cfg.data.demo:
+        root = cfg.data.root
+        if not storage.exists(root, _endpoint(cfg)):
+            raise FileNotFoundError(f"data root not found: {root}")
+        train = storage.join(root, cfg.data.train_split) if cfg.data.train_split else root
+        if "curvature" in cfg.stages and not storage.exists(train, _endpoint(cfg)):
+            raise FileNotFoundError(f"train split not found: {train}")
+        if cfg.data.ood and not storage.exists(cfg.data.ood, _endpoint(cfg)):
+            raise FileNotFoundError(f"OOD folder not found: {cfg.data.ood}")
+
+
+# --------------------------------------------------------------------------- data
+@dataclass(frozen=True)
+class _DataPlan:
+    root: str
+    ood: str | None
+    mean: tuple[float, float, float] | None
+    std: tuple[float, float, float] | None
+    demo: dict[str, Any] | None
+
+
+def _demo_dir(output: str) -> str:
+    if storage.is_remote(output):
+        return os.path.join(os.path.expanduser("~"), ".cache", "infoform", "demo")
+    return storage.get_fs(output)[1]
+
+
+def _prepare_demo(output: str) -> _DataPlan:
+    from .demo_data import NORMALIZE_MEAN, NORMALIZE_STD, write_digits_imagefolder, write_letters_ood
+
+    base = Path(_demo_dir(output))
+    digits = write_digits_imagefolder(base / "demo-data" / "digits", size=32, seed=0)
+    letters = write_letters_ood(base / "demo-data" / "letters", size=32, n_per_letter=30, seed=0)
+    return _DataPlan(
+        root=str(base / "demo-data" / "digits"),
+        ood=str(base / "demo-data" / "letters"),
+        mean=NORMALIZE_MEAN,
+        std=NORMALIZE_STD,
+        demo={"digits": digits["root"], "letters": letters["root"], "classes": digits["classes"]},
+    )
+
+
+def _demo_model(cfg: RunConfig, plan: _DataPlan, output: str) -> tuple[ModelSpec, dict[str, Any]]:
+    from .demo_data import train_small_cnn
+
+    cache = Path(_demo_dir(output)) / "model"
+    _, info = train_small_cnn(plan.root, epochs=8, seed=0, cache_path=cache, num_threads=1)
+    weights = str(cache / "small_cnn.safetensors")
+    info_d = dataclasses.asdict(info) if dataclasses.is_dataclass(info) else dict(info)
+    return ModelSpec(name="demo_cnn", weights=weights, num_classes=DEMO_NUM_CLASSES), info_d
+
+
+def _data_config(cfg: RunConfig, plan: _DataPlan, split: str | None, *, limit=None, per_class=None,
+                 classes=None, unlabeled=False, root: str | None = None):
+    from .data import DataConfig
+
+    kw: dict[str, Any] = dict(
+        root=root or plan.root,
+        split=split,
+        image_size=cfg.data.image_size,
+        resize_size=cfg.data.resize_size,
+        limit=limit,
+        per_class=per_class,
+        endpoint_url=cfg.data.endpoint_url,
+        unlabeled=unlabeled,
+    )
+    if plan.mean is not None:
+        kw["mean"], kw["std"] = plan.mean, plan.std
+    if classes is not None:
+        kw["classes"] = tuple(classes)
+    if split == cfg.data.val_split and cfg.data.labels_csv:
+        kw["labels_csv"] = cfg.data.labels_csv
+    return DataConfig(**kw)
+
+
+def _subset(index, keep: int, parts: int = 2, limit: int | None = None):
+    """Deterministic interleaved subset of a DatasetIndex: within each class, entries at
+    positions ``keep, keep+parts, ...`` (disjoint for different ``keep``), then at most
+    ``limit`` entries spread evenly."""
+    from .data import _fingerprint as data_fingerprint
+
+    seen: dict[int, int] = {}
+    keep_idx = []
+    for i, y in enumerate(index.labels):
+        k = seen.get(y, 0)
+        seen[y] = k + 1
+        if k % parts == keep:
+            keep_idx.append(i)
+    if limit is not None and len(keep_idx) > limit:
+        step = len(keep_idx) / limit
+        keep_idx = [keep_idx[int(j * step)] for j in range(limit)]
+    return _take(index, keep_idx, data_fingerprint)
+
+
+def _take(index, idx, fp_fn):
+    paths = tuple(index.paths[i] for i in idx)
+    labels = tuple(index.labels[i] for i in idx)
+    counts = [0] * len(index.classes)
+    for y in labels:
+        if y >= 0:
+            counts[y] += 1
+    kw = dict(paths=paths, labels=labels, class_counts=tuple(counts),
+              fingerprint=fp_fn(index.classes, paths, labels))
+    if index.locations:
+        kw["locations"] = tuple(index.locations[i] for i in idx)
+    return dataclasses.replace(index, **kw)
+
+
+def _limit(index, limit: int | None):
+    from .data import _fingerprint as data_fingerprint
+
+    if limit is None or len(index) <= limit:
+        return index
+    step = len(index) / limit
+    return _take(index, [int(j * step) for j in range(limit)], data_fingerprint)
+
+
+# --------------------------------------------------------------------------- one model
+def _versions() -> dict[str, str]:
+    import ray
+    import torch
+    import torchvision
+
+    import laplace_core
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
+            "ray": ray.__version__, "infoform": laplace_core.__version__}
+
+
+def _posterior_uris(output: str, methods) -> dict[str, str]:
+    from .posterior import posterior_uri
+
+    return {m: posterior_uri(output, m) for m in methods}
+
+
+def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan) -> dict[str, Any]:
+    """All stages for one model; returns the run summary (also written as run.json)."""
+    from .curvature import CurvatureConfig, run_curvature
+    from .data import build_dataset, partition, scan
+    from .evaluate import EvalConfig, evaluate
+    from .hyper import SearchConfig, search
+    from .report import write_report
+
+    st = _Stages(cfg, output)
+    ep = cfg.data.endpoint_url
+    t_start = time.perf_counter()
+    model_info: dict[str, Any] = {"name": spec.name, "weights": spec.weights}
+    if plan.demo is not None:
+        spec, trained = _demo_model(cfg, plan, output)
+        model_info.update(name=spec.name, weights=spec.weights, demo_training=trained)
+
+    # ---- data: scanned on the driver, before any cluster work
+    train_idx = scan(_data_config(cfg, plan, cfg.data.train_split, limit=cfg.data.limit, per_class=cfg.data.per_class))
+    classes = train_idx.classes
+    val_cfg = _data_config(cfg, plan, cfg.data.val_split, classes=classes)
+    val_full = scan(val_cfg)
+    if cfg.data.test_split:
+        test_cfg = _data_config(cfg, plan, cfg.data.test_split, classes=classes)
+        search_idx = _limit(val_full, cfg.data.val_limit)
+        test_idx = _limit(scan(test_cfg), cfg.data.test_limit)
+    else:  # one labelled held-out split: disjoint halves for the search and the evaluation
+        test_cfg = val_cfg
+        search_idx = _subset(val_full, 0, limit=cfg.data.val_limit)
+        test_idx = _subset(val_full, 1, limit=cfg.data.test_limit)
+    ood_idx = ood_cfg = None
+    if plan.ood:
+        ood_cfg = _data_config(cfg, plan, None, root=plan.ood, unlabeled=True)
+        ood_idx = _limit(scan(ood_cfg), cfg.data.ood_limit)
+    parts = partition(train_idx, partition_size=cfg.data.partition_size)
+    data_info = {
+        "train": train_idx.summary(),
+        "search": {"split": cfg.data.val_split, "num_files": len(search_idx)},
+        "test": {"split": cfg.data.test_split or f"{cfg.data.val_split} (other half)", "num_files": len(test_idx)},
+        "ood": None if ood_idx is None else ood_idx.summary(),
+        "num_classes": len(classes),
+        "partitions": len(parts),
+        "demo": plan.demo,
+    }
+    _log(f"data: {len(train_idx)} train images in {len(parts)} partitions, {len(search_idx)} for the search, "
+         f"{len(test_idx)} test, {0 if ood_idx is None else len(ood_idx)} OOD")
+    methods = tuple(m for m in cfg.posterior.methods)
+    unsupported = [m for m in methods if m not in ("diag", "kfac", "kfac_exact", "efb", "inf")]
+    if unsupported:
+        raise ValueError(f"method(s) {', '.join(unsupported)} are not available in the Ray job yet")
+
+    # ---- curvature (+ posteriors built from the reduced sums)
+    c = cfg.curvature
+    curv_cfg = CurvatureConfig(
+        num_workers=c.num_workers, use_gpu=c.use_gpu, cpus_per_worker=c.cpus_per_worker, fisher=c.fisher,
+        mc_samples=c.mc_samples, seed=c.seed, batch_size=c.batch_size, methods=methods, rank=cfg.posterior.rank,
+        n_data=cfg.posterior.n_data, prior_precision=cfg.posterior.prior_precision, efb_fraction=c.efb_fraction,
+        max_failures=c.max_failures, torch_threads=c.torch_threads or 1,
+    )
+    curv_fp = {"model": to_dict(spec), "train": train_idx.fingerprint, "curvature": to_dict(c),
+               "image": [cfg.data.image_size, cfg.data.resize_size], "methods": list(methods)}
+
+    def do_curvature() -> dict[str, Any]:
+        res = run_curvature(spec, parts, curv_cfg, output, data_config=_data_config(
+            cfg, plan, cfg.data.train_split, limit=cfg.data.limit, per_class=cfg.data.per_class), endpoint_url=ep)
+        skipped = {k: v for k, v in res.skipped.items()}
+        return {
+            "count": res.stats.count, "efb_count": res.stats.efb_count, "excluded": res.stats.excluded,
+            "skipped_batches": res.stats.skipped_batches, "skipped": skipped,
+            "clamped_eigenvalues": 0 if res.basis is None else res.basis.total_clamped(),
+            "allreduce_s": res.allreduce_seconds, "allreduce_bytes": res.allreduce_bytes,
+            "computed_partitions": {k: list(v) for k, v in res.computed_partitions.items()},
+            "reused_partitions": {k: list(v) for k, v in res.reused_partitions.items()},
+            "num_workers": res.num_workers, "use_gpu": res.use_gpu,
+            "posteriors": res.posteriors, "timings": {k: v for k, v in res.timings.items() if k != "worker"},
+        }
+
+    curv = st.run("curvature", curv_fp, do_curvature)
+    post_fp = {**curv_fp, "posterior": to_dict(cfg.posterior)}
+
+    def do_posterior() -> dict[str, Any]:
+        from laplace_core.statistics import CurvatureStatistics
+
+        from .curvature import _basis_uri, _reduced_uri, load_eigenbasis
+        from .posterior import build_and_save
+
+        with _endpoint_env(ep):
+            stats = CurvatureStatistics.load(_reduced_uri(output))
+            basis = load_eigenbasis(_basis_uri(output)) if any(m != "diag" for m in methods) else None
+        return {"posteriors": build_and_save(stats, basis, methods, cfg.posterior.rank, output,
+                                             n_data=cfg.posterior.n_data, prior_precision=cfg.posterior.prior_precision)}
+
+    if curv is not None and "curvature" in cfg.stages and "posterior" not in cfg.force and \
+            not storage.exists(stage_marker_uri(output, "posterior"), ep):
+        # the curvature stage already built and saved every posterior
+        storage.write_json_atomic(stage_marker_uri(output, "posterior"), {
+            "stage": "posterior", "fingerprint": _fingerprint(post_fp),
+            "summary": {"posteriors": curv["posteriors"], "seconds": curv.get("timings", {}).get("posterior_s", 0.0)}}, ep)
+    post = st.run("posterior", post_fp, do_posterior)
+    uris = _posterior_uris(output, methods)
+
+    # ---- (N, tau) search on the held-out split
+    ev = cfg.evaluate
+    runtime = {"num_actors": ev.num_actors, "batch_size": ev.batch_size}
+    search_cfg = SearchConfig.from_spec(cfg.search, **runtime)
+    search_fp = {**post_fp, "search": to_dict(cfg.search), "val": search_idx.fingerprint, "runtime": runtime}
+
+    def do_search() -> dict[str, Any]:
+        res = search(spec, uris, build_dataset(search_idx, val_cfg), search_cfg, output=output, endpoint_url=ep)
+        return {"chosen": res.chosen, "notes": res.notes, "map": res.map, "info": res.info,
+                "failed": sum(1 for r in res.rows if r["status"] != "ok"),
+                "table": storage.join(output, "eval", "search.parquet")}
+
+    srch = st.run("search", search_fp, do_search)
+    hyper = None
+    if srch is not None:
+        hyper = {m: (c_["n_data"], c_["prior_precision"]) for m, c_ in srch["chosen"].items() if c_ is not None}
+        _write_search_table(output, methods, ep)
+
+    # ---- evaluation on the test split and the OOD set
+    eval_cfg = EvalConfig.from_spec(ev)
+    eval_fp = {**search_fp, "evaluate": to_dict(ev), "test": test_idx.fingerprint,
+               "ood": None if ood_idx is None else ood_idx.fingerprint, "hyper": hyper}
+
+    def do_evaluate() -> dict[str, Any]:
+        ood_ds = None if ood_idx is None else build_dataset(ood_idx, ood_cfg)
+        res = evaluate(spec, uris, build_dataset(test_idx, test_cfg), ood_ds, eval_cfg, output=output,
+                       hyper=hyper, endpoint_url=ep)
+        return {"methods": {m: _headline(r) for m, r in res.items()}}
+
+    evl = st.run("evaluate", eval_fp, do_evaluate)
+
+    # ---- run summary + report
+    summary = _summary(cfg, spec, model_info, data_info, st.results, output)
+    summary["timings"]["total_this_run"] = time.perf_counter() - t_start
+
+    def do_report() -> dict[str, Any]:
+        from .report import load_eval_metrics
+
+        metrics = load_eval_metrics(output, ep)
+        table = _read_search(output, methods, ep)
+        paths = write_report(output, summary, metrics, table, endpoint_url=ep)
+        return {"paths": paths}
+
+    report_fp = {**eval_fp, "report": 1}
+    if evl is not None:
+        st.run("report", report_fp, do_report)
+    storage.write_json_atomic(storage.join(output, "run.json"), _stable_run_json(summary), ep)
+    return summary
+
+
+def _headline(r: dict[str, Any]) -> dict[str, Any]:
+    keys = ("status", "reason", "accuracy", "nll", "brier", "ece", "ece_variant", "entropy_mean", "n_data",
+            "prior_precision")
+    out = {k: r.get(k) for k in keys if k in r}
+    if isinstance(r.get("ood"), dict):
+        out["ood_auroc"] = r["ood"].get("auroc")
+        out["ood_entropy_mean"] = r.get("ood_entropy_mean")
+    return out
+
+
+def _write_search_table(output: str, methods, ep) -> None:
+    """One search table for all methods at ``eval/search.parquet`` (from the per-method files)."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    target = storage.join(output, "eval", "search.parquet")
+    if storage.exists(target, ep):
+        return
+    tables = []
+    for m in methods:
+        uri = storage.join(output, "eval", m, "search.parquet")
+        if storage.exists(uri, ep):
+            tables.append(pq.read_table(io.BytesIO(storage.read_bytes(uri, ep))))
+    if tables:
+        buf = io.BytesIO()
+        pq.write_table(pa.concat_tables(tables), buf)
+        storage.write_bytes_atomic(target, buf.getvalue(), ep)
+
+
+def _read_search(output: str, methods, ep):
+    uri = storage.join(output, "eval", "search.parquet")
+    if not storage.exists(uri, ep):
+        return None
+    from .report import read_search_table
+
+    return read_search_table(uri, ep)
+
+
+class _endpoint_env:
+    """Expose the S3 endpoint to code that reads artifacts through plain fsspec."""
+
+    def __init__(self, endpoint: str | None):
+        self.endpoint = endpoint
+        self.old: str | None = None
+
+    def __enter__(self):
+        if self.endpoint:
+            self.old = os.environ.get("AWS_ENDPOINT_URL_S3")
+            os.environ["AWS_ENDPOINT_URL_S3"] = self.endpoint
+        return self
+
+    def __exit__(self, *exc):
+        if self.endpoint:
+            if self.old is None:
+                os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+            else:
+                os.environ["AWS_ENDPOINT_URL_S3"] = self.old
+        return False
+
+
+def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: dict[str, Any], output: str):
+    curv = results.get("curvature") or {}
+    post = results.get("posterior") or {}
+    srch = results.get("search") or {}
+    evl = results.get("evaluate") or {}
+    posteriors = post.get("posteriors") or curv.get("posteriors") or {}
+    sizes = {m: {"numbers": p.get("num_stored"), "note": f"rank {cfg.posterior.rank}" if m == "inf" else ""}
+             for m, p in posteriors.items()}
+    skipped = {}
+    for k, v in (curv.get("skipped") or {}).items():
+        if isinstance(v, dict) and "count" in v:
+            skipped[k] = {"count": int(v.get("count", 0)), "examples": v.get("examples", [])}
+    chosen = {m: {"log10_n": c_["log10_n"], "log10_tau": c_["log10_tau"]}
+              for m, c_ in (srch.get("chosen") or {}).items() if c_}
+    return {
+        "title": f"infoform report: {spec.name}" + (" (demo)" if cfg.data.demo else ""),
+        "run_id": _fingerprint(to_dict(cfg))[:8],
+        "config": to_dict(cfg),
+        "model": model_info,
+        "data": data_info,
+        "versions": _versions(),
+        "timings": {s: (results.get(s) or {}).get("seconds") for s in STAGES if results.get(s)},
+        "posterior_sizes": sizes,
+        "skipped_images": skipped,
+        "clipped_d_entries": {m: int(p.get("clipped_D", 0) or 0) for m, p in posteriors.items()},
+        "clamped_eigenvalues": int(curv.get("clamped_eigenvalues", 0) or 0),
+        "failed_search_configs": int(srch.get("failed", 0) or 0),
+        "chosen": chosen,
+        "curvature": {k: curv.get(k) for k in ("count", "efb_count", "num_workers", "use_gpu", "allreduce_s",
+                                               "allreduce_bytes", "computed_partitions", "reused_partitions",
+                                               "excluded", "skipped_batches")},
+        "search": {"chosen": srch.get("chosen"), "notes": srch.get("notes")},
+        "results": evl.get("methods"),
+        "output": output,
+    }
+
+
+def _stable_run_json(summary: dict[str, Any]) -> dict[str, Any]:
+    """run.json: the summary without the time of this particular invocation."""
+    out = dict(summary)
+    out["timings"] = {k: v for k, v in summary["timings"].items() if k != "total_this_run"}
+    return out
+
+
+# --------------------------------------------------------------------------- entry
+def run(cfg: RunConfig) -> RunResult:
+    """Run every requested stage for the configured model(s); Ray must be initialised."""
+    cfg.validate()
+    output = cfg.output
+    plan = _prepare_demo(output) if cfg.data.demo else _DataPlan(
+        root=cfg.data.root, ood=cfg.data.ood, mean=None, std=None, demo=None)
+    storage.write_json_atomic(storage.join(output, "config.json"), to_dict(cfg), cfg.data.endpoint_url)
+    models = cfg.all_models()
+    if len(models) == 1:
+        summary = _run_model(cfg, models[0], output, plan)
+        report = storage.join(output, "report.html")
+        return RunResult(output=output, report_path=report, summary=summary)
+    from .report import load_eval_metrics, write_audit_report
+
+    per_model = {}
+    for spec in models:
+        sub = storage.join(output, "models", spec.name)
+        _log(f"audit: model {spec.name} -> {sub}")
+        summary = _run_model(cfg, spec, sub, plan)
+        per_model[spec.name] = (summary, load_eval_metrics(sub, cfg.data.endpoint_url))
+    paths = write_audit_report(output, per_model, endpoint_url=cfg.data.endpoint_url)
+    return RunResult(output=output, report_path=paths["html"], summary={"models": list(per_model)})
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use jobs/imagenet_inf.py or `infoform run`")
