@@ -34,7 +34,7 @@ from .structures.efb import EFBLayer, KronExactLayer
 from .structures.inf import MAX_L, InfLayer
 from .structures.kron import KronLayer
 
-__all__ = ["Method", "METHODS", "build_posterior", "with_hyper", "resolve_method"]
+__all__ = ["Method", "METHODS", "WHOLE_METHODS", "ALL_METHODS", "build_posterior", "with_hyper", "resolve_method"]
 
 
 class Method(str, Enum):
@@ -98,6 +98,11 @@ METHODS: dict[str, Builder] = {
     Method.EFB.value: _build_efb,
     Method.INF.value: _build_inf,
 }
+# Whole-network structures (covariance couples layers), built from extra inputs rather than
+# per layer from ``stats``: "subnet" (Daxberger et al. 2021) needs
+# ``subnet_fisher=(F_sum, count, masks)`` from laplace_core.subnet.collect_subnet_fisher.
+WHOLE_METHODS: tuple[str, ...] = ("subnet",)
+ALL_METHODS: tuple[str, ...] = (*METHODS, *WHOLE_METHODS)
 _NEEDS_BASIS = {"kfac", "kfac_exact", "efb", "inf"}
 _NEEDS_EFB = {"efb", "inf"}
 
@@ -105,8 +110,8 @@ _NEEDS_EFB = {"efb", "inf"}
 def resolve_method(method: str | Method) -> str:
     """Registry name for ``method``; ``ValueError`` listing the valid ones."""
     name = method.value if isinstance(method, Method) else str(method)
-    if name not in METHODS:
-        raise ValueError(f"unknown posterior method {method!r}; valid: {', '.join(METHODS)}")
+    if name not in METHODS and name not in WHOLE_METHODS:
+        raise ValueError(f"unknown posterior method {method!r}; valid: {', '.join(ALL_METHODS)}")
     return name
 
 
@@ -142,6 +147,7 @@ def build_posterior(
     *,
     dtype: torch.dtype = torch.float64,
     max_l: int = MAX_L,
+    subnet_fisher: "tuple[torch.Tensor, int, Mapping[str, torch.Tensor]] | None" = None,
 ) -> Posterior:
     """Laplace posterior ``P = N F/M + τ I`` for every layer of ``stats``.
 
@@ -156,8 +162,17 @@ def build_posterior(
     ``info`` holds ``clipped_D`` (negative ``D`` entries clipped, Lemma 3; total and
     ``clipped_D_per_layer``), ``clamped_eigenvalues`` (negative factor eigenvalues
     clamped by the eigenbasis) and, for ``inf``, ``kept`` (``L`` per layer).
+
+    ``method="subnet"`` (Daxberger et al. 2021) needs ``subnet_fisher=(F_sum, count, masks)``
+    from :func:`laplace_core.subnet.collect_subnet_fisher` / ``select_subnetwork`` and
+    builds :func:`laplace_core.subnet.build_subnet_posterior` (prior ``τ S / D_total``,
+    ``N`` default ``count``; ``stats`` may be None, else its layers must match the masks).
     """
     name = resolve_method(method)
+    if name == "subnet":
+        return _build_subnet(stats, subnet_fisher, rank, n_data, prior_precision, dtype)
+    if subnet_fisher is not None:
+        raise ValueError(f"subnet_fisher= applies only to method 'subnet', not {name!r}")
     _check_rank(name, rank)
     if not isinstance(stats, CurvatureStatistics):
         raise ValueError(f"stats must be CurvatureStatistics, got {type(stats).__name__}")
@@ -195,6 +210,28 @@ def build_posterior(
                      rank=None if rank is None else int(rank), info=info)
 
 
+def _build_subnet(stats, subnet_fisher, rank, n_data, prior_precision, dtype) -> Posterior:
+    from .subnet import build_subnet_posterior
+
+    if rank is not None:
+        raise ValueError("rank= applies only to method 'inf', not 'subnet' (the subnetwork size is set by the masks)")
+    if subnet_fisher is None or not isinstance(subnet_fisher, (tuple, list)) or len(subnet_fisher) != 3:
+        raise ValueError(
+            "method 'subnet' needs subnet_fisher=(F_sum, count, masks): masks from "
+            "laplace_core.subnet.select_subnetwork, (F_sum, count) from collect_subnet_fisher"
+        )
+    F_sum, count, masks = subnet_fisher
+    if stats is not None:
+        if not isinstance(stats, CurvatureStatistics):
+            raise ValueError(f"stats must be CurvatureStatistics or None, got {type(stats).__name__}")
+        if list(stats.infos) != list(masks):
+            raise ValueError(f"subnet masks cover layers {list(masks)}, statistics have {list(stats.infos)}")
+        for k, info in stats.infos.items():
+            if tuple(masks[k].shape) != tuple(info.shape):
+                raise ValueError(f"layer {k!r}: mask shape {tuple(masks[k].shape)} != W~ shape {info.shape}")
+    return build_subnet_posterior(F_sum, count, masks, n_data, prior_precision, dtype=dtype)
+
+
 def _clamped(basis) -> int:
     """Negative factor eigenvalues clamped by the eigenbasis (Eigenbasis or name -> LayerBasis)."""
     if isinstance(basis, Eigenbasis):
@@ -226,6 +263,8 @@ def with_hyper(posterior: Posterior, n_data: float, prior_precision: float) -> P
     ``O(L³ + ...)`` for inf.
     """
     N, tau = check_hyper(n_data, prior_precision)
+    if posterior.method in WHOLE_METHODS:  # e.g. SubnetPosterior: one S x S Cholesky
+        return posterior.with_hyper(N, tau)
     layers = {}
     for k, lp in posterior.layers.items():
         if not hasattr(lp, "with_hyper"):

@@ -117,9 +117,8 @@ def main(argv: list[str] | None = None, prog: str = "imagenet_inf.py") -> int:
     if cfg.data.demo:
         print(f"infoform: running the embedded demo (preset {cfg.preset}): digits in-distribution, "
               "rendered letters out-of-distribution, a small CNN trained on the spot")
-    _init_ray(args.address)
     from .run import run
 
-    result = run(cfg)
+    result = run(cfg, init_ray=lambda: _init_ray(args.address))
     print(f"infoform: report at {result.report_path}")
     return 0

@@ -60,10 +60,11 @@ def _endpoint(cfg: RunConfig) -> str | None:
 class _Stages:
     """Run-or-skip bookkeeping for one output folder."""
 
-    def __init__(self, cfg: RunConfig, output: str):
+    def __init__(self, cfg: RunConfig, output: str, ensure_ray: Callable[[], None]):
         self.cfg = cfg
         self.output = output
         self.ep = _endpoint(cfg)
+        self.ensure_ray = ensure_ray
         self.results: dict[str, Any] = {}
 
     def run(self, stage: str, fp_obj: Any, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
@@ -86,6 +87,7 @@ class _Stages:
             self.results[stage] = marker["summary"]
             return marker["summary"]
         _log(f"stage {stage}: running")
+        self.ensure_ray()
         t0 = time.perf_counter()
         summary = fn()
         summary = {**summary, "seconds": time.perf_counter() - t0}
@@ -254,7 +256,8 @@ def _posterior_uris(output: str, methods) -> dict[str, str]:
     return {m: posterior_uri(output, m) for m in methods}
 
 
-def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan) -> dict[str, Any]:
+def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
+               ensure_ray: Callable[[], None]) -> dict[str, Any]:
     """All stages for one model; returns the run summary (also written as run.json)."""
     from .curvature import CurvatureConfig, run_curvature
     from .data import build_dataset, partition, scan
@@ -262,12 +265,13 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan) ->
     from .hyper import SearchConfig, search
     from .report import write_report
 
-    st = _Stages(cfg, output)
+    st = _Stages(cfg, output, ensure_ray)
     ep = cfg.data.endpoint_url
     t_start = time.perf_counter()
     model_info: dict[str, Any] = {"name": spec.name, "weights": spec.weights}
     if plan.demo is not None:
         spec, trained = _demo_model(cfg, plan, output)
+        trained.pop("cached", None)  # run.json must not depend on whether the cache was warm
         model_info.update(name=spec.name, weights=spec.weights, demo_training=trained)
 
     # ---- data: scanned on the driver, before any cluster work
@@ -510,17 +514,48 @@ def _stable_run_json(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _quiet_ray_data() -> None:
+    """Our own progress lines (images/s, ETA, stage times) replace Ray Data's per-operator
+    progress bars, which flood a job log."""
+    try:
+        import ray.data
+
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        ctx.print_on_execution_start = False
+    except Exception:  # pragma: no cover - older Ray without these knobs
+        pass
+
+
 # --------------------------------------------------------------------------- entry
-def run(cfg: RunConfig) -> RunResult:
-    """Run every requested stage for the configured model(s); Ray must be initialised."""
+def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult:
+    """Run every requested stage for the configured model(s).
+
+    ``init_ray`` connects to (or starts) Ray; it is called once, just before the first
+    stage that needs the cluster, so a re-run whose stages are all done never starts Ray.
+    Without it, Ray must already be initialised (or ``ray.init()`` is called).
+    """
     cfg.validate()
+    started = []
+
+    def ensure_ray() -> None:
+        if started:
+            return
+        started.append(True)
+        import ray
+
+        if init_ray is not None:
+            init_ray()
+        elif not ray.is_initialized():
+            ray.init()
+        _quiet_ray_data()
     output = cfg.output
     plan = _prepare_demo(output) if cfg.data.demo else _DataPlan(
         root=cfg.data.root, ood=cfg.data.ood, mean=None, std=None, demo=None)
     storage.write_json_atomic(storage.join(output, "config.json"), to_dict(cfg), cfg.data.endpoint_url)
     models = cfg.all_models()
     if len(models) == 1:
-        summary = _run_model(cfg, models[0], output, plan)
+        summary = _run_model(cfg, models[0], output, plan, ensure_ray)
         report = storage.join(output, "report.html")
         return RunResult(output=output, report_path=report, summary=summary)
     from .report import load_eval_metrics, write_audit_report
@@ -529,7 +564,7 @@ def run(cfg: RunConfig) -> RunResult:
     for spec in models:
         sub = storage.join(output, "models", spec.name)
         _log(f"audit: model {spec.name} -> {sub}")
-        summary = _run_model(cfg, spec, sub, plan)
+        summary = _run_model(cfg, spec, sub, plan, ensure_ray)
         per_model[spec.name] = (summary, load_eval_metrics(sub, cfg.data.endpoint_url))
     paths = write_audit_report(output, per_model, endpoint_url=cfg.data.endpoint_url)
     return RunResult(output=output, report_path=paths["html"], summary={"models": list(per_model)})

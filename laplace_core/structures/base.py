@@ -86,6 +86,16 @@ class LayerPosterior(abc.ABC):
         cov = torch.linalg.inv(self.to_dense())
         return unvec(torch.diagonal(cov), m, n)
 
+    def covariance_matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """``P^{-1} v`` (the posterior covariance applied) for ``v`` of shape ``(m, n)`` or
+        ``(k, m, n)``. Default: dense solve (small layers, tests); structures override it
+        with their closed forms (used by the GLM predictive, ``laplace_core.glm``)."""
+        m, n = self.shape
+        P = self.to_dense()
+        x = vec(v).reshape(-1, m * n).T
+        out = torch.linalg.solve(P, x.to(P.dtype)).T
+        return unvec(out, m, n).reshape(v.shape).to(v.dtype)
+
     def _check_dense_size(self, limit: int = 20_000) -> None:
         m, n = self.shape
         if m * n > limit:
@@ -172,6 +182,12 @@ class Posterior:
         meta = state["meta"]
         if meta.get("format") != "infoform.posterior":
             raise ValueError("not an infoform posterior (format tag missing)")
+        if cls is Posterior:  # whole-network structures (e.g. "subnet") have their own class
+            from .registry import posterior_class
+
+            target = posterior_class(meta.get("method"))
+            if target is not Posterior:
+                return target.from_state_dict(state)
         tensors = state["tensors"]
         layers = {}
         for k in meta["order"]:

@@ -75,6 +75,11 @@ class DiagLayer(LayerPosterior):
         check_input(z, self.shape)
         return torch.rsqrt(self.precision) * z
 
+    def covariance_matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """``P^{-1} v = v / (N diag/M + τ)`` elementwise."""
+        check_input(v, self.shape)
+        return v / self.precision
+
     def marginal_variance(self) -> torch.Tensor:
         return 1.0 / self.precision
 

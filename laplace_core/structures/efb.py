@@ -63,6 +63,11 @@ class EigenDiagLayer(LayerPosterior):
         check_input(z, self.shape)
         return self.U_G @ (torch.rsqrt(self.eig) * z) @ self.U_A.T
 
+    def covariance_matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """``P^{-1} V = U_G [(U_G^T V U_A) / (N Λ + τ)] U_A^T``."""
+        check_input(v, self.shape)
+        return self.U_G @ ((self.U_G.T @ v @ self.U_A) / self.eig) @ self.U_A.T
+
     def marginal_variance(self) -> torch.Tensor:
         return (self.U_G * self.U_G) @ (1.0 / self.eig) @ (self.U_A * self.U_A).T
 

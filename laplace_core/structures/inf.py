@@ -196,6 +196,19 @@ class InfLayer(LayerPosterior):
         out.neg_().add_(z).mul_(self.d_isqrt)
         return out
 
+    def covariance_matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """``P^{-1} v`` by Woodbury: ``P = Dp^{1/2} (I + V V^T) Dp^{1/2}`` and
+        ``(I + V V^T)^{-1} = I − V Q (I + Γ)^{-1} Q^T V^T``, so
+        ``P^{-1} v = Dp^{-1/2} ∘ (w − V Q (I+Γ)^{-1} Q^T V^T w)``, ``w = Dp^{-1/2} ∘ v``.
+        All cubic work was done at construction (``L x L`` eigh)."""
+        check_input(v, self.shape)
+        w = self.d_isqrt * v
+        inv = (1.0 / (1.0 + self.gamma)).to(self.Q.dtype)
+        t = ((self._Vt(w) @ self.Q) * inv) @ self.Q.T  # (..., L)
+        out = self._V(t)
+        out.neg_().add_(w).mul_(self.d_isqrt)
+        return out
+
     def marginal_variance(self) -> torch.Tensor:
         """``diag(P^{-1}) = Dp^{-1} − Dp^{-2} ∘ S`` with
         ``S[p,q] = Σ U_g[p,a] U_a[q,c] R[(a,c),(b,d)] U_g[p,b] U_a[q,d]``,

@@ -76,6 +76,13 @@ class KronLayer(LayerPosterior):
         x = torch.rsqrt(self.g)[:, None] * z * torch.rsqrt(self.a)[None, :]
         return self.U_G @ x @ self.U_A.T
 
+    def covariance_matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """``P^{-1} vec(V) = vec(G'^{-1} V A'^{-1})`` through the eigenbases."""
+        check_input(v, self.shape)
+        x = self.U_G.T @ v @ self.U_A
+        x = x / (self.g[:, None] * self.a[None, :])
+        return self.U_G @ x @ self.U_A.T
+
     def marginal_variance(self) -> torch.Tensor:
         var_g = (self.U_G * self.U_G) @ (1.0 / self.g)  # diag(G'^{-1}), (m,)
         var_a = (self.U_A * self.U_A) @ (1.0 / self.a)  # diag(A'^{-1}), (n,)

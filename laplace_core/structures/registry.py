@@ -11,7 +11,7 @@ from .efb import EFBLayer, KronExactLayer
 from .inf import InfLayer
 from .kron import KronLayer
 
-__all__ = ["LAYER_CLASSES", "layer_class"]
+__all__ = ["LAYER_CLASSES", "layer_class", "POSTERIOR_CLASSES", "posterior_class"]
 
 LAYER_CLASSES: dict[str, type[LayerPosterior]] = {
     "diag": DiagLayer,
@@ -30,3 +30,22 @@ def layer_class(method_name: str) -> type[LayerPosterior]:
         raise ValueError(
             f"unknown posterior structure {method_name!r}; valid: {', '.join(LAYER_CLASSES)}"
         ) from None
+
+
+def _subnet_posterior():
+    from .subnet import SubnetPosterior
+
+    return SubnetPosterior
+
+
+# Structures whose covariance couples layers are a Posterior subclass, rebuilt as a whole
+# (method name -> zero-argument loader, resolved lazily to keep imports acyclic).
+POSTERIOR_CLASSES = {"subnet": _subnet_posterior}
+
+
+def posterior_class(method_name):
+    """The :class:`~.base.Posterior` (sub)class that rebuilds a saved posterior of this method."""
+    from .base import Posterior
+
+    loader = POSTERIOR_CLASSES.get(str(method_name))
+    return Posterior if loader is None else loader()

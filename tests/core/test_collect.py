@@ -396,7 +396,9 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="basis has no entry"):
         collect_statistics(model, [(x, y)], basis={})
     with pytest.raises(ValueError, match="expected an"):
-        collect_statistics(model, [(x, y, y)])
+        collect_statistics(model, [(x, y, y, y)])
+
+
 
 
 def test_mc_without_labels_and_generator_reproducibility():

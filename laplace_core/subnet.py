@@ -1,0 +1,390 @@
+"""Subnetwork Laplace (Daxberger et al. 2021): selection, subnetwork Fisher, posterior.
+
+1. **Selection** (§5, eq. 23). With a diagonal approximation ``σ_d²`` of the posterior
+   marginal variances, the squared 2-Wasserstein distance between the full posterior
+   and the subnetwork posterior (MAP outside the subnetwork, mask ``m_d``) is
+   ``≈ Σ_d σ_d² (1 − m_d)``, minimised by keeping the ``S`` weights of **largest
+   marginal variance**. From the statistics already collected,
+   ``σ_d² = 1 / (N diag_d/M + τ)`` (diagonal Laplace). ``rule="random"`` is the
+   uniform baseline. Ties are broken by position (layers in model order, then ``vec``
+   order), so selection is deterministic. Caveat (Daxberger et al. §6.3): weights with
+   zero Fisher (dead ReLUs) have the prior variance ``1/τ``, the largest possible,
+   and are picked first although they do not move the function.
+2. **Inference** (§3): the full ``S x S`` Fisher over the selected weights,
+   ``F_sum = Σ_k d_{k,S} d_{k,S}^T`` from per-example gradients gathered at the
+   selected entries (:func:`collect_subnet_fisher`; MC / empirical labels as in
+   :mod:`laplace_core.collect`, or the exact GGN ``Σ_k J_S^T Λ J_S`` with
+   ``Λ = diag(p) − p p^T`` (classification) or ``I`` (unit-noise regression)). Sums plus
+   the count, so shards merge by addition.
+3. **Posterior**: ``P_S = N F_sum/count + τ (S / D_total) I`` (prior rescaling of §4 /
+   appendix C), :class:`~laplace_core.structures.subnet.SubnetPosterior`. Predict with
+   :mod:`laplace_core.glm` (linearised) or :class:`~laplace_core.predictive.MCPredictor`.
+
+Subnetwork order: layers in model order (:func:`~laplace_core.layers.find_layers`), within
+a layer ascending ``vec`` (column-stacking) position of ``W~``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from .collect import output_gradients, sample_targets
+from .hooks import capture, layer_inputs, layer_output_grads
+from .layers import find_layers
+from .statistics import CurvatureStatistics
+from .structures.base import Posterior, vec
+from .structures.diag import check_hyper
+from .structures.subnet import SubnetLayerView, SubnetPosterior
+
+__all__ = [
+    "SELECTION_RULES",
+    "SUBNET_FISHER_TYPES",
+    "DEFAULT_MEMORY_BUDGET",
+    "marginal_variances",
+    "select_subnetwork",
+    "subnet_size",
+    "max_subnet_size",
+    "check_subnet_memory",
+    "collect_subnet_fisher",
+    "build_subnet_posterior",
+    "subnet_laplace",
+]
+
+SELECTION_RULES = ("wasserstein", "random")
+SUBNET_FISHER_TYPES = ("mc", "empirical", "ggn")
+DEFAULT_MEMORY_BUDGET = 4 * 2**30
+"""Default bytes allowed for the ``S x S`` Fisher (4 GiB: ``S ≈ 23,170`` in float64)."""
+
+
+# =========================================================================== selection
+def marginal_variances(source, prior_precision: float = 1.0, n_data: float | None = None) -> dict[str, torch.Tensor]:
+    """Diagonal-Laplace marginal variances ``name -> (m, n)``.
+
+    ``source``: :class:`CurvatureStatistics` (``1 / (N diag/M + τ)``, ``N`` default ``M``),
+    a :class:`Posterior` (its ``marginal_variance()``, e.g. a ``diag`` posterior), or a
+    mapping ``name -> (m, n)`` of variances (used as given, e.g. exact full-covariance
+    marginals on a toy problem as in Daxberger et al. §6.1).
+    """
+    if isinstance(source, CurvatureStatistics):
+        if source.count <= 0:
+            raise ValueError("statistics of zero examples: no Fisher diagonal to select from")
+        N, tau = check_hyper(source.count if n_data is None else n_data, prior_precision)
+        out = {}
+        for k, ls in source.layers.items():
+            prec = N * ls.diag.to(torch.float64) / source.count + tau
+            if bool((prec <= 0).any()):
+                raise ValueError(f"layer {k!r}: N diag/M + tau has non-positive entries; use prior_precision > 0")
+            out[k] = 1.0 / prec
+        return out
+    if isinstance(source, Posterior):
+        return {k: v.to(torch.float64) for k, v in source.marginal_variance().items()}
+    if isinstance(source, Mapping):
+        out = {}
+        for k, v in source.items():
+            if not isinstance(v, torch.Tensor) or v.dim() != 2:
+                raise ValueError(f"marginal variances must be m x n tensors; {k!r} is {type(v).__name__}")
+            out[k] = v.to(torch.float64)
+        return out
+    raise ValueError(
+        f"select from CurvatureStatistics, a Posterior or a mapping name -> (m, n) variances; got {type(source).__name__}"
+    )
+
+
+def select_subnetwork(
+    source,
+    S: int,
+    rule: str = "wasserstein",
+    prior_precision: float = 1.0,
+    n_data: float | None = None,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Boolean masks ``name -> (m, n)`` selecting exactly ``S`` weights (see module docstring).
+
+    ``rule="wasserstein"``: the ``S`` largest marginal variances (Daxberger eq. 23 with a
+    diagonal posterior); ties go to the earlier position (model order, then vec order).
+    ``rule="random"``: ``S`` positions uniformly without replacement from
+    ``torch.Generator().manual_seed(seed)``. ``source``: see :func:`marginal_variances`.
+    """
+    if rule not in SELECTION_RULES:
+        raise ValueError(f"unknown subnetwork selection rule {rule!r}; valid: {', '.join(SELECTION_RULES)}")
+    var = marginal_variances(source, prior_precision, n_data)
+    if not var:
+        raise ValueError("no layers to select from")
+    flat = torch.cat([vec(v).cpu() for v in var.values()])
+    D = flat.numel()
+    if isinstance(S, bool) or not isinstance(S, int) or not 1 <= S <= D:
+        raise ValueError(f"S must be an int in [1, {D}] (weights in all curvature layers), got {S!r}")
+    if rule == "wasserstein":
+        if not bool(torch.isfinite(flat).all()):
+            raise ValueError("marginal variances contain NaN/inf")
+        order = torch.sort(flat, descending=True, stable=True).indices
+        chosen = order[:S]
+    else:
+        g = torch.Generator().manual_seed(int(seed))
+        chosen = torch.randperm(D, generator=g)[:S]
+    keep = torch.zeros(D, dtype=torch.bool)
+    keep[chosen] = True
+    out, pos = {}, 0
+    for k, v in var.items():
+        m, n = v.shape
+        out[k] = keep[pos:pos + m * n].reshape(n, m).T.contiguous().to(v.device)  # unvec
+        pos += m * n
+    return out
+
+
+def subnet_size(masks: Mapping[str, torch.Tensor]) -> int:
+    """``S`` = number of selected weights."""
+    return int(sum(int(mk.sum()) for mk in masks.values()))
+
+
+def max_subnet_size(budget_bytes: int, dtype: torch.dtype = torch.float64) -> int:
+    """Largest ``S`` whose ``S x S`` matrix in ``dtype`` fits ``budget_bytes``."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    return int(math.isqrt(int(budget_bytes) // elt))
+
+
+def check_subnet_memory(S: int, budget_bytes: int = DEFAULT_MEMORY_BUDGET, dtype: torch.dtype = torch.float64) -> None:
+    """``ValueError`` naming the largest ``S`` that fits when ``S²`` numbers exceed the budget."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    need = S * S * elt
+    if need > budget_bytes:
+        raise ValueError(
+            f"subnetwork of S = {S} weights needs an S x S {str(dtype).removeprefix('torch.')} matrix of "
+            f"{need / 2**30:.2f} GiB, above the budget of {budget_bytes / 2**30:.2f} GiB; "
+            f"the largest S that fits is {max_subnet_size(budget_bytes, dtype)}"
+        )
+
+
+def _check_masks(masks: Mapping[str, torch.Tensor], modules: Mapping[str, nn.Module], infos) -> list[str]:
+    if not isinstance(masks, Mapping) or not masks:
+        raise ValueError("masks must be a non-empty mapping name -> bool (m, n) tensor (see select_subnetwork)")
+    unknown = [k for k in masks if k not in modules]
+    if unknown:
+        raise ValueError(f"masks name layers not in the model: {unknown}; model layers: {list(modules)}")
+    names = [k for k in modules if k in masks]
+    if list(masks) != names:
+        raise ValueError(f"masks must be in model order {names}, got {list(masks)}")
+    for k in names:
+        mk = masks[k]
+        if not isinstance(mk, torch.Tensor) or mk.dtype != torch.bool or tuple(mk.shape) != tuple(infos[k].shape):
+            raise ValueError(f"mask {k!r} must be a bool tensor of shape {infos[k].shape}, got "
+                             f"{getattr(mk, 'dtype', type(mk).__name__)} {tuple(getattr(mk, 'shape', ()))}")
+    return names
+
+
+# =========================================================================== subnet Fisher
+def _split(batch, i: int):
+    if isinstance(batch, Mapping):
+        x = batch["image"] if "image" in batch else batch.get("x")
+        y = batch["label"] if "label" in batch else batch.get("y")
+        if x is None:
+            raise ValueError(f"batch {i}: dict batches need an 'image' (or 'x') entry, got keys {sorted(batch)}")
+        return x, y
+    if isinstance(batch, (tuple, list)):
+        if len(batch) != 2:
+            raise ValueError(f"batch {i}: expected an (x, y) pair, got a sequence of length {len(batch)}")
+        return batch[0], batch[1]
+    if isinstance(batch, torch.Tensor):
+        return batch, None
+    raise ValueError(f"batch {i}: expected (x, y), a dict with 'image'/'label', or a tensor; got {type(batch).__name__}")
+
+
+def _ggn_output_grads(out: torch.Tensor, likelihood: str) -> torch.Tensor:
+    """Rows ``r_c`` with ``Σ_c r_c r_c^T = Λ`` per example, shape ``(C, B, C)``.
+
+    Classification: ``Λ = diag(p) − p p^T = L L^T`` with ``L = (I − p 1^T) diag(√p)``,
+    i.e. ``r_c = √p_c (e_c − p)``. Regression (unit noise): ``r_c = e_c``.
+    """
+    B, C = out.shape
+    eye = torch.eye(C, dtype=out.dtype, device=out.device)
+    if likelihood == "classification":
+        p = torch.softmax(out, dim=1)  # (B, C)
+        return p.T.sqrt()[:, :, None] * (eye[:, None, :] - p[None, :, :])
+    return eye[:, None, :].expand(C, B, C)
+
+
+def _layer_selected_grads(mod, x_in, g_out, rows, cols, max_chunk: int) -> torch.Tensor:
+    """Per-example gradient entries ``d_k[rows, cols]`` (``(B, S_l)``) with
+    ``d_k = Σ_t g_{k,t} a_{k,t}^T``: gathered products when ``T S_l <= m n``, else
+    ``d_k`` formed by a batched matmul and gathered. Chunked over examples."""
+    a3 = layer_inputs(mod, x_in)  # (B, T, n)
+    g3 = layer_output_grads(mod, g_out)  # (B, T, m)
+    B, T, n = a3.shape
+    m = g3.shape[2]
+    Sl = rows.numel()
+    gather_first = T * Sl <= m * n
+    per = max(1, T * Sl if gather_first else m * n)
+    bs = max(1, min(B, max_chunk // per))
+    out = []
+    for i0 in range(0, B, bs):
+        a, g = a3[i0:i0 + bs], g3[i0:i0 + bs]
+        if gather_first:
+            out.append((g[:, :, rows] * a[:, :, cols]).sum(1))
+        else:
+            d = torch.bmm(g.transpose(1, 2), a)  # (b, m, n)
+            out.append(d[:, rows, cols])
+    return torch.cat(out, 0)
+
+
+def collect_subnet_fisher(
+    model: nn.Module,
+    batches: Iterable,
+    masks: Mapping[str, torch.Tensor],
+    *,
+    fisher: str = "mc",
+    mc_samples: int = 1,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype = torch.float64,
+    likelihood: str = "classification",
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    max_chunk_elements: int = 2**26,
+) -> tuple[torch.Tensor, int]:
+    """``(F_sum, count)``: ``F_sum = Σ_k w_s Σ_s d_{s,k,S} d_{s,k,S}^T`` (``S x S``, in ``dtype``).
+
+    ``d_{s,k,S}`` = per-example gradient of ``log p(y_s | x_k)`` at the selected weights
+    (subnetwork order, module docstring). ``fisher="mc"``: ``mc_samples`` labels drawn
+    from the model's predictive with ``generator`` (the same draws as
+    :func:`laplace_core.collect.collect_statistics` makes from a generator in the same
+    state), ``w_s = 1/mc_samples``; ``"empirical"``: true labels; ``"ggn"``: the exact
+    GGN, ``Σ_k J_S^T Λ_k J_S`` (one backward pass per class/output). ``masks``: bool
+    ``(m, n)`` per curvature layer in model order (layers may be omitted: nothing
+    selected there). Fails up front when ``S²`` numbers exceed ``memory_budget`` bytes.
+    Model in ``eval()`` mode; modes restored; ``.grad`` untouched.
+    """
+    if fisher not in SUBNET_FISHER_TYPES:
+        raise ValueError(f"unknown subnet fisher {fisher!r}; valid: {', '.join(SUBNET_FISHER_TYPES)}")
+    if likelihood not in ("classification", "regression"):
+        raise ValueError(f"unknown likelihood {likelihood!r}; valid: classification, regression")
+    modules, infos, _ = find_layers(model)
+    names = _check_masks(masks, modules, infos)
+    S = subnet_size({k: masks[k] for k in names})
+    if S == 0:
+        raise ValueError("the masks select no weight (S = 0)")
+    check_subnet_memory(S, memory_budget, dtype)
+    first = next(iter(modules.values())).weight
+    cdtype, device = first.dtype, first.device
+    sel = {}
+    for k in names:
+        nz = masks[k].to(device).T.nonzero()  # (j, i) pairs in vec (column-stacking) order
+        if nz.shape[0]:
+            sel[k] = (nz[:, 1], nz[:, 0])
+    F = torch.zeros(S, S, dtype=dtype, device=device)
+    count = 0
+    modes = {mod: mod.training for mod in model.modules()}
+    model.eval()
+    try:
+        with capture(model, modules) as cap, torch.enable_grad():
+            for i, batch in enumerate(batches):
+                x, y = _split(batch, i)
+                x = torch.as_tensor(x)
+                x = x.to(device=device, dtype=cdtype if x.dtype.is_floating_point else x.dtype)
+                out = model(x)
+                if out.dim() != 2:
+                    raise ValueError(f"batch {i}: model output must be (B, C), got {tuple(out.shape)}")
+                od = out.detach()
+                if fisher == "ggn":
+                    go = _ggn_output_grads(od, likelihood)
+                    w = 1.0
+                else:
+                    targets = sample_targets(od, y, fisher=fisher, mc_samples=mc_samples, generator=generator,
+                                             likelihood=likelihood)
+                    go = output_gradients(od, targets, likelihood)
+                    w = 1.0 / go.shape[0]
+                go = go.to(out.dtype)
+                for s in range(go.shape[0]):
+                    grads = cap.backward(out, go[s], retain_graph=s < go.shape[0] - 1)
+                    parts = [
+                        _layer_selected_grads(modules[k], cap.inputs[k], grads[k], r, c, int(max_chunk_elements))
+                        for k, (r, c) in sel.items()
+                    ]
+                    d = torch.cat(parts, 1).to(dtype)  # (B, S)
+                    F.addmm_(d.T, d, alpha=w)
+                del out
+                count += x.shape[0]
+                cap.clear()
+    finally:
+        for mod, mode in modes.items():
+            mod.training = mode
+    if count == 0:
+        raise ValueError("no batches: the data iterable was empty")
+    if not bool(torch.isfinite(F).all()):
+        raise FloatingPointError("subnet Fisher is not finite (overflow in the model's dtype?); run in float64")
+    return F, count
+
+
+# =========================================================================== posterior
+def build_subnet_posterior(
+    fisher_sum: torch.Tensor,
+    count: int,
+    masks: Mapping[str, torch.Tensor],
+    n_data: float | None = None,
+    prior_precision: float = 1.0,
+    *,
+    scale_prior: bool = True,
+    d_total: int | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> SubnetPosterior:
+    """:class:`SubnetPosterior` with ``P_S = N F_sum/count + τ' I``.
+
+    ``masks`` must list **every** curvature layer in model order (as
+    :func:`select_subnetwork` returns them), so ``D_total`` = their total size (or pass
+    ``d_total``). ``scale_prior``: ``τ' = τ S / D_total`` (Daxberger et al.), else ``τ' = τ``.
+    ``N`` defaults to ``count``.
+    """
+    if not isinstance(fisher_sum, torch.Tensor) or fisher_sum.dim() != 2 or fisher_sum.shape[0] != fisher_sum.shape[1]:
+        raise ValueError(f"fisher_sum must be a square S x S tensor, got {getattr(fisher_sum, 'shape', type(fisher_sum))}")
+    if isinstance(count, bool) or not isinstance(count, int) or count <= 0:
+        raise ValueError(f"count must be a positive int (examples in the Fisher sum), got {count!r}")
+    N, tau = check_hyper(count if n_data is None else n_data, prior_precision)
+    layers, offset = {}, 0
+    for k, mk in masks.items():
+        if not isinstance(mk, torch.Tensor) or mk.dtype != torch.bool or mk.dim() != 2:
+            raise ValueError(f"mask {k!r} must be a bool (m, n) tensor")
+        idx = vec(mk).nonzero().flatten().to(torch.int64)
+        layers[k] = SubnetLayerView(idx, tuple(mk.shape), offset)
+        offset += idx.numel()
+    S = offset
+    if S != fisher_sum.shape[0]:
+        raise ValueError(f"masks select S = {S} weights but fisher_sum is {tuple(fisher_sum.shape)}")
+    D = int(sum(mk.numel() for mk in masks.values())) if d_total is None else int(d_total)
+    if D < S:
+        raise ValueError(f"d_total = {D} is smaller than S = {S}")
+    scale = S / D if scale_prior else 1.0
+    fisher = (fisher_sum.to(torch.float64) / count).to(dtype)
+    return SubnetPosterior(
+        method="subnet", layers=layers, n_data=N, prior_precision=tau, rank=None,
+        info={"subnet_size": S, "d_total": D, "prior_scale": scale}, fisher=fisher, prior_scale=scale,
+    )
+
+
+def subnet_laplace(
+    model: nn.Module,
+    batches,
+    stats: CurvatureStatistics,
+    S: int,
+    *,
+    rule: str = "wasserstein",
+    fisher: str = "mc",
+    mc_samples: int = 1,
+    generator: torch.Generator | None = None,
+    n_data: float | None = None,
+    prior_precision: float = 1.0,
+    seed: int = 0,
+    likelihood: str = "classification",
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    dtype: torch.dtype = torch.float64,
+) -> SubnetPosterior:
+    """One process, all three steps: select ``S`` weights from ``stats`` (diagonal Laplace with
+    ``(n_data, prior_precision)``), one pass of :func:`collect_subnet_fisher` over ``batches``
+    (re-iterable if it was also used for ``stats``), then :func:`build_subnet_posterior` with
+    the prior ``τ S / D_total`` and ``N`` = ``n_data`` (default: the Fisher's count).
+    Distributed runs call the three functions separately and sum ``(F_sum, count)`` over shards."""
+    masks = select_subnetwork(stats, S, rule=rule, prior_precision=prior_precision, n_data=n_data, seed=seed)
+    check_subnet_memory(S, memory_budget, dtype)
+    F, count = collect_subnet_fisher(model, batches, masks, fisher=fisher, mc_samples=mc_samples,
+                                     generator=generator, dtype=dtype, likelihood=likelihood,
+                                     memory_budget=memory_budget)
+    return build_subnet_posterior(F, count, masks, n_data, prior_precision, dtype=dtype)

@@ -1,0 +1,389 @@
+"""Subnetwork Laplace (laplace_core.subnet, structures/subnet.py) against dense ground truth.
+
+* selection: exactly the top-S diagonal-Laplace marginal variances (ties by position);
+  random selection is seeded;
+* the subnetwork Fisher equals the selected rows/columns of the exact full Fisher built
+  from ``torch.func`` per-example gradients (tests/core/fisher_reference.py), for MC,
+  empirical and GGN, classification and regression;
+* with S = all weights, subnet Laplace equals full-covariance Laplace (dense);
+* F F^T = P_S^{-1}, samples are zero outside the subnetwork, save/load round trips;
+* the 1D two-cluster regression of Daxberger et al. §6.1 (in-between uncertainty).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from laplace_core.collect import collect_statistics, sample_targets
+from laplace_core.glm import GLMPredictor, glm_covariance
+from laplace_core.io import load_posterior
+from laplace_core.layers import find_layers
+from laplace_core.posterior import build_posterior, with_hyper
+from laplace_core.predictive import MCPredictor
+from laplace_core.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
+from laplace_core.structures.base import Posterior, unvec, vec
+from laplace_core.structures.diag import DiagLayer
+from laplace_core.structures.subnet import SubnetPosterior
+from laplace_core.subnet import (
+    build_subnet_posterior, check_subnet_memory, collect_subnet_fisher, max_subnet_size, select_subnetwork,
+    subnet_laplace, subnet_size,
+)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fisher_reference import per_example_grads  # noqa: E402
+
+F64 = torch.float64
+EXACT_TOL = 1e-10  # relative to the largest entry of the reference
+MC_TOL = 0.05      # max |Ĉ − C| / max diag C for 20,000 samples
+
+
+# --------------------------------------------------------------------------- helpers
+def _classifier(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).to(F64).eval()
+
+
+def _conv_classifier(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(inplace=True), nn.Flatten(),
+                         nn.Linear(3 * 3 * 3, 3)).to(F64).eval()
+
+
+def _regressor(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 2)).to(F64).eval()
+
+
+def _batches(model, in_shape, lik, n=20, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, *in_shape, generator=g, dtype=F64)
+    with torch.no_grad():
+        out = model(x)
+    y = out + torch.randn(out.shape, generator=g, dtype=F64) if lik == "regression" else \
+        torch.randint(0, out.shape[1], (n,), generator=g)
+    h = n // 2
+    return [(x[:h], y[:h]), (x[h:], y[h:])]
+
+
+def _flat_grads(model, x, targets, lik):
+    """Per-example gradients over all curvature layers, ``(..., D)`` in subnetwork order."""
+    d = per_example_grads(model, x, targets, lik)
+    return torch.cat([vec(d[k]) for k in find_layers(model)[0]], dim=-1)
+
+
+def _global_index(masks):
+    return torch.cat([vec(mk) for mk in masks.values()]).nonzero().flatten()
+
+
+def _reference_fisher(model, batches, fisher, lik, generator=None, mc_samples=1):
+    """Exact full Fisher SUM (D x D) from torch.func per-example gradients."""
+    total = 0
+    for x, y in batches:
+        with torch.no_grad():
+            out = model(x)
+        if fisher == "ggn":
+            C = out.shape[1]
+            if lik == "classification":
+                tg = torch.arange(C)[:, None].expand(C, len(x))
+                v = _flat_grads(model, x, tg, lik)  # (C, M, D): (e_c − p)^T J
+                p = torch.softmax(out, 1).T  # (C, M)
+                total = total + torch.einsum("cm,cmd,cme->de", p, v, v)
+            else:
+                tg = out[None] + torch.eye(C, dtype=F64)[:, None, :]  # targets f + e_c: gradient e_c^T J
+                v = _flat_grads(model, x, tg, lik)
+                total = total + torch.einsum("cmd,cme->de", v, v)
+        else:
+            tg = sample_targets(out, y, fisher=fisher, mc_samples=mc_samples, generator=generator, likelihood=lik)
+            v = _flat_grads(model, x, tg, lik)  # (S, M, D)
+            total = total + torch.einsum("smd,sme->de", v, v) / tg.shape[0]
+    return total
+
+
+def _stats(model, batches, lik="classification"):
+    return collect_statistics(model, batches, generator=torch.Generator().manual_seed(0), likelihood=lik)
+
+
+# --------------------------------------------------------------------------- selection
+def test_wasserstein_selects_top_marginal_variances():
+    model = _conv_classifier()
+    stats = _stats(model, _batches(model, (2, 3, 3), "classification"))
+    N, tau = 50.0, 0.3
+    var = torch.cat([vec(1.0 / (N * ls.diag / stats.count + tau)) for ls in stats.layers.values()])
+    for S in (1, 7, 40, var.numel()):
+        masks = select_subnetwork(stats, S, prior_precision=tau, n_data=N)
+        assert list(masks) == list(stats.layers) and subnet_size(masks) == S
+        got = set(_global_index(masks).tolist())
+        want = set(torch.topk(var, S).indices.tolist())
+        assert got == want, S
+        kept = var[list(got)]
+        dropped = var[[i for i in range(var.numel()) if i not in got]]
+        assert dropped.numel() == 0 or kept.min() >= dropped.max()
+    # the same selection from a diag posterior's marginal variances
+    post = build_posterior(stats, "diag", n_data=N, prior_precision=tau)
+    a = select_subnetwork(post, 9)
+    b = select_subnetwork(stats, 9, prior_precision=tau, n_data=N)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_selection_ties_and_random_rule():
+    infos = {"a": LayerInfo("a", "linear", 2, 3, True, (2, 2)), "b": LayerInfo("b", "linear", 3, 2, True, (3, 1))}
+    layers = {k: LayerStatistics(A=torch.eye(i.shape[1], dtype=F64), G=torch.eye(i.shape[0], dtype=F64),
+                                 diag=torch.zeros(i.shape, dtype=F64)) for k, i in infos.items()}
+    stats = CurvatureStatistics(layers=layers, infos=infos, count=5)
+    masks = select_subnetwork(stats, 4)  # all variances tie: the first 4 positions in vec order
+    assert vec(masks["a"]).tolist() == [True, True, True, True, False, False]
+    assert not bool(masks["b"].any())
+    r1 = select_subnetwork(stats, 5, rule="random", seed=3)
+    r2 = select_subnetwork(stats, 5, rule="random", seed=3)
+    r3 = select_subnetwork(stats, 5, rule="random", seed=4)
+    assert subnet_size(r1) == 5 and all(torch.equal(r1[k], r2[k]) for k in r1)
+    assert any(not torch.equal(r1[k], r3[k]) for k in r1)
+    with pytest.raises(ValueError, match="unknown subnetwork selection rule"):
+        select_subnetwork(stats, 3, rule="magnitude")
+    with pytest.raises(ValueError, match=r"S must be an int in \[1, 12\]"):
+        select_subnetwork(stats, 13)
+
+
+# --------------------------------------------------------------------------- Fisher
+@pytest.mark.parametrize("fisher", ["mc", "empirical", "ggn"])
+@pytest.mark.parametrize("problem", ["classifier", "conv", "regression"])
+def test_subnet_fisher_equals_exact_rows_and_columns(problem, fisher):
+    make, shape, lik = {
+        "classifier": (_classifier, (3,), "classification"),
+        "conv": (_conv_classifier, (2, 3, 3), "classification"),
+        "regression": (_regressor, (2,), "regression"),
+    }[problem]
+    model = make()
+    batches = _batches(model, shape, lik)
+    stats = _stats(model, batches, lik)
+    masks = select_subnetwork(stats, 17, rule="random", seed=2)
+    F, count = collect_subnet_fisher(model, batches, masks, fisher=fisher, mc_samples=2,
+                                     generator=torch.Generator().manual_seed(7), likelihood=lik)
+    ref = _reference_fisher(model, batches, fisher, lik, generator=torch.Generator().manual_seed(7), mc_samples=2)
+    idx = _global_index(masks)
+    want = ref[idx][:, idx]
+    assert count == 20 and F.shape == (17, 17)
+    assert float((F - want).abs().max() / want.abs().max()) < EXACT_TOL, (problem, fisher)
+    # the diagonal of the full-network subnet Fisher (mc) is collect_statistics' exact Fisher diagonal
+    if fisher == "mc" and problem == "conv":
+        allm = {k: torch.ones(i.shape, dtype=torch.bool) for k, i in stats.infos.items()}
+        Fa, _ = collect_subnet_fisher(model, batches, allm, generator=torch.Generator().manual_seed(0))
+        diag = torch.cat([vec(ls.diag) for ls in stats.layers.values()])
+        assert float((Fa.diagonal() - diag).abs().max() / diag.max()) < EXACT_TOL
+
+
+def test_memory_budget_is_checked_up_front():
+    assert max_subnet_size(8 * 100**2) == 100
+    with pytest.raises(ValueError, match="largest S that fits is 100"):
+        check_subnet_memory(101, 8 * 100**2)
+    model = _classifier()
+    batches = _batches(model, (3,), "classification")
+    masks = select_subnetwork(_stats(model, batches), 30)
+    with pytest.raises(ValueError, match="largest S that fits is 20"):
+        collect_subnet_fisher(model, batches, masks, memory_budget=8 * 20**2 + 7)
+
+
+# --------------------------------------------------------------------------- posterior
+def _subnet_post(S=12, fisher="mc", n_data=40.0, tau=0.5, model=None):
+    model = model or _conv_classifier()
+    batches = _batches(model, (2, 3, 3), "classification")
+    stats = _stats(model, batches)
+    masks = select_subnetwork(stats, S, prior_precision=tau)
+    F, count = collect_subnet_fisher(model, batches, masks, fisher=fisher, generator=torch.Generator().manual_seed(1))
+    return model, batches, stats, masks, F, count, build_posterior(
+        stats, "subnet", n_data=n_data, prior_precision=tau, subnet_fisher=(F, count, masks))
+
+
+def test_all_weights_equals_full_covariance_laplace():
+    model = _classifier()
+    batches = _batches(model, (3,), "classification")
+    stats = _stats(model, batches)
+    D = sum(i.numel for i in stats.infos.values())
+    masks = select_subnetwork(stats, D)
+    F, count = collect_subnet_fisher(model, batches, masks, fisher="mc", generator=torch.Generator().manual_seed(5))
+    post = build_subnet_posterior(F, count, masks, n_data=33.0, prior_precision=0.8)
+    assert post.prior_scale == 1.0 and post.size == D
+    ref = _reference_fisher(model, batches, "mc", "classification", generator=torch.Generator().manual_seed(5))
+    P_full = 33.0 * ref / count + 0.8 * torch.eye(D, dtype=F64)  # full network, cross-layer blocks included
+    assert float((post.to_dense() - P_full).abs().max() / P_full.abs().max()) < EXACT_TOL
+    # GLM predictive: J P_full^{-1} J^T with the explicit Jacobian
+    from test_glm import dense_jacobian
+
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(2), dtype=F64)
+    J = dense_jacobian(model, x, list(post.layers))
+    want = J @ torch.linalg.inv(P_full) @ J.transpose(1, 2)
+    got = glm_covariance(model, post, x)
+    assert float((got - want).abs().max() / want.abs().max()) < EXACT_TOL
+    # and the marginals equal the dense inverse's diagonal
+    mv = torch.cat([vec(v) for v in post.marginal_variance().values()])
+    assert float((mv - torch.linalg.inv(P_full).diagonal()).abs().max() / mv.max()) < EXACT_TOL
+
+
+def test_scale_factor_samples_and_prior_rescaling():
+    model, batches, stats, masks, F, count, post = _subnet_post(S=12)
+    assert isinstance(post, SubnetPosterior) and post.method == "subnet"
+    D = post.d_total
+    assert post.prior_scale == pytest.approx(12 / D) and post.effective_prior_precision == pytest.approx(0.5 * 12 / D)
+    P = post.to_dense()
+    want_P = 40.0 * F / count + 0.5 * 12 / D * torch.eye(12, dtype=F64)
+    assert float((P - want_P).abs().max() / want_P.abs().max()) < EXACT_TOL
+    # F F^T = P_S^{-1}: apply scale_matvec to unit vectors placed at the subnetwork positions
+    E = torch.eye(12, dtype=F64)
+    Fm = post.gather(post.scale_matvec(post.scatter(E))).T  # column i = F e_i
+    C = torch.linalg.inv(P)
+    assert float((Fm @ Fm.T - C).abs().max() / C.abs().max()) < EXACT_TOL
+    Cm = post.gather(post.covariance_matvec(post.scatter(E))).T
+    assert float((Cm - C).abs().max() / C.abs().max()) < EXACT_TOL
+    Pm = post.gather(post.precision_matvec(post.scatter(E))).T
+    assert float((Pm - P).abs().max() / P.abs().max()) < EXACT_TOL
+    # samples: zero outside the subnetwork, covariance -> P_S^{-1}
+    s = post.sample(20_000, torch.Generator().manual_seed(0))
+    for k, mk in masks.items():
+        assert bool((s[k][:, ~mk] == 0).all())
+    z = post.gather(s)
+    err = (z.T @ z / z.shape[0] - C).abs().max() / C.diagonal().max()
+    assert float(err) < MC_TOL
+    again = post.sample(3, torch.Generator().manual_seed(5))
+    assert all(torch.equal(v, post.sample(3, torch.Generator().manual_seed(5))[k]) for k, v in again.items())
+    assert post.num_stored() == 12 * 13 // 2 + 12
+    # unscaled prior
+    flat = build_subnet_posterior(F, count, masks, n_data=40.0, prior_precision=0.5, scale_prior=False)
+    assert flat.prior_scale == 1.0
+
+
+def test_with_hyper_save_load_and_mc_predictor(tmp_path):
+    model, batches, stats, masks, F, count, post = _subnet_post(S=10)
+    moved = with_hyper(post, 77.0, 0.25)
+    fresh = build_subnet_posterior(F, count, masks, n_data=77.0, prior_precision=0.25)
+    assert isinstance(moved, SubnetPosterior) and (moved.n_data, moved.prior_precision) == (77.0, 0.25)
+    assert torch.allclose(moved.to_dense(), fresh.to_dense(), rtol=1e-13, atol=1e-13)
+    uri = str(tmp_path / "posterior" / "subnet")
+    post.save(uri)
+    back = load_posterior(uri)
+    assert isinstance(back, SubnetPosterior)
+    assert (back.n_data, back.prior_precision, back.prior_scale, back.info) == \
+        (post.n_data, post.prior_precision, post.prior_scale, post.info)
+    assert torch.equal(back.fisher, post.fisher) and list(back.layers) == list(post.layers)
+    assert all(torch.equal(back.masks()[k], masks[k]) for k in masks)
+    a, b = post.sample(2, torch.Generator().manual_seed(1)), back.sample(2, torch.Generator().manual_seed(1))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # the MC and GLM predictors accept it
+    x = batches[0][0]
+    p = MCPredictor(model, back, n_samples=3, seed=0).predict(x)
+    q = GLMPredictor(model, back, n_samples=3, seed=0).predict(x)
+    assert torch.allclose(p.sum(1), torch.ones(len(x), dtype=F64)) and torch.allclose(q.sum(1), torch.ones(len(x), dtype=F64))
+
+
+def test_subnet_laplace_one_call_equals_the_three_steps():
+    model, batches, stats, masks, F, count, post = _subnet_post(S=9, n_data=40.0, tau=0.5)
+    one = subnet_laplace(model, batches, stats, 9, generator=torch.Generator().manual_seed(1), prior_precision=0.5)
+    want = build_subnet_posterior(F, count, masks, None, 0.5)  # same selection (N = M) and Fisher draws
+    assert all(torch.equal(one.masks()[k], masks[k]) for k in masks)
+    assert torch.allclose(one.to_dense(), want.to_dense(), rtol=1e-13, atol=1e-13)
+
+
+def test_bad_inputs_give_clear_errors():
+    model, batches, stats, masks, F, count, post = _subnet_post(S=6)
+    with pytest.raises(ValueError, match="needs subnet_fisher"):
+        build_posterior(stats, "subnet")
+    with pytest.raises(ValueError, match="subnet_fisher= applies only"):
+        build_posterior(stats, "diag", subnet_fisher=(F, count, masks))
+    with pytest.raises(ValueError, match="valid: .*subnet"):
+        build_posterior(stats, "subnetwork")
+    with pytest.raises(ValueError, match="masks select S = 6 weights but fisher_sum"):
+        build_subnet_posterior(F[:5, :5], count, masks)
+    with pytest.raises(ValueError, match="not positive definite"):
+        build_subnet_posterior(torch.zeros(6, 6, dtype=F64), count, masks, prior_precision=0.0)
+    with pytest.raises(ValueError, match="not defined per layer"):
+        next(iter(post.layers.values())).scale_matvec(torch.zeros(1))
+    with pytest.raises(ValueError, match="model order"):
+        collect_subnet_fisher(model, batches, dict(reversed(list(masks.items()))))
+    with pytest.raises(ValueError, match="unknown subnet fisher"):
+        collect_subnet_fisher(model, batches, masks, fisher="kfac")
+    with pytest.raises(ValueError, match="bool tensor of shape"):
+        collect_subnet_fisher(model, batches, {k: v.double() for k, v in masks.items()})
+
+
+# --------------------------------------------------------------------------- Daxberger §6.1
+def _two_cluster_problem():
+    """1D two-cluster regression (Daxberger et al. §6.1 / Antorán et al. 2020 style): inputs in
+    [-4, -2] ∪ [2, 4], ``y = sin(1.5 x) + 0.1 ε``; a 1-30-30-1 ReLU MLP trained with the paper's
+    optimiser (SGD, momentum 0.9, weight decay 1e-4), seeded. Returns the model, the data,
+    the exact GGN over all weights and the in-between inputs x ∈ [-1, 1]."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.rand(40, 1, generator=g, dtype=F64) * 2 - 4, torch.rand(40, 1, generator=g, dtype=F64) * 2 + 2])
+    y = torch.sin(1.5 * x) + 0.1 * torch.randn(80, 1, generator=g, dtype=F64)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1, 30), nn.ReLU(), nn.Linear(30, 30), nn.ReLU(), nn.Linear(30, 1)).to(F64)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-4)
+    for _ in range(1200):
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+    model.eval()
+    allm = {k: torch.ones(i.shape, dtype=torch.bool) for k, i in find_layers(model)[1].items()}
+    F, count = collect_subnet_fisher(model, [(x, y)], allm, fisher="ggn", likelihood="regression")
+    return model, x, y, allm, F, count, torch.linspace(-1, 1, 21, dtype=F64)[:, None]
+
+
+def _in_between_std(model, post, xb):
+    """Mean GLM predictive standard deviation of the function at the in-between inputs."""
+    return float(glm_covariance(model, post, xb)[:, 0, 0].sqrt().mean())
+
+
+@pytest.fixture(scope="module")
+def two_cluster():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny problem: threading only adds overhead on a shared machine
+    try:
+        t0 = time.time()
+        model, x, y, allm, F, count, xb = _two_cluster_problem()
+        # N = M / σ² with the data noise σ = 0.1 (the unit-noise likelihood scaled), τ = 3 as in the paper
+        N, tau = 100.0 * count, 3.0
+        full = build_subnet_posterior(F, count, allm, n_data=N, prior_precision=tau)  # S = D: full covariance
+        layers = {k: DiagLayer(unvec(F.diagonal()[lv.offset:lv.offset + lv.size], *lv.shape) / count, N, tau)
+                  for k, lv in full.layers.items()}
+        diag = Posterior("diag", layers, N, tau)
+        yield dict(model=model, x=x, y=y, N=N, tau=tau, full=full, diag=diag, xb=xb, D=full.size, t0=t0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _subnet_std(p, S, rule, seed=0):
+    masks = select_subnetwork(p["diag"], S, rule=rule, seed=seed)
+    F, count = collect_subnet_fisher(p["model"], [(p["x"], p["y"])], masks, fisher="ggn", likelihood="regression")
+    post = build_subnet_posterior(F, count, masks, n_data=p["N"], prior_precision=p["tau"])  # τ S / D
+    return _in_between_std(p["model"], post, p["xb"])
+
+
+def test_two_cluster_subnet_keeps_in_between_uncertainty(two_cluster):
+    p = two_cluster
+    diag_std = _in_between_std(p["model"], p["diag"], p["xb"])
+    full_std = _in_between_std(p["model"], p["full"], p["xb"])
+    half = p["D"] // 2
+    rand_std = [_subnet_std(p, half, "random", seed=s) for s in range(3)]
+    # full-covariance Laplace keeps far more in-between uncertainty than diagonal Laplace (same prior)
+    assert full_std > 2.0 * diag_std, (full_std, diag_std)
+    # a subnetwork over half the weights (prior τ S/D) keeps more than diagonal Laplace over all of them
+    assert min(rand_std) > 2.0 * diag_std, (rand_std, diag_std)
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "Daxberger §6.1's claim (Wasserstein > random selection) is NOT reproduced here: diagonal-Laplace "
+    "marginal variances rank weights of dead / prior-dominated units first (variance ~ 1/τ) whose Jacobian "
+    "is ~0 between the clusters too. Measured (D = 1021): in-between std diag 0.245, full covariance 0.763; "
+    "S = 100: Wasserstein 0.193 vs random 0.50-0.79; S = 300: 0.209 vs 0.64-0.75 (3 seeds). Kept as a "
+    "record; see the H10 report."))
+def test_two_cluster_wasserstein_beats_random_and_diag(two_cluster):
+    p = two_cluster
+    diag_std = _in_between_std(p["model"], p["diag"], p["xb"])
+    for S in (30, 100):
+        wass = _subnet_std(p, S, "wasserstein")
+        rand = sum(_subnet_std(p, S, "random", seed=s) for s in range(3)) / 3
+        assert wass > rand and wass > diag_std, (S, wass, rand, diag_std)
