@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed-stamp
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 
-.PHONY: demo test install clean-venv
+.PHONY: demo core-demo test install clean-venv
 
 install: $(STAMP)
 
@@ -20,7 +20,12 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -e '.[dev]'
 	@touch $(STAMP)
 
+# The embedded default: the Ray job on a local Ray instance with the bundled demo data.
 demo: $(STAMP)
+	$(PY) jobs/imagenet_inf.py
+
+# The core alone (no Ray): statistics, every posterior, samples and sizes on the demo data.
+core-demo: $(STAMP)
 	$(PY) jobs/core_demo.py
 
 # pytest exits 5 when it collects no tests; make then fails, as it should.

@@ -203,5 +203,29 @@ def main(argv=None) -> dict:
     return results
 
 
+def _sample_ratio(ctx: Context) -> dict[str, float]:
+    """(INF draw, rank 100) / (KFAC draw): one posterior sample of every layer each.
+
+    KFAC's matrix-normal draw costs ``m^2 n + m n^2`` per layer (two factor products);
+    INF's Woodbury draw with the vec trick costs ``O(mn + m|I|n ...)`` with ``|I|, |J|``
+    the kept rows/columns (Lee et al. eq. 6 / appendix eq. 21; DESIGN §1)."""
+    from laplace_core.collect import collect_efb
+    from laplace_core.posterior import build_posterior
+
+    basis = ctx.basis if ctx.basis is not None else eigenbasis(ctx.stats)
+    efb, n = collect_efb(ctx.model, [(ctx.x, ctx.y)], basis, fisher="empirical")
+    stats = ctx.stats.with_efb(efb, n)
+    g = torch.Generator().manual_seed(0)
+    kfac = build_posterior(stats, "kfac", prior_precision=1.0, basis=basis, dtype=torch.float32)
+    inf = build_posterior(stats, "inf", rank=100, prior_precision=1.0, basis=basis, dtype=torch.float32)
+    t_kfac = ctx.timeit(lambda: kfac.sample(1, g), reps=5)
+    t_inf = ctx.timeit(lambda: inf.sample(1, g), reps=5)
+    print(f"sample: KFAC {t_kfac * 1e3:.1f} ms, INF(rank 100) {t_inf * 1e3:.1f} ms per draw of all layers")
+    return {"inf_sample/kfac_sample": t_inf / t_kfac}
+
+
+register_ratio("sampling", _sample_ratio)
+
+
 if __name__ == "__main__":
     main()
