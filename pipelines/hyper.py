@@ -1,0 +1,454 @@
+"""Random search over the Laplace hyperparameters ``(N, τ)`` on Ray actors (DESIGN §1, §2).
+
+``P = N F/M + τ I``: the search draws ``cfg.num_configs`` pairs ``(log10 N, log10 τ)``
+uniformly from ``cfg.log10_n`` x ``cfg.log10_tau`` with ``numpy.random.default_rng(seed)``
+(100 configurations by default, as in Lee et al. 2020), the same pairs for every method,
+and scores each on a held-out, labelled **validation** split of the in-domain data with
+the MC predictive (``cfg.mc_samples``, default 10; the same ``θ_t`` noise ``(seed, t)``
+for every configuration, i.e. common random numbers, which makes the comparison less
+noisy).
+
+Parallelism: data-parallel, like :mod:`pipelines.evaluate`. Each of ``cfg.num_actors``
+actors loads the model and the posteriors once, takes one iterator of
+``val_ds.streaming_split(num_actors, equal=False)`` and evaluates **every**
+configuration of every method on its shard; per configuration it returns small
+mergeable accumulators (accuracy, NLL, Brier, ECE histogram), which the driver merges.
+A configuration is re-targeted with ``laplace_core.posterior.with_hyper`` (reuses the
+stored eigenvectors, ``Λ/M``, ``D``; INF redoes only its ``L x L`` eigh) once per
+chunk of ``cfg.chunk_size`` examples (default 4096: one chunk per actor for usual
+validation sizes).
+
+Failures never stop the search: a configuration whose precision is not positive
+definite (``with_hyper`` raises) or whose predictions are not finite on any shard is
+marked ``status="failed"`` with the reason. Choice per method: objective ``"nll"``
+(default) = smallest NLL; ``"ece"`` = smallest ECE (``cfg.ece_mode``) among the
+configurations with ``accuracy >= cfg.accuracy_floor`` (no floor when None); ties ->
+lowest configuration id. No eligible configuration -> ``chosen[method] = None`` with
+the reason in ``notes``.
+
+Artifacts (with ``output``): ``<output>/eval/<method>/search.parquet`` (one row per
+configuration: config_id, method, log10_n, log10_tau, n_data, prior_precision, nll,
+ece, accuracy, brier, count, status, reason, seconds) and
+``<output>/eval/<method>/search.json`` (choice, objective, floor, MAP reference on
+the validation split, search settings).
+"""
+from __future__ import annotations
+
+import io
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from laplace_core.metrics import NLL, Accuracy, Brier, Calibration, DEFAULT_ECE_BINS, ECE_STRATEGIES
+
+from . import storage
+from .evaluate import (
+    MAP,
+    EvalWorker,
+    _RuntimeFields,
+    _finite_or_reason,
+    _predict_chunk,
+    _valid_batches,
+    eval_uri,
+    iter_chunks,
+    load_eval_model,
+    load_posteriors,
+    model_ref,
+    run_actors,
+)
+
+__all__ = [
+    "OBJECTIVES",
+    "SearchConfig",
+    "HyperConfig",
+    "SearchAccumulator",
+    "SearchResult",
+    "sample_configs",
+    "search_shard",
+    "SearchWorker",
+    "search",
+    "choose",
+]
+
+#: Search objectives.
+OBJECTIVES: dict[str, str] = {
+    "nll": "smallest validation NLL",
+    "ece": "smallest validation ECE among configurations with accuracy >= accuracy_floor",
+}
+TABLE_COLUMNS = ("config_id", "method", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece",
+                 "accuracy", "brier", "count", "status", "reason", "seconds")
+
+
+def _range(name: str, r: Any) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in r)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a (low, high) pair of numbers, got {r!r}") from None
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
+        raise ValueError(f"{name} must be finite with low <= high, got {r!r}")
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class HyperConfig:
+    """One configuration: ``N = 10**log10_n``, ``τ = 10**log10_tau`` (``-inf`` gives ``τ = 0``)."""
+
+    config_id: int
+    log10_n: float
+    log10_tau: float
+
+    @property
+    def n_data(self) -> float:
+        return 10.0 ** self.log10_n
+
+    @property
+    def prior_precision(self) -> float:
+        return 0.0 if self.log10_tau == -math.inf else 10.0 ** self.log10_tau
+
+
+@dataclass(frozen=True)
+class SearchConfig(_RuntimeFields):
+    """Random-search settings. num_configs / log10_n / log10_tau / seed: the configurations
+    (:func:`sample_configs`); configs: explicit ``(log10_n, log10_tau)`` pairs instead (then
+    num_configs/ranges are ignored). objective: "nll" or "ece"; accuracy_floor: minimum
+    validation accuracy for "ece" (None: no floor). mc_samples: ``K`` per configuration
+    (default 10). ece_bins / ece_mode: the ECE used. Runtime fields: see
+    ``pipelines.evaluate._RuntimeFields`` (chunk_size defaults to 4096 here)."""
+
+    num_configs: int = 100
+    log10_n: tuple[float, float] = (0.0, 8.0)
+    log10_tau: tuple[float, float] = (-4.0, 4.0)
+    objective: str = "nll"
+    accuracy_floor: float | None = None
+    mc_samples: int = 10
+    seed: int = 0
+    ece_bins: int = DEFAULT_ECE_BINS
+    ece_mode: str = "equal_width"
+    configs: tuple[tuple[float, float], ...] | None = None
+    chunk_size: int = 4096
+
+    def __post_init__(self) -> None:
+        self._check_runtime()
+        for n in ("num_configs", "mc_samples", "ece_bins"):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{n} must be a positive int, got {v!r}")
+        object.__setattr__(self, "log10_n", _range("log10_n", self.log10_n))
+        object.__setattr__(self, "log10_tau", _range("log10_tau", self.log10_tau))
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"unknown search objective {self.objective!r}; valid: {', '.join(OBJECTIVES)}")
+        if self.ece_mode not in ECE_STRATEGIES:
+            raise ValueError(f"unknown ece_mode {self.ece_mode!r}; valid: {', '.join(ECE_STRATEGIES)}")
+        if self.accuracy_floor is not None and not (0.0 <= float(self.accuracy_floor) <= 1.0):
+            raise ValueError(f"accuracy_floor must be in [0, 1] or None, got {self.accuracy_floor!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.configs is not None:
+            pairs = []
+            for c in self.configs:
+                try:
+                    a, b = (float(v) for v in c)
+                except (TypeError, ValueError):
+                    raise ValueError(f"configs entries must be (log10_n, log10_tau) pairs, got {c!r}") from None
+                if not math.isfinite(a) or math.isnan(b) or b == math.inf:
+                    raise ValueError(f"configs entry {c!r}: log10_n must be finite, log10_tau finite or -inf")
+                pairs.append((a, b))
+            if not pairs:
+                raise ValueError("configs must not be empty (or None to sample)")
+            object.__setattr__(self, "configs", tuple(pairs))
+
+    @classmethod
+    def from_spec(cls, spec: Any, **overrides: Any) -> "SearchConfig":
+        """From ``pipelines.config.SearchSpec`` plus keyword overrides (runtime fields)."""
+        names = ("num_configs", "log10_n", "log10_tau", "objective", "accuracy_floor", "mc_samples", "seed")
+        kw = {n: getattr(spec, n) for n in names if hasattr(spec, n)}
+        kw.update(overrides)
+        return cls(**kw)
+
+
+def sample_configs(cfg: SearchConfig) -> tuple[HyperConfig, ...]:
+    """The configurations of a search: ``cfg.configs`` when given, else ``num_configs`` pairs,
+    ``log10 N ~ U(log10_n)`` then ``log10 τ ~ U(log10_tau)`` per draw from
+    ``numpy.random.default_rng(seed)`` (same seed -> same list, on every machine)."""
+    if cfg.configs is not None:
+        return tuple(HyperConfig(i, a, b) for i, (a, b) in enumerate(cfg.configs))
+    rng = np.random.default_rng(cfg.seed)
+    u = rng.random((cfg.num_configs, 2))
+    (n0, n1), (t0, t1) = cfg.log10_n, cfg.log10_tau
+    return tuple(
+        HyperConfig(i, float(n0 + (n1 - n0) * u[i, 0]), float(t0 + (t1 - t0) * u[i, 1]))
+        for i in range(cfg.num_configs)
+    )
+
+
+# --------------------------------------------------------------------------- accumulator
+@dataclass(frozen=True, eq=False)
+class SearchAccumulator:
+    """Accuracy, NLL, Brier and one ECE histogram for one configuration (mergeable sums)."""
+
+    accuracy: Accuracy
+    nll: NLL
+    brier: Brier
+    ece: Calibration
+
+    @classmethod
+    def create(cls, cfg: SearchConfig) -> "SearchAccumulator":
+        return cls(Accuracy(), NLL(), Brier(), Calibration(cfg.ece_mode, cfg.ece_bins))
+
+    def update(self, probs: torch.Tensor, labels: torch.Tensor) -> "SearchAccumulator":
+        return SearchAccumulator(self.accuracy.update(probs, labels), self.nll.update(probs, labels),
+                                 self.brier.update(probs, labels), self.ece.update(probs, labels))
+
+    def merge(self, o: "SearchAccumulator") -> "SearchAccumulator":
+        return SearchAccumulator(self.accuracy.merge(o.accuracy), self.nll.merge(o.nll),
+                                 self.brier.merge(o.brier), self.ece.merge(o.ece))
+
+    @property
+    def count(self) -> int:
+        return self.accuracy.count
+
+    def compute(self) -> dict[str, float]:
+        return {**self.accuracy.compute(), **self.nll.compute(), **self.brier.compute(),
+                "ece": self.ece.compute()["ece"], "count": self.count}
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k).to_json() for k in ("accuracy", "nll", "brier", "ece")}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "SearchAccumulator":
+        return cls(Accuracy.from_json(d["accuracy"]), NLL.from_json(d["nll"]), Brier.from_json(d["brier"]),
+                   Calibration.from_json(d["ece"]))
+
+
+# --------------------------------------------------------------------------- one shard
+def search_shard(
+    model: nn.Module,
+    posteriors: Mapping[str, Any],
+    batches: Iterable[Any],
+    cfg: SearchConfig,
+    configs: Sequence[HyperConfig] | None = None,
+) -> dict[str, Any]:
+    """Score every configuration of every posterior (and the MAP reference) on one shard.
+
+    Returns ``{"acc": {method: {config_id: SearchAccumulator}}, "map": SearchAccumulator,
+    "failed": {method: {config_id: reason}}, "seconds": {method: {config_id: s}},
+    "examples": n}``. Accumulators of failed configurations are dropped.
+    """
+    from laplace_core.posterior import with_hyper
+    from laplace_core.predictive import MCPredictor
+
+    configs = tuple(configs) if configs is not None else sample_configs(cfg)
+    acc: dict[str, dict[int, SearchAccumulator]] = {m: {c.config_id: SearchAccumulator.create(cfg) for c in configs}
+                                                    for m in posteriors}
+    failed: dict[str, dict[int, str]] = {m: {} for m in posteriors}
+    seconds: dict[str, dict[int, float]] = {m: {c.config_id: 0.0 for c in configs} for m in posteriors}
+    map_acc = SearchAccumulator.create(cfg)
+    n = 0
+    with torch.no_grad():
+        for chunk in iter_chunks(batches, cfg.batch_size, cfg.batches_per_chunk, dtype=cfg.torch_dtype,
+                                 device=cfg.resolved_device):
+            n += chunk.count
+            y = torch.cat(chunk.ys)
+            p = torch.cat(_predict_chunk(model, None, chunk))
+            map_acc = map_acc.update(p, y)
+            for m, post in posteriors.items():
+                for c in configs:
+                    cid = c.config_id
+                    if cid in failed[m]:
+                        continue
+                    t0 = time.perf_counter()
+                    try:
+                        post_c = with_hyper(post, c.n_data, c.prior_precision)
+                    except ValueError as e:
+                        failed[m][cid] = str(e)
+                        continue
+                    pred = MCPredictor(model, post_c, cfg.mc_samples, cfg.seed)
+                    p = torch.cat(_predict_chunk(model, pred, chunk))
+                    reason = _finite_or_reason(p)
+                    if reason:
+                        failed[m][cid] = reason
+                        continue
+                    try:
+                        acc[m][cid] = acc[m][cid].update(p, y)
+                    except ValueError as e:  # e.g. rows not summing to 1 after overflow
+                        failed[m][cid] = f"invalid predictions: {e}"
+                        continue
+                    seconds[m][cid] += time.perf_counter() - t0
+    for m in posteriors:
+        for cid in failed[m]:
+            acc[m].pop(cid, None)
+    return {"acc": acc, "map": map_acc, "failed": failed, "seconds": seconds, "examples": n}
+
+
+class SearchWorker(EvalWorker):
+    """Ray actor body for :func:`search`: loads model and posteriors once (posteriors as
+    built; every configuration is applied with ``with_hyper``)."""
+
+    def __init__(self, model: Mapping[str, Any], posterior_uris: Mapping[str, str], cfg: SearchConfig,
+                 endpoint_url: str | None = None):
+        t0 = time.perf_counter()
+        torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.model = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device,
+                                     endpoint_url=endpoint_url)
+        self.posteriors = load_posteriors(posterior_uris)
+        self.load_seconds = time.perf_counter() - t0
+
+    def run(self, shard: Any) -> dict[str, Any]:  # type: ignore[override]
+        t0 = time.perf_counter()
+        it, skipped = _valid_batches(shard, self.cfg.batch_size)
+        r = search_shard(self.model, self.posteriors, it, self.cfg)
+        return {
+            "acc": {m: {str(cid): a.to_json() for cid, a in d.items()} for m, d in r["acc"].items()},
+            "map": r["map"].to_json(),
+            "failed": {m: {str(k): v for k, v in d.items()} for m, d in r["failed"].items()},
+            "seconds": {m: {str(k): v for k, v in d.items()} for m, d in r["seconds"].items()},
+            "examples": r["examples"],
+            "skipped": skipped().to_dict(),
+            "load_seconds": self.load_seconds,
+            "run_seconds": time.perf_counter() - t0,
+        }
+
+
+# --------------------------------------------------------------------------- driver
+@dataclass(frozen=True)
+class SearchResult:
+    """``rows``: one dict per (method, configuration) with :data:`TABLE_COLUMNS`;
+    ``chosen``: method -> ``{"config_id", "log10_n", "log10_tau", "n_data",
+    "prior_precision", "nll", "ece", "accuracy", "brier"}`` or None; ``notes``: method ->
+    why nothing was chosen; ``map``: MAP metrics on the validation split; ``info``:
+    settings, counts and timings."""
+
+    rows: tuple[dict[str, Any], ...]
+    chosen: dict[str, dict[str, Any] | None]
+    notes: dict[str, str] = field(default_factory=dict)
+    map: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def hyper(self) -> dict[str, tuple[float, float]]:
+        """``method -> (N, τ)`` of the chosen configurations (for ``evaluate(hyper=...)``)."""
+        return {m: (c["n_data"], c["prior_precision"]) for m, c in self.chosen.items() if c is not None}
+
+    def table(self, method: str | None = None):
+        """The rows (of one method, or all) as a ``pyarrow.Table`` with :data:`TABLE_COLUMNS`."""
+        import pyarrow as pa
+
+        rows = [r for r in self.rows if method is None or r["method"] == method]
+        types = {"config_id": pa.int64(), "method": pa.string(), "count": pa.int64(), "status": pa.string(),
+                 "reason": pa.string()}
+        cols = {k: pa.array([r[k] for r in rows], type=types.get(k, pa.float64())) for k in TABLE_COLUMNS}
+        return pa.table(cols)
+
+
+def choose(rows: Sequence[Mapping[str, Any]], objective: str = "nll", accuracy_floor: float | None = None
+           ) -> tuple[dict[str, Any] | None, str]:
+    """Best row of one method's table: ``(row, "")`` or ``(None, reason)`` (see module doc)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown search objective {objective!r}; valid: {', '.join(OBJECTIVES)}")
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return None, f"all {len(rows)} configurations failed"
+    if objective == "ece" and accuracy_floor is not None:
+        ok = [r for r in ok if r["accuracy"] >= accuracy_floor]
+        if not ok:
+            return None, f"no configuration reached the accuracy floor {accuracy_floor}"
+    key = "nll" if objective == "nll" else "ece"
+    best = min(ok, key=lambda r: (r[key], r["config_id"]))
+    return dict(best), ""
+
+
+def _parquet_bytes(table) -> bytes:
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    return buf.getvalue()
+
+
+def search(
+    model_spec: Any,
+    posterior_uris: Mapping[str, str],
+    val_ds: Any,
+    cfg: SearchConfig = SearchConfig(),
+    *,
+    output: str | None = None,
+    endpoint_url: str | None = None,
+) -> SearchResult:
+    """Random search of ``(N, τ)`` per method on ``val_ds`` (Ray Dataset with image/label/
+    path/valid columns, a held-out labelled split of the in-domain data) with
+    ``cfg.num_actors`` actors. ``posterior_uris``: ``method -> artifact URI`` (any stored
+    ``(N, τ)``; each configuration is applied with ``with_hyper``). Returns a
+    :class:`SearchResult`; with ``output`` writes ``<output>/eval/<method>/search.parquet``
+    and ``search.json``."""
+    if not isinstance(cfg, SearchConfig):
+        raise ValueError(f"cfg must be a SearchConfig, got {type(cfg).__name__}")
+    ref = model_ref(model_spec)
+    uris = dict(posterior_uris)
+    if MAP in uris:
+        raise ValueError(f"{MAP!r} has no hyperparameters; pass posterior methods only")
+    configs = sample_configs(cfg)
+    t0 = time.perf_counter()
+    results = run_actors(SearchWorker, (ref, uris, cfg, endpoint_url), [val_ds], cfg)
+    wall = time.perf_counter() - t0
+
+    map_acc = SearchAccumulator.create(cfg)
+    for r in results:
+        map_acc = map_acc.merge(SearchAccumulator.from_json(r["map"]))
+    rows: list[dict[str, Any]] = []
+    chosen: dict[str, dict[str, Any] | None] = {}
+    notes: dict[str, str] = {}
+    for m in uris:
+        mrows = []
+        for c in configs:
+            key = str(c.config_id)
+            reasons = [r["failed"][m][key] for r in results if key in r["failed"][m]]
+            row: dict[str, Any] = {"config_id": c.config_id, "method": m, "log10_n": c.log10_n,
+                                   "log10_tau": c.log10_tau, "n_data": c.n_data, "prior_precision": c.prior_precision,
+                                   "seconds": sum(float(r["seconds"][m].get(key, 0.0)) for r in results)}
+            if reasons:
+                row.update(nll=math.nan, ece=math.nan, accuracy=math.nan, brier=math.nan, count=0,
+                           status="failed", reason=reasons[0])
+            else:
+                a = SearchAccumulator.create(cfg)
+                for r in results:
+                    a = a.merge(SearchAccumulator.from_json(r["acc"][m][key]))
+                row.update(a.compute(), status="ok", reason="")
+            mrows.append(row)
+        best, why = choose(mrows, cfg.objective, cfg.accuracy_floor)
+        chosen[m] = None if best is None else {k: best[k] for k in (
+            "config_id", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece", "accuracy", "brier")}
+        if why:
+            notes[m] = why
+        rows.extend(mrows)
+    info = {
+        "objective": cfg.objective,
+        "accuracy_floor": cfg.accuracy_floor,
+        "num_configs": len(configs),
+        "log10_n": list(cfg.log10_n),
+        "log10_tau": list(cfg.log10_tau),
+        "explicit_configs": cfg.configs is not None,
+        "mc_samples": cfg.mc_samples,
+        "seed": cfg.seed,
+        "ece": f"ece_{cfg.ece_mode}_{cfg.ece_bins}",
+        "examples": sum(r["examples"] for r in results),
+        "skipped": sum(r["skipped"]["count"] for r in results),
+        "wall_s": wall,
+        "load_s_max": max(r["load_seconds"] for r in results),
+        "num_actors": cfg.num_actors,
+        "failed": {m: sum(1 for r in rows if r["method"] == m and r["status"] == "failed") for m in uris},
+    }
+    result = SearchResult(tuple(rows), chosen, notes, map_acc.compute() if map_acc.count else {}, info)
+    if output is not None:
+        for m in uris:
+            d = eval_uri(output, m)
+            storage.write_bytes_atomic(storage.join(d, "search.parquet"), _parquet_bytes(result.table(m)),
+                                       endpoint_url)
+            storage.write_json_atomic(storage.join(d, "search.json"),
+                                      {"method": m, "chosen": chosen[m], "note": notes.get(m, ""),
+                                       "map_validation": result.map, **info}, endpoint_url)
+    return result

@@ -1,0 +1,180 @@
+"""pipelines.hyper: deterministic configurations, failures marked not raised, objectives.
+
+Tiny problem: ``tiny_cnn`` (3 classes) on 8x8 random images whose third channel is
+identically zero, so the Fisher of the first conv's weights on that channel is exactly
+0 and ``τ = 0`` makes the diag and INF precisions singular. Real local Ray
+(``ray_session``), 2 actors at 0.5 CPU.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines.hyper import SearchConfig, choose, sample_configs, search, TABLE_COLUMNS
+
+METHODS = ("diag", "kfac", "efb", "inf")
+N_EXAMPLES = 48
+
+
+# --------------------------------------------------------------------------- no Ray
+def test_configs_are_deterministic_from_the_seed():
+    cfg = SearchConfig(num_configs=100, log10_n=(1.0, 5.0), log10_tau=(-3.0, 2.0), seed=7)
+    a, b = sample_configs(cfg), sample_configs(SearchConfig(num_configs=100, log10_n=(1.0, 5.0),
+                                                            log10_tau=(-3.0, 2.0), seed=7))
+    assert a == b and len(a) == 100
+    assert [c.config_id for c in a] == list(range(100))
+    assert all(1.0 <= c.log10_n <= 5.0 and -3.0 <= c.log10_tau <= 2.0 for c in a)
+    # independent re-derivation of the documented rule
+    u = np.random.default_rng(7).random((100, 2))
+    assert [c.log10_n for c in a] == pytest.approx(list(1.0 + 4.0 * u[:, 0]), abs=0, rel=1e-15)
+    assert [c.log10_tau for c in a] == pytest.approx(list(-3.0 + 5.0 * u[:, 1]), abs=0, rel=1e-15)
+    c = sample_configs(SearchConfig(num_configs=100, log10_n=(1.0, 5.0), log10_tau=(-3.0, 2.0), seed=8))
+    assert c != a
+    assert a[0].n_data == 10.0 ** a[0].log10_n and a[0].prior_precision == 10.0 ** a[0].log10_tau
+
+
+def test_bad_settings_are_one_line_errors():
+    with pytest.raises(ValueError, match="objective"):
+        SearchConfig(objective="acc")
+    with pytest.raises(ValueError, match="log10_tau"):
+        SearchConfig(log10_tau=(2.0, 1.0))
+    with pytest.raises(ValueError, match="accuracy_floor"):
+        SearchConfig(accuracy_floor=1.5)
+    with pytest.raises(ValueError, match="configs"):
+        SearchConfig(configs=((1.0, math.nan),))
+
+
+def test_choose_rules():
+    rows = [
+        {"config_id": 0, "status": "ok", "nll": 0.5, "ece": 0.01, "accuracy": 0.6},
+        {"config_id": 1, "status": "ok", "nll": 0.3, "ece": 0.05, "accuracy": 0.9},
+        {"config_id": 2, "status": "failed", "nll": math.nan, "ece": math.nan, "accuracy": math.nan},
+        {"config_id": 3, "status": "ok", "nll": 0.4, "ece": 0.03, "accuracy": 0.8},
+    ]
+    assert choose(rows, "nll")[0]["config_id"] == 1
+    assert choose(rows, "ece")[0]["config_id"] == 0
+    assert choose(rows, "ece", 0.7)[0]["config_id"] == 3
+    best, why = choose(rows, "ece", 0.95)
+    assert best is None and "floor" in why
+    assert choose(rows[2:3], "nll")[0] is None
+
+
+# --------------------------------------------------------------------------- Ray
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Weights file, posterior URIs and a validation set (rows with image/label/path/valid)."""
+    from safetensors.torch import save_file
+
+    import laplace_core as lc
+    from pipelines.models import tiny_cnn
+
+    root = tmp_path_factory.mktemp("hyper")
+    torch.manual_seed(0)
+    model = tiny_cnn(3).eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N_EXAMPLES, 3, 8, 8, generator=g)
+    x[:, 2] = 0.0  # a dead input channel: exact zeros in the Fisher of conv 0
+    with torch.no_grad():
+        y = model(x).argmax(1)
+    flip = torch.rand(N_EXAMPLES, generator=g) < 0.3
+    y[flip] = torch.randint(0, 3, (int(flip.sum()),), generator=g)
+    weights = str(root / "tiny.safetensors")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights)
+
+    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, N_EXAMPLES, 16)]
+    stats = lc.collect_statistics(model, batches, fisher="mc", generator=torch.Generator().manual_seed(1))
+    basis = lc.eigenbasis(stats)
+    stats = lc.collect_statistics(model, batches, fisher="mc", generator=torch.Generator().manual_seed(1),
+                                  basis=basis)
+    uris = {}
+    for m in METHODS:
+        post = lc.build_posterior(stats, m, rank=8 if m == "inf" else None, basis=basis)
+        uris[m] = str(root / "posterior" / m)
+        post.save(uris[m])
+    rows = [{"image": x[i].numpy(), "label": int(y[i]), "path": f"{i}.png", "valid": True}
+            for i in range(N_EXAMPLES)]
+    return {"model": {"name": "tiny_cnn", "weights": weights, "num_classes": 3}, "uris": uris, "rows": rows,
+            "root": root}
+
+
+def _cfg(**kw) -> SearchConfig:
+    base = dict(num_actors=2, batch_size=16, mc_samples=3, cpus_per_actor=0.5, torch_threads=1, seed=0)
+    base.update(kw)
+    return SearchConfig(**base)
+
+
+def test_search_marks_failures_and_still_chooses(ray_session, tiny):
+    import pyarrow.parquet as pq
+
+    ds = ray_session.data.from_items(tiny["rows"], override_num_blocks=3)
+    configs = (
+        (1.0, 0.0),             # fine
+        (2.0, -math.inf),       # τ = 0: singular precision (dead input channel)
+        (-300.0, -300.0),       # N, τ = 1e-300: std ~1e150 -> inf weights in float32 -> NaN
+        (1.5, 1.0),             # fine
+        (0.5, -1.0),            # fine
+    )
+    out = str(tiny["root"] / "out")
+    res = search(tiny["model"], tiny["uris"], ds, _cfg(configs=configs), output=out)
+    assert len(res.rows) == len(METHODS) * len(configs)
+    for m in METHODS:
+        rows = {r["config_id"]: r for r in res.rows if r["method"] == m}
+        assert rows[2]["status"] == "failed" and rows[2]["reason"], m
+        assert math.isnan(rows[2]["nll"])
+        for cid in (0, 3, 4):
+            assert rows[cid]["status"] == "ok", (m, rows[cid]["reason"])
+            assert rows[cid]["count"] == N_EXAMPLES
+        best = res.chosen[m]
+        assert best is not None
+        ok = [r for r in rows.values() if r["status"] == "ok"]
+        assert best["nll"] == min(r["nll"] for r in ok)
+        assert best["n_data"] == 10.0 ** best["log10_n"]
+        # the table on disk
+        t = pq.read_table(f"{out}/eval/{m}/search.parquet")
+        assert tuple(t.column_names) == TABLE_COLUMNS and t.num_rows == len(configs)
+        assert t.column("status").to_pylist() == [rows[i]["status"] for i in range(len(configs))]
+    for m in ("diag", "inf"):  # exact zeros in diag / D: τ = 0 is not positive definite
+        r = next(r for r in res.rows if r["method"] == m and r["config_id"] == 1)
+        assert r["status"] == "failed" and "positive definite" in r["reason"], (m, r["reason"])
+    assert res.map["count"] == N_EXAMPLES
+    assert set(res.hyper()) == set(METHODS)
+    assert res.info["examples"] == N_EXAMPLES
+
+
+def test_ece_objective_respects_the_accuracy_floor(ray_session, tiny):
+    ds = ray_session.data.from_items(tiny["rows"], override_num_blocks=3)
+    # from near-MAP (large τ) to very noisy (small τ): accuracies differ
+    cfg = _cfg(configs=((1.0, 3.0), (1.0, 1.0), (1.0, 0.0), (1.0, -1.0), (1.0, -2.0), (0.0, -3.0), (0.0, -4.0)))
+    free = search(tiny["model"], {"diag": tiny["uris"]["diag"]}, ds, _cfg(**{**cfg.__dict__, "objective": "ece"}))
+    rows = [r for r in free.rows if r["status"] == "ok"]
+    accs = sorted({r["accuracy"] for r in rows})
+    assert len(accs) >= 2, "test needs configurations of different accuracy"
+    # a floor above the unconstrained ECE winner's accuracy when possible
+    floor = min((a for a in accs if a > free.chosen["diag"]["accuracy"]), default=accs[-1])
+    ds = ray_session.data.from_items(tiny["rows"], override_num_blocks=3)
+    res = search(tiny["model"], {"diag": tiny["uris"]["diag"]}, ds,
+                 _cfg(**{**cfg.__dict__, "objective": "ece", "accuracy_floor": floor}))
+    best = res.chosen["diag"]
+    assert best is not None and best["accuracy"] >= floor
+    eligible = [r for r in res.rows if r["status"] == "ok" and r["accuracy"] >= floor]
+    assert best["ece"] == min(r["ece"] for r in eligible)
+    # same seed, same data: the two searches scored the same configurations identically
+    a = {r["config_id"]: (r["nll"], r["accuracy"]) for r in free.rows}
+    b = {r["config_id"]: (r["nll"], r["accuracy"]) for r in res.rows}
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k][1] == b[k][1] and a[k][0] == pytest.approx(b[k][0], rel=1e-12)
+
+
+def test_configs_from_the_run_config_specs():
+    from pipelines.config import EvalSpec, SearchSpec
+    from pipelines.evaluate import EvalConfig
+
+    s = SearchConfig.from_spec(SearchSpec(num_configs=5, objective="ece", accuracy_floor=0.5), num_actors=1)
+    assert (s.num_configs, s.objective, s.accuracy_floor, s.mc_samples, s.num_actors) == (5, "ece", 0.5, 10, 1)
+    assert len(sample_configs(s)) == 5
+    e = EvalConfig.from_spec(EvalSpec(mc_samples=7, ece_mode="equal_mass"), batch_size=8)
+    assert (e.mc_samples, e.ece_mode, e.batch_size, e.pred_type) == (7, "equal_mass", 8, "nn")
