@@ -83,8 +83,11 @@ __all__ = [
 
 #: Predictive types: "nn" = MC over weight samples through the network. "glm" (linearised,
 #: Immer et al.) is planned; asking for it raises a ValueError.
-PRED_TYPES: dict[str, str] = {"nn": "Monte-Carlo over weight samples, average of softmax"}
-_PLANNED_PRED_TYPES = ("glm",)
+PRED_TYPES: dict[str, str] = {
+    "nn": "Monte-Carlo over weight samples, average of softmax",
+    "glm": "linearised (GLM) predictive, MC-GLM: the same weight samples pushed through the Jacobian (JVP)",
+}
+_PLANNED_PRED_TYPES: tuple[str, ...] = ()
 #: Name of the MAP baseline in every result dict.
 MAP = "map"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -93,6 +96,21 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64}
 def _pos_int(name: str, v: Any) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+
+def make_predictor(model: nn.Module, post: Any, pred_type: str, mc_samples: int, seed: int, cache_bytes: int):
+    """``MCPredictor`` (``"nn"``: weight sampling) or ``GLMPredictor`` (``"glm"``: MC-GLM,
+    Banerjee et al. Alg. 4, one JVP per sample); both draw sample ``t`` from ``(seed, t)``."""
+    check_pred_type(pred_type)
+    if pred_type == "nn":
+        from laplace_core.predictive import MCPredictor
+
+        return MCPredictor(model, post, mc_samples, seed, cache_bytes=cache_bytes)
+    if pred_type == "glm":
+        from laplace_core.glm import GLMPredictor
+
+        return GLMPredictor(model, post, mc_samples, seed, link="mc", variance="mc", cache_bytes=cache_bytes)
+    raise ValueError(f"unknown pred_type {pred_type!r}; valid: {', '.join(PRED_TYPES)}")  # pragma: no cover
 
 
 def check_pred_type(pred_type: str) -> None:
@@ -414,12 +432,10 @@ def evaluate_shard(
     e.g. non-finite predictions; that method's accumulator is dropped), ``examples``
     and ``ood_examples``.
     """
-    from laplace_core.predictive import MCPredictor
-
     cache_bytes = int(cfg.sample_cache_mb * 2**20)
     predictors: dict[str, Any] = {MAP: None}
     for m, post in posteriors.items():
-        predictors[m] = MCPredictor(model, post, cfg.mc_samples, cfg.seed, cache_bytes=cache_bytes)
+        predictors[m] = make_predictor(model, post, cfg.pred_type, cfg.mc_samples, cfg.seed, cache_bytes)
     acc = {m: EvalAccumulator.create(cfg) for m in predictors}
     seconds = {m: 0.0 for m in predictors}
     failed: dict[str, str] = {}

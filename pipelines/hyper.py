@@ -58,6 +58,8 @@ from .evaluate import (
     iter_chunks,
     load_eval_model,
     load_posteriors,
+    check_pred_type,
+    make_predictor,
     model_ref,
     run_actors,
 )
@@ -131,9 +133,11 @@ class SearchConfig(_RuntimeFields):
     ece_mode: str = "equal_width"
     configs: tuple[tuple[float, float], ...] | None = None
     chunk_size: int = 4096
+    pred_type: str = "nn"
 
     def __post_init__(self) -> None:
         self._check_runtime()
+        check_pred_type(self.pred_type)
         for n in ("num_configs", "mc_samples", "ece_bins"):
             v = getattr(self, n)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -240,7 +244,6 @@ def search_shard(
     "examples": n}``. Accumulators of failed configurations are dropped.
     """
     from laplace_core.posterior import with_hyper
-    from laplace_core.predictive import MCPredictor
 
     configs = tuple(configs) if configs is not None else sample_configs(cfg)
     acc: dict[str, dict[int, SearchAccumulator]] = {m: {c.config_id: SearchAccumulator.create(cfg) for c in configs}
@@ -267,7 +270,7 @@ def search_shard(
                     except ValueError as e:
                         failed[m][cid] = str(e)
                         continue
-                    pred = MCPredictor(model, post_c, cfg.mc_samples, cfg.seed)
+                    pred = make_predictor(model, post_c, cfg.pred_type, cfg.mc_samples, cfg.seed, 0)
                     p = torch.cat(_predict_chunk(model, pred, chunk))
                     reason = _finite_or_reason(p)
                     if reason:

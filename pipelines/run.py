@@ -174,7 +174,7 @@ def _demo_model(cfg: RunConfig, plan: _DataPlan, output: str) -> tuple[ModelSpec
 
 
 def _data_config(cfg: RunConfig, plan: _DataPlan, split: str | None, *, limit=None, per_class=None,
-                 classes=None, unlabeled=False, root: str | None = None):
+                 classes=None, unlabeled=False, root: str | None = None, extensions=None):
     from .data import DataConfig
 
     kw: dict[str, Any] = dict(
@@ -191,6 +191,8 @@ def _data_config(cfg: RunConfig, plan: _DataPlan, split: str | None, *, limit=No
         kw["mean"], kw["std"] = plan.mean, plan.std
     if classes is not None:
         kw["classes"] = tuple(classes)
+    if extensions is not None:
+        kw["extensions"] = tuple(extensions)
     if split == cfg.data.val_split and cfg.data.labels_csv:
         kw["labels_csv"] = cfg.data.labels_csv
     return DataConfig(**kw)
@@ -289,7 +291,8 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
         test_idx = _subset(val_full, 1, limit=cfg.data.test_limit)
     ood_idx = ood_cfg = None
     if plan.ood:
-        ood_cfg = _data_config(cfg, plan, None, root=plan.ood, unlabeled=True)
+        ood_cfg = _data_config(cfg, plan, None, root=plan.ood, unlabeled=True,
+                               extensions=(".jpg",) if plan.demo is not None else None)
         ood_idx = _limit(scan(ood_cfg), cfg.data.ood_limit)
     parts = partition(train_idx, partition_size=cfg.data.partition_size)
     data_info = {
@@ -361,8 +364,9 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     # ---- (N, tau) search on the held-out split
     ev = cfg.evaluate
     runtime = {"num_actors": ev.num_actors, "batch_size": ev.batch_size}
-    search_cfg = SearchConfig.from_spec(cfg.search, **runtime)
-    search_fp = {**post_fp, "search": to_dict(cfg.search), "val": search_idx.fingerprint, "runtime": runtime}
+    search_cfg = SearchConfig.from_spec(cfg.search, pred_type=ev.pred_type, **runtime)
+    search_fp = {**post_fp, "search": to_dict(cfg.search), "val": search_idx.fingerprint, "runtime": runtime,
+                 "pred_type": ev.pred_type}
 
     def do_search() -> dict[str, Any]:
         res = search(spec, uris, build_dataset(search_idx, val_cfg), search_cfg, output=output, endpoint_url=ep)

@@ -148,11 +148,27 @@ def test_one_and_two_actors_agree_and_match_a_direct_computation(ray_session, di
         assert r2[m]["ood_entropy_mean"] == pytest.approx(float(ent.clamp(0, 1).mean()), rel=TOL)
 
 
-def test_glm_is_not_available_yet():
-    with pytest.raises(ValueError, match="glm"):
-        EvalConfig(pred_type="glm")
-    with pytest.raises(ValueError, match="ece_mode"):
-        EvalConfig(ece_mode="adaptive")
+def test_glm_predictive_in_evaluation_matches_glm_predictor(digits):
+    """pred_type="glm": the evaluation path (fixed-size batches, accumulators) gives the
+    metrics of laplace_core.glm.GLMPredictor (MC-GLM, Banerjee Alg. 4) run directly."""
+    from laplace_core.glm import GLMPredictor
+    from pipelines.evaluate import evaluate_shard
+    from pipelines.models import load_model
+
+    model = load_model("demo_cnn", digits["model"]["weights"], 10).to(torch.float64)
+    x, y, _ = _local_xy(digits, "test")
+    x, y = x[:48].to(torch.float64), y[:48]
+    posts = {m: lc.load_posterior(digits["uris"][m]) for m in ("diag", "inf")}
+    cfg = EvalConfig(pred_type="glm", mc_samples=4, seed=5, batch_size=16, dtype="float64", torch_threads=1)
+    acc, info = evaluate_shard(model, posts, [(x[:20], y[:20]), (x[20:], y[20:])], None, cfg)
+    assert not info["failed"]
+    for m, post in posts.items():
+        p = GLMPredictor(model, post, 4, 5, link="mc", variance="mc").predict(x)
+        direct = MetricSuite.create().update(p, y).compute()
+        got = acc[m].compute()
+        _assert_close({k: direct[k] for k in ("accuracy", "nll", "brier")}, {k: got[k] for k in ("accuracy", "nll", "brier")}, m)
+    with pytest.raises(ValueError, match="pred_type"):
+        EvalConfig(pred_type="laplace")
 
 
 def test_acceptance_digits_search_then_evaluate(ray_session, digits):
