@@ -29,6 +29,11 @@ core-demo: $(STAMP)
 	$(PY) jobs/core_demo.py
 
 # pytest exits 5 when it collects no tests; make then fails, as it should.
+# INFOFORM_FRESH_DEMO=1: also clone this checkout, `make demo` in it with a new venv and check
+# the report (tests/jobs/test_demo_fresh.py, a few minutes); INFOFORM_FRESH_DEMO=0 skips it.
+INFOFORM_FRESH_DEMO ?= 1
+export INFOFORM_FRESH_DEMO
+
 test: $(STAMP)
 	$(PY) -m pytest -q
 

@@ -75,6 +75,27 @@ class Eigenbasis:
         return cls(layers=layers, clamped={k: int(clamped.get(k, 0)) for k in names})
 
 
+def _eigh_with_retry(sym: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.linalg.eigh``; when LAPACK fails to converge (seen on heavily rank-deficient
+    factors with many repeated zero eigenvalues), retry on ``sym + δI`` with growing tiny
+    shifts ``δ`` and subtract ``δ`` from the eigenvalues (same eigenvectors)."""
+    try:
+        return torch.linalg.eigh(sym)
+    except torch.linalg.LinAlgError as first:
+        n = sym.shape[-1]
+        scale = float(sym.diagonal().abs().max()) if n else 0.0
+        scale = scale if scale > 0 else 1.0
+        eye = torch.eye(n, dtype=sym.dtype, device=sym.device)
+        for rel in (1e-12, 1e-10, 1e-8):
+            delta = rel * scale
+            try:
+                S, U = torch.linalg.eigh(sym + delta * eye)
+            except torch.linalg.LinAlgError:
+                continue
+            return S - delta, U
+        raise ValueError(f"{name}: eigendecomposition failed to converge, also with a diagonal shift ({first})") from None
+
+
 def factor_eigh(mat: torch.Tensor, *, name: str = "factor") -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(U, S, clamped)`` of a symmetric PSD matrix, float64, ``S`` ascending.
 
@@ -86,7 +107,7 @@ def factor_eigh(mat: torch.Tensor, *, name: str = "factor") -> tuple[torch.Tenso
         raise ValueError(f"{name}: Kronecker factor contains NaN or Inf; cannot eigendecompose")
     m64 = mat.to(torch.float64)
     sym = 0.5 * (m64 + m64.transpose(-1, -2))
-    S, U = torch.linalg.eigh(sym)
+    S, U = _eigh_with_retry(sym, name)
     scale = float(S.abs().max()) if S.numel() else 0.0
     if scale > 0 and float(S.min()) < -1e-6 * scale:
         raise ValueError(

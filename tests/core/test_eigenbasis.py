@@ -108,3 +108,35 @@ def test_flat_round_trip():
     for k in basis:
         for f in ("U_A", "S_A", "U_G", "S_G"):
             assert torch.equal(getattr(back[k], f), getattr(basis[k], f))
+
+
+def test_eigh_that_fails_to_converge_is_retried_with_a_tiny_shift(monkeypatch):
+    """LAPACK can fail on rank-deficient factors with many repeated zero eigenvalues; the
+    retry on A + δI gives the eigenvectors and δ-corrected eigenvalues of A."""
+    import importlib
+
+    eb = importlib.import_module("laplace_core.eigenbasis")
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(3, 6, generator=g, dtype=torch.float64)
+    A = X.T @ X  # rank 3 of 6
+    real = torch.linalg.eigh
+    calls = []
+
+    def flaky(mat, *a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+        return real(mat, *a, **k)
+
+    monkeypatch.setattr(eb.torch.linalg, "eigh", flaky)
+    U, S, _ = eb.factor_eigh(A, name="conv1.A")
+    assert len(calls) == 2
+    assert torch.allclose(U @ torch.diag(S) @ U.T, A, atol=1e-9)
+
+    def broken(mat, *a, **k):
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    monkeypatch.setattr(eb.torch.linalg, "eigh", broken)
+    with pytest.raises(ValueError, match="conv1.A: eigendecomposition failed to converge"):
+        eb.factor_eigh(A, name="conv1.A")
