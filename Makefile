@@ -15,9 +15,9 @@ export RAY_AUTH_MODE := disabled
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -e '.[dev]'
+	$(VENV)/bin/pip install -e '.[dev,bench]'
 	@touch $(STAMP)
 
 # The embedded default: the Ray job on a local Ray instance with the bundled demo data.
