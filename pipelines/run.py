@@ -554,6 +554,10 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
             ray.init()
         _quiet_ray_data()
     output = cfg.output
+    if not storage.is_remote(output):
+        # Ray workers do not share the driver's working directory: give them an absolute path.
+        output = os.path.abspath(storage.get_fs(output)[1])
+        cfg = dataclasses.replace(cfg, output=output)
     plan = _prepare_demo(output) if cfg.data.demo else _DataPlan(
         root=cfg.data.root, ood=cfg.data.ood, mean=None, std=None, demo=None)
     storage.write_json_atomic(storage.join(output, "config.json"), to_dict(cfg), cfg.data.endpoint_url)
