@@ -48,7 +48,7 @@ from torch.func import functional_call, jvp, vmap
 
 from .hooks import capture, layer_inputs, layer_output_grads
 from .layers import find_layers, get_matrix, perturbed
-from .predictive import draw_sample, sample_seed
+from .predictive import SampleCache, check_layers, draw_sample, sample_seed
 from .structures.base import LayerPosterior, Posterior
 from .structures.diag import DiagLayer
 from .structures.efb import EigenDiagLayer
@@ -404,28 +404,13 @@ class GLMPredictor:
         self.n_samples, self.seed, self.link, self.variance = n_samples, seed, link, variance
         self.fd_eps, self.likelihood, self.chunk = fd_eps, likelihood, chunk
         self.modules = _modules(model, modules)
-        missing = [k for k in posterior.layers if k not in self.modules]
-        if missing:
-            raise ValueError(f"posterior layers not found in the model: {missing}; model layers: {list(self.modules)}")
-        for k, lp in posterior.layers.items():
-            shape = tuple(get_matrix(self.modules[k]).shape)
-            if tuple(lp.shape) != shape:
-                raise ValueError(f"layer {k!r}: posterior W~ shape {tuple(lp.shape)} != model W~ shape {shape}")
-        per_sample = sum(lp.shape[0] * lp.shape[1] * 8 for lp in posterior.layers.values())
-        self.cache = per_sample * n_samples <= cache_bytes
-        self._cached: dict[int, dict[str, torch.Tensor]] = {}
+        check_layers(self.modules, posterior)
+        self._samples = SampleCache(posterior, seed, n_samples, cache_bytes)
 
     # ------------------------------------------------------------------ pieces
     def sample(self, t: int) -> dict[str, torch.Tensor]:
         """Weight direction ``η_t ~ N(0, Σ)`` (``name -> (m, n)``), keyed by ``(seed, t)``."""
-        if not 0 <= t < self.n_samples:
-            raise ValueError(f"sample index {t} out of range [0, {self.n_samples})")
-        if t in self._cached:
-            return self._cached[t]
-        d = draw_sample(self.posterior, self.seed, t)
-        if self.cache:
-            self._cached[t] = d
-        return d
+        return self._samples.get(t)
 
     def logit_directions(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(f(x, θ*) [B, C], J η_t [K, B, C])`` for ``t < n_samples`` (JVP or finite differences)."""

@@ -105,6 +105,42 @@ def map_predict(model: nn.Module, x: torch.Tensor, likelihood: str = "classifica
         return link(model(x))
 
 
+def check_layers(modules: Mapping[str, nn.Module], posterior: Posterior) -> None:
+    """Every posterior layer must exist in the model with the same ``W~`` shape."""
+    missing = [k for k in posterior.layers if k not in modules]
+    if missing:
+        raise ValueError(f"posterior layers not found in the model: {missing}; model layers: {list(modules)}")
+    for k, lp in posterior.layers.items():
+        shape = tuple(get_matrix(modules[k]).shape)
+        if tuple(lp.shape) != shape:
+            raise ValueError(f"layer {k!r}: posterior W~ shape {tuple(lp.shape)} != model W~ shape {shape}")
+
+
+class SampleCache:
+    """Sample ``t`` of a posterior (``draw_sample(posterior, seed, t)``), kept in memory for
+    reuse when all ``n_samples`` deltas fit ``cache_bytes``; otherwise redrawn on demand
+    (memory flat in ``K``). Shared by the weight-sampling and GLM predictors."""
+
+    def __init__(self, posterior: Posterior, seed: int, n_samples: int, cache_bytes: int = 0):
+        self.posterior, self.seed, self.n_samples = posterior, seed, n_samples
+        per_sample = sum(
+            lp.shape[0] * lp.shape[1] * next(iter(lp.tensors().values())).element_size()
+            for lp in posterior.layers.values()
+        )
+        self.enabled = per_sample * n_samples <= cache_bytes
+        self._cached: dict[int, dict[str, torch.Tensor]] = {}
+
+    def get(self, t: int) -> dict[str, torch.Tensor]:
+        if not 0 <= t < self.n_samples:
+            raise ValueError(f"sample index {t} out of range [0, {self.n_samples})")
+        if t in self._cached:
+            return self._cached[t]
+        d = draw_sample(self.posterior, self.seed, t)
+        if self.enabled:
+            self._cached[t] = d
+        return d
+
+
 class MCPredictor:
     """MC predictive of ``model`` under ``posterior`` with ``n_samples`` weight samples.
 
@@ -137,30 +173,12 @@ class MCPredictor:
         self.seed = seed
         self.likelihood = likelihood
         self.modules = dict(find_layers(model)[0] if modules is None else modules)
-        missing = [k for k in posterior.layers if k not in self.modules]
-        if missing:
-            raise ValueError(f"posterior layers not found in the model: {missing}; model layers: {list(self.modules)}")
-        for k, lp in posterior.layers.items():
-            shape = tuple(get_matrix(self.modules[k]).shape)
-            if tuple(lp.shape) != shape:
-                raise ValueError(f"layer {k!r}: posterior W~ shape {tuple(lp.shape)} != model W~ shape {shape}")
-        per_sample = sum(
-            lp.shape[0] * lp.shape[1] * next(iter(lp.tensors().values())).element_size()
-            for lp in posterior.layers.values()
-        )
-        self.cache = per_sample * n_samples <= cache_bytes
-        self._cached: dict[int, dict[str, torch.Tensor]] = {}
+        check_layers(self.modules, posterior)
+        self._samples = SampleCache(posterior, seed, n_samples, cache_bytes)
 
     def sample(self, t: int) -> dict[str, torch.Tensor]:
         """Deltas of sample ``t`` (see :func:`draw_sample`), from the cache when enabled."""
-        if not 0 <= t < self.n_samples:
-            raise ValueError(f"sample index {t} out of range [0, {self.n_samples})")
-        if t in self._cached:
-            return self._cached[t]
-        d = draw_sample(self.posterior, self.seed, t)
-        if self.cache:
-            self._cached[t] = d
-        return d
+        return self._samples.get(t)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.link(self.model(x))

@@ -294,13 +294,7 @@ class SearchWorker(EvalWorker):
 
     def __init__(self, model: Mapping[str, Any], posterior_uris: Mapping[str, str], cfg: SearchConfig,
                  endpoint_url: str | None = None):
-        t0 = time.perf_counter()
-        torch.set_num_threads(cfg.threads)
-        self.cfg = cfg
-        self.model = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device,
-                                     endpoint_url=endpoint_url)
-        self.posteriors = load_posteriors(posterior_uris)
-        self.load_seconds = time.perf_counter() - t0
+        super().__init__(model, posterior_uris, None, cfg, endpoint_url)
 
     def run(self, shard: Any) -> dict[str, Any]:  # type: ignore[override]
         t0 = time.perf_counter()

@@ -127,11 +127,11 @@ def test_same_seed_same_predictions_across_batches_and_order():
     pred = P.MCPredictor(model, post, n_samples=8, seed=3)
     by_batch = pred.predict_batches([x[idx] for idx in pieces])
     cached = P.MCPredictor(model, post, n_samples=8, seed=3, cache_bytes=10**7)
-    assert cached.cache
+    assert cached._samples.enabled
     for idx, pb in zip(pieces, by_batch):
         assert torch.allclose(pb, whole[idx], rtol=0, atol=EXACT)
         assert torch.allclose(cached.predict(x[idx]), whole[idx], rtol=0, atol=EXACT)
-    assert len(cached._cached) == 8
+    assert len(cached._samples._cached) == 8
 
 
 def test_sample_depends_only_on_seed_and_index():
