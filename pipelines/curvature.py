@@ -1,7 +1,8 @@
 """The distributed curvature pass (Ray Train ``TorchTrainer``), DESIGN §2 and §4.
 
-Data flow: **partitions -> per-worker sums -> all-reduce -> partition file ->
-sum of partition files -> eigenbasis (spread over workers) -> EFB sums (second
+Data flow: **partitions -> per-worker sums -> all-reduce -> partition file (written
+in the background while the next partition is computed) -> running sum of the
+partitions (files read back only for partitions an earlier attempt finished) -> eigenbasis (spread over workers) -> EFB sums (second
 pass, same scheme) -> reduced statistics -> posteriors.**
 
 Every worker runs the same :func:`laplace_core.collect.collect_statistics` that a
@@ -28,7 +29,7 @@ Artifact layout under ``output_uri`` (local path or ``s3://bucket/prefix``); eac
     the final ``CurvatureStatistics`` (pass-1 sums of all partitions, in partition
     order, with the EFB sums of the EFB subset attached).
 ``stats/worker_report.json``
-    rank 0's timings of the last (successful) attempt.
+    rank 0's timings of the last (successful) attempt, with every rank's under ``ranks``.
 ``stats/curvature.json``
     run summary: timings per pass, all-reduce seconds and bytes, skipped images,
     which partitions this run computed, posterior summaries.
@@ -456,9 +457,100 @@ def _broadcast_object(obj, rank: int):
     return box[0]
 
 
+class _PartitionWriter:
+    """Rank 0's partition writes, one at a time in a background thread, so that writing
+    partition ``k`` overlaps computing partition ``k + 1``. ``submit`` waits for the
+    previous write first (at most one reduced copy in flight); ``wait`` re-raises a
+    failed write. The commit point is still the manifest, written last: a write cut
+    short by a crash leaves an unfinished partition that a re-run recomputes."""
+
+    def __init__(self):
+        self._thread = None
+        self._error: BaseException | None = None
+        self.seconds = 0.0
+
+    def submit(self, fn) -> None:
+        import threading
+
+        self.wait()
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except BaseException as e:  # re-raised in the training loop by wait()
+                self._error = e
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name="partition-writer", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+
+class _PassSum:
+    """Running sum of one pass's reduced partition sums, in partition order.
+
+    Partitions computed now arrive from the all-reduce (every rank holds them);
+    partitions finished by an earlier attempt are read from their files. Adding in
+    partition-id order reproduces the left fold of
+    :meth:`~laplace_core.statistics.CurvatureStatistics.merge_all` over the partition
+    files bit for bit, without reading back what this run just computed.
+    """
+
+    def __init__(self):
+        self.tensors: list[torch.Tensor] | None = None
+        self.nums = [0, 0, 0, 0]  # count, efb_count, skipped_batches, skipped_examples
+        self.rows = 0
+        self.skipped = None
+
+    def add(self, tensors: Sequence[torch.Tensor], nums: Sequence[int], rows: int, skipped) -> None:
+        if self.tensors is None:
+            self.tensors = [t.detach().cpu().clone() for t in tensors]
+        else:
+            for acc, t in zip(self.tensors, tensors):
+                acc.add_(t.detach().cpu())
+        self.nums = [a + int(b) for a, b in zip(self.nums, nums)]
+        self.rows += int(rows)
+        self.skipped = skipped if self.skipped is None else self.skipped.merge(skipped)
+
+    def info(self) -> dict:
+        from .data import SkipReport
+
+        return {"rows": self.rows, "skipped": (self.skipped or SkipReport()).to_dict()}
+
+
+def _load_partition(pass_no: int, job: _Job, pid: int, names: Sequence[str]):
+    """``(tensors, nums, rows, skipped)`` of a partition file written by an earlier attempt."""
+    from .data import SkipReport
+
+    uri = partition_uri(job.output_uri, pass_no, pid)
+    tensors, meta = load_tensors(uri)
+    if pass_no == 1:
+        st = CurvatureStatistics.from_flat(meta, tensors)
+        if list(st.layers) != list(names):
+            raise ValueError(f"{uri}: partition layers {list(st.layers)[:3]}... do not match the model's")
+        flat = [getattr(st.layers[k], f) for k in names for f in ("A", "G", "diag")]
+        nums = [st.count, 0, st.skipped_batches, st.skipped_examples]
+    else:
+        if meta.get("format") != "infoform.efb_partition":
+            raise ValueError(f"{uri}: not an EFB partition artifact")
+        flat = [tensors[f"{k}/efb"] for k in names]
+        nums = [0, int(meta["efb_count"]), 0, 0]
+    return flat, nums, int(meta.get("rows", 0)), SkipReport.from_dict(meta["skipped"])
+
+
 def _run_pass(pass_no: int, job: _Job, model, infos, excluded, basis: Eigenbasis | None,
-              rank: int, world: int, device, rec: dict) -> None:
-    """Compute, all-reduce and store every unfinished partition of pass ``pass_no``."""
+              rank: int, world: int, device, rec: dict) -> _PassSum:
+    """Compute, all-reduce and store every unfinished partition of pass ``pass_no``;
+    return the pass's sum over all its partitions (finished ones read from their files)."""
     import ray.train
     import torch.distributed as dist
 
@@ -476,11 +568,20 @@ def _run_pass(pass_no: int, job: _Job, model, infos, excluded, basis: Eigenbasis
     model_dtype = DTYPES[cfg.model_dtype]
     stats_dtype = DTYPES[cfg.stats_dtype]
     p = rec.setdefault(f"pass{pass_no}", {"collect_s": 0.0, "allreduce_s": 0.0, "allreduce_bytes": 0, "allreduce_calls": 0,
-                                          "write_s": 0.0, "images": 0, "invalid": 0, "computed": [], "reused": list(done)})
+                                          "write_s": 0.0, "read_s": 0.0, "images": 0, "invalid": 0, "computed": [],
+                                          "reused": list(done)})
+    names = list(infos)
+    acc = _PassSum()
+    writer = _PartitionWriter()
     t_pass = time.perf_counter()
     if rank == 0 and todo:
         print(f"[curvature] pass {pass_no}: {len(todo)} partition(s) to compute, {len(done)} already finished", flush=True)
-    for pid in todo:
+    for pid in ids:
+        if pid in done:
+            t0 = time.perf_counter()
+            acc.add(*_load_partition(pass_no, job, pid, names))
+            p["read_s"] += time.perf_counter() - t0
+            continue
         shard = ray.train.get_dataset_shard(f"p{pass_no}_{pid}")
         counter = _Counter()
         # MC labels drawn from (seed, image key, draw): independent of which worker sees
@@ -489,7 +590,6 @@ def _run_pass(pass_no: int, job: _Job, model, infos, excluded, basis: Eigenbasis
         batches = _iter_valid_batches(shard, job, pass_no, pid, rank, device, model_dtype, counter, prog)
         t0 = time.perf_counter()
         first = next(batches, None)
-        names = list(infos)
 
         def chain():
             yield first
@@ -504,6 +604,7 @@ def _run_pass(pass_no: int, job: _Job, model, infos, excluded, basis: Eigenbasis
             tensors = [getattr(local.layers[k], f).to(device=device, dtype=stats_dtype)
                        for k in names for f in ("A", "G", "diag")]
             nums = [local.count, 0, local.skipped_batches, local.skipped_examples]
+            del local
         else:
             if first is None:
                 efb_local = {k: torch.zeros(i.shape, dtype=stats_dtype, device=device) for k, i in infos.items()}
@@ -513,11 +614,13 @@ def _run_pass(pass_no: int, job: _Job, model, infos, excluded, basis: Eigenbasis
                                                  generator=gen, dtype=stats_dtype)
             tensors = [efb_local[k].to(device=device, dtype=stats_dtype) for k in names]
             nums = [0, n_local, 0, 0]
+            del efb_local
         p["collect_s"] += time.perf_counter() - t0
         # ---- all-reduce (pass 1: A, G, diag; pass 2: efb) + counts, in flat buckets
         counts = torch.tensor(nums + [counter.rows, counter.skipped.count], dtype=torch.float64, device=device)
         sub = {"allreduce_s": 0.0, "allreduce_bytes": 0, "allreduce_calls": 0}
         reduced = _allreduce_sum(tensors + [counts], int(cfg.bucket_mb * 2**20), sub)
+        del tensors
         for k2 in sub:
             p[k2] += sub[k2]
         counts_r = [int(round(float(v))) for v in reduced[-1].cpu()]
@@ -534,10 +637,11 @@ def _run_pass(pass_no: int, job: _Job, model, infos, excluded, basis: Eigenbasis
         p["images"] += rows_read
         p["invalid"] += rows_invalid
         p["computed"].append(pid)
-        # ---- rank 0 writes the partition (manifest last = commit point)
-        t0 = time.perf_counter()
+        vals = [t.detach().cpu() for t in reduced[:-1]]
+        del reduced
+        acc.add(vals, [count, efb_count, sk_b, sk_e], rows_read, skip_report)
+        # ---- rank 0 writes the partition in the background (manifest last = commit point)
         if rank == 0:
-            vals = [t.detach().cpu() for t in reduced[:-1]]
             part_meta = {"partition": pid, "pass": pass_no, "rows": rows_read, "invalid_rows": rows_invalid,
                          "skipped": skip_report.to_dict(), "run_id": job.run_id, "written_at": time.time(),
                          "world_size": world}
@@ -547,49 +651,37 @@ def _run_pass(pass_no: int, job: _Job, model, infos, excluded, basis: Eigenbasis
                 st = CurvatureStatistics(layers=layers, infos=dict(infos), count=count, skipped_batches=sk_b,
                                          skipped_examples=sk_e, fisher=cfg.fisher, mc_samples=cfg.mc_samples,
                                          excluded=dict(excluded))
-                save_tensors(uri, st.flat_tensors(), {**st.meta(), **part_meta})
+                payload = (st.flat_tensors(), {**st.meta(), **part_meta})
             else:
                 meta = {"format": "infoform.efb_partition", "version": 1, "efb_count": efb_count,
                         "names": names, **part_meta}
-                save_tensors(uri, {f"{k}/efb": vals[i] for i, k in enumerate(names)}, meta)
-            print(f"[curvature] pass {pass_no}: partition {pid} done ({rows_read} rows, {rows_invalid} invalid)", flush=True)
-        dist.barrier()
-        p["write_s"] += time.perf_counter() - t0
+                payload = ({f"{k}/efb": vals[i] for i, k in enumerate(names)}, meta)
+
+            def write(uri=uri, payload=payload, pid=pid, rows=rows_read, invalid=rows_invalid):
+                save_tensors(uri, *payload)
+                print(f"[curvature] pass {pass_no}: partition {pid} done ({rows} rows, {invalid} invalid)", flush=True)
+
+            t0 = time.perf_counter()
+            writer.submit(write)
+            p["write_s"] += time.perf_counter() - t0  # time spent waiting for the previous write
+        del vals
+    t0 = time.perf_counter()
+    writer.wait()
+    dist.barrier()  # every computed partition is committed before anyone goes on
+    p["write_s"] += time.perf_counter() - t0
+    p["write_thread_s"] = writer.seconds
     p["wall_s"] = time.perf_counter() - t_pass
+    return acc
 
 
-def _read_pass1(job: _Job) -> tuple[CurvatureStatistics, dict]:
-    """Sum of every pass-1 partition file, in partition order (each counted once)."""
-    from .data import SkipReport
-
-    parts = []
-    rows = 0
-    skipped = SkipReport()
-    for pid in job.pass1:
-        tensors, meta = load_tensors(partition_uri(job.output_uri, 1, pid))
-        parts.append(CurvatureStatistics.from_flat(meta, tensors))
-        rows += int(meta.get("rows", 0))
-        skipped = skipped.merge(SkipReport.from_dict(meta["skipped"]))
-    return CurvatureStatistics.merge_all(parts), {"rows": rows, "skipped": skipped.to_dict()}
-
-
-def _read_pass2(job: _Job, names: Sequence[str]) -> tuple[dict[str, torch.Tensor], int, dict]:
-    from .data import SkipReport
-
-    efb: dict[str, torch.Tensor] | None = None
-    n = rows = 0
-    skipped = SkipReport()
-    for pid in job.pass2:
-        tensors, meta = load_tensors(partition_uri(job.output_uri, 2, pid))
-        if meta.get("format") != "infoform.efb_partition":
-            raise ValueError(f"{partition_uri(job.output_uri, 2, pid)}: not an EFB partition artifact")
-        part = {k: tensors[f"{k}/efb"] for k in names}
-        efb = part if efb is None else {k: efb[k] + part[k] for k in names}
-        n += int(meta["efb_count"])
-        rows += int(meta.get("rows", 0))
-        skipped = skipped.merge(SkipReport.from_dict(meta["skipped"]))
-    assert efb is not None
-    return efb, n, {"rows": rows, "skipped": skipped.to_dict()}
+def _pass1_statistics(acc: _PassSum, infos, excluded, cfg: CurvatureConfig) -> CurvatureStatistics:
+    names = list(infos)
+    t = acc.tensors
+    layers = {k: LayerStatistics(A=t[3 * i], G=t[3 * i + 1], diag=t[3 * i + 2]) for i, k in enumerate(names)}
+    count, _, sk_b, sk_e = acc.nums
+    return CurvatureStatistics(layers=layers, infos=dict(infos), count=count, skipped_batches=sk_b,
+                               skipped_examples=sk_e, fisher=cfg.fisher, mc_samples=cfg.mc_samples,
+                               excluded=dict(excluded))
 
 
 def _distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, device, rec: dict) -> Eigenbasis:
@@ -668,11 +760,10 @@ def _train_loop(config: dict) -> None:
     _, infos, excluded = find_layers(model)
     rec["model_load_s"] = time.perf_counter() - t0
 
-    _run_pass(1, job, model, infos, excluded, None, rank, world, device, rec)
-    t0 = time.perf_counter()
-    stats, skip1 = _read_pass1(job)
-    rec["read_pass1_s"] = time.perf_counter() - t0
-    rec["skipped_pass1"] = skip1
+    acc1 = _run_pass(1, job, model, infos, excluded, None, rank, world, device, rec)
+    stats = _pass1_statistics(acc1, infos, excluded, cfg)
+    rec["skipped_pass1"] = acc1.info()
+    del acc1
 
     basis = None
     if cfg.needs_basis:
@@ -692,19 +783,20 @@ def _train_loop(config: dict) -> None:
 
     if job.pass2:
         dev_basis = Eigenbasis(layers={k: b.to(device=device) for k, b in basis.layers.items()}, clamped=dict(basis.clamped))
-        _run_pass(2, job, model, infos, excluded, dev_basis, rank, world, device, rec)
-        t0 = time.perf_counter()
-        efb, efb_count, skip2 = _read_pass2(job, list(stats.layers))
-        rec["read_pass2_s"] = time.perf_counter() - t0
-        rec["skipped_pass2"] = skip2
-        stats = stats.with_efb(efb, efb_count)
+        acc2 = _run_pass(2, job, model, infos, excluded, dev_basis, rank, world, device, rec)
+        rec["skipped_pass2"] = acc2.info()
+        stats = stats.with_efb(dict(zip(stats.layers, acc2.tensors)), acc2.nums[1])
 
     if rank == 0:
         t0 = time.perf_counter()
         stats.save(_reduced_uri(job.output_uri))
         rec["write_reduced_s"] = time.perf_counter() - t0
-        rec["total_s"] = time.perf_counter() - t_all
-        storage.write_json_atomic(storage.join(job.output_uri, "stats", "worker_report.json"), rec, job.endpoint_url)
+    rec["total_s"] = time.perf_counter() - t_all
+    recs = [None] * world
+    dist.all_gather_object(recs, {k: v for k, v in rec.items() if not k.startswith("skipped")})
+    if rank == 0:
+        storage.write_json_atomic(storage.join(job.output_uri, "stats", "worker_report.json"),
+                                  {**rec, "ranks": recs}, job.endpoint_url)
     dist.barrier()
 
 

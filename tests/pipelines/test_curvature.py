@@ -178,6 +178,32 @@ def test_summary_json(local_run):
     assert w["pass1"]["allreduce_bytes"] > 0 and w["pass1"]["allreduce_calls"] == NUM_PARTS
     assert w["pass2"]["allreduce_calls"] == 2 and res.allreduce_bytes > 0
     assert summary["timings"]["fit_s"] > 0
+    ranks = w["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1] and all(r["pass1"]["computed"] == list(range(NUM_PARTS)) for r in ranks)
+
+
+def test_running_sum_equals_partition_files(setup, local_run):
+    """The workers keep a running sum instead of reading back the partition files:
+    it must equal the left fold of the files in partition order bit for bit."""
+    from laplace_core.io import load_tensors
+    from laplace_core.statistics import CurvatureStatistics
+
+    res, out = local_run
+    parts = []
+    for p in setup["parts"]:
+        tensors, meta = load_tensors(partition_uri(out, 1, p.id))
+        parts.append(CurvatureStatistics.from_flat(meta, tensors))
+    merged = CurvatureStatistics.merge_all(parts)
+    assert merged.count == res.stats.count
+    for k, v in merged.layers.items():
+        for f in ("A", "G", "diag"):
+            assert torch.equal(getattr(v, f), getattr(res.stats.layers[k], f)), f"{k}.{f}"
+    efb = None
+    for pid in res.efb_partitions:
+        t, _ = load_tensors(partition_uri(out, 2, pid))
+        efb = t if efb is None else {n: efb[n] + t[n] for n in t}
+    for k in merged.layers:
+        assert torch.equal(efb[f"{k}/efb"], res.stats.layers[k].efb), f"{k}.efb"
 
 
 # ---------------------------------------------------------------------------- S3 + worker killed
