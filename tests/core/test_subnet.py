@@ -7,7 +7,9 @@
   empirical and GGN, classification and regression;
 * with S = all weights, subnet Laplace equals full-covariance Laplace (dense);
 * F F^T = P_S^{-1}, samples are zero outside the subnetwork, save/load round trips;
-* the 1D two-cluster regression of Daxberger et al. §6.1 (in-between uncertainty).
+* the 1D two-cluster regression of Daxberger et al. §6.1 (in-between uncertainty): subnet
+  (random half) > diagonal Laplace is asserted; Wasserstein > random is not reproduced with
+  the paper's setup (xfail, with the measured mechanism asserted: dead-unit weights first).
 """
 from __future__ import annotations
 
@@ -374,16 +376,108 @@ def test_two_cluster_subnet_keeps_in_between_uncertainty(two_cluster):
     assert min(rand_std) > 2.0 * diag_std, (rand_std, diag_std)
 
 
+# --------------------------------------------------------------------------- §6.1 as in the paper
+def _matern_two_clusters(seed=4, n=(200, 200), lengthscale=0.5, noise=0.15):
+    """The two-cluster toy of Antorán et al. (2020) used by Daxberger §6.1 / appendix D.1 (the
+    DUN repository's Matérn data, regenerated): ``x ~ U(-2, -1)`` (200) and ``U(0.5, 2.5)``
+    (200), ``y`` one draw of a Matérn-3/2 GP (variance 1, lengthscale 0.5) plus noise 0.15,
+    both standardised. Returns ``x (400, 1)``, ``y (400, 1)`` and 27 in-between inputs
+    (raw ``x ∈ [-0.9, 0.4]``, strictly inside the gap), standardised the same way."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.cat([torch.rand(n[0], generator=g, dtype=F64) - 2,
+                   torch.rand(n[1], generator=g, dtype=F64) * 2 + 0.5]).sort().values
+    r = (x[:, None] - x[None, :]).abs() * 3**0.5 / lengthscale
+    K = (1 + r) * torch.exp(-r) + noise**2 * torch.eye(len(x), dtype=F64)
+    y = torch.linalg.cholesky(K) @ torch.randn(len(x), generator=g, dtype=F64)
+    xm, xs = x.mean(), x.std()
+    gap = (torch.linspace(-0.9, 0.4, 27, dtype=F64) - xm) / xs
+    return ((x - xm) / xs)[:, None], ((y - y.mean()) / y.std())[:, None], gap[:, None]
+
+
+def _daxberger_problem(seed=0, steps=2000):
+    """Daxberger et al. §6.1 / appendix D.1: 1-50-50-1 ReLU MLP, Gaussian likelihood whose noise
+    variance is learnt jointly (maximum likelihood), weight decay 1e-4, full batch (the paper's
+    batch 512 > 400 points). Deviation: Adam (lr 1e-2, 2000 steps; the noise std converges to
+    ≈ 0.21 ≈ 0.15 / std(y)) instead of SGD (lr 1e-3, momentum 0.9), which needs > 20,000 steps
+    to converge — too slow for a unit test. Returns the model, data, learnt σ² and gap inputs."""
+    x, y, gap = _matern_two_clusters()
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(1, 50), nn.ReLU(), nn.Linear(50, 50), nn.ReLU(), nn.Linear(50, 1)).to(F64)
+    log_var = torch.zeros((), dtype=F64, requires_grad=True)
+    opt = torch.optim.Adam([*model.parameters(), log_var], lr=1e-2, weight_decay=1e-4)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = 0.5 * (((model(x) - y) ** 2) / log_var.exp() + log_var).mean()
+        loss.backward()
+        opt.step()
+    return model.eval(), x, y, float(log_var.detach().exp()), gap
+
+
+@pytest.fixture(scope="module")
+def daxberger_two_cluster():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, x, y, s2, xb = _daxberger_problem()
+        allm = {k: torch.ones(i.shape, dtype=torch.bool) for k, i in find_layers(model)[1].items()}
+        F, count = collect_subnet_fisher(model, [(x, y)], allm, fisher="ggn", likelihood="regression")
+        N, tau = count / s2, 3.0  # GGN of the learnt-noise Gaussian likelihood: J^T J / σ²; λ = 3 (paper)
+        full = build_subnet_posterior(F, count, allm, n_data=N, prior_precision=tau)  # full covariance
+        layers = {k: DiagLayer(unvec(F.diagonal()[lv.offset:lv.offset + lv.size], *lv.shape) / count, N, tau)
+                  for k, lv in full.layers.items()}
+        yield dict(model=model, x=x, y=y, N=N, tau=tau, full=full, diag=Posterior("diag", layers, N, tau),
+                   exact=full.marginal_variance(), xb=xb, D=full.size, ggn_diag=F.diagonal() / count, sigma=s2**0.5)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _selected_std(p, source, S, rule, seed=0):
+    """(in-between std of the subnet posterior, flat mask) for ``S`` weights chosen from ``source``."""
+    masks = select_subnetwork(source, S, rule=rule, seed=seed)
+    F, count = collect_subnet_fisher(p["model"], [(p["x"], p["y"])], masks, fisher="ggn", likelihood="regression")
+    post = build_subnet_posterior(F, count, masks, n_data=p["N"], prior_precision=p["tau"])  # λ S / D
+    return _in_between_std(p["model"], post, p["xb"]), torch.cat([vec(mk) for mk in masks.values()])
+
+
+PAPER_S = (27, 81, 1350)  # 1 %, 3 % and 50 % of the D = 2701 weights (Daxberger Fig. 2; biases included here)
+
+
+def test_two_cluster_wasserstein_picks_weights_the_data_never_reach(daxberger_two_cluster):
+    """Why Daxberger §6.1 is not reproduced (see the xfail below): the eq. 23 rule keeps the
+    largest marginal variances, and the largest is the prior's ``1/λ``, reached exactly by the
+    weights whose Jacobian is zero on every training input (dead ReLU units: 1599 of the 2701
+    weights of this MAP). They outnumber even S = 50 % of D, so for all three S both the exact
+    full-covariance marginals (as §6.1 uses) and the diagonal-Laplace ones select only such
+    weights; they are (almost) as inert between the clusters. Measured in-between std:
+    Wasserstein 0.000 / 0.000 / 0.020 vs random 0.10 / 0.26 / 0.50 (mean of 3 seeds)."""
+    p = daxberger_two_cluster
+    dead = p["ggn_diag"] == 0
+    assert int(dead.sum()) > max(PAPER_S), int(dead.sum())
+    exact = torch.cat([vec(v) for v in p["exact"].values()])
+    assert float((exact[dead] * p["tau"] - 1).abs().max()) < 1e-9  # prior variance, the maximum
+    assert float(exact[~dead].max()) < 1 / p["tau"]
+    for S in PAPER_S:
+        for source in (p["exact"], p["diag"]):
+            std, sel = _selected_std(p, source, S, "wasserstein")
+            assert bool(dead[sel].all()), (S, int((~dead[sel]).sum()))
+            assert std < 0.1 * _in_between_std(p["model"], p["full"], p["xb"]), (S, std)
+
+
 @pytest.mark.xfail(strict=False, reason=(
-    "Daxberger §6.1's claim (Wasserstein > random selection) is NOT reproduced here: diagonal-Laplace "
-    "marginal variances rank weights of dead / prior-dominated units first (variance ~ 1/τ) whose Jacobian "
-    "is ~0 between the clusters too. Measured (D = 1021): in-between std diag 0.245, full covariance 0.763; "
-    "S = 100: Wasserstein 0.193 vs random 0.50-0.79; S = 300: 0.209 vs 0.64-0.75 (3 seeds). Kept as a "
-    "record; see the H10 report."))
-def test_two_cluster_wasserstein_beats_random_and_diag(two_cluster):
-    p = two_cluster
+    "Daxberger §6.1 (Wasserstein selection keeps more in-between std than random at the same S) is NOT "
+    "reproduced with the paper's setup (Matérn two-cluster data, 1-50-50-1 ReLU, learnt noise, GGN, "
+    "λ = 3, λ_S = λ S/D, exact marginals for selection): the largest marginal variances are the prior "
+    "1/λ of weights with zero Jacobian on all data (dead ReLU units, 1599 of 2701), which are inert "
+    "between the clusters too. Measured in-between std: full 0.564, diag 0.295; S = 27: Wasserstein "
+    "0.000 vs random 0.10 (3 seeds 0.04-0.20); S = 81: 0.000 vs 0.26 (0.14-0.37); S = 1350: 0.020 vs "
+    "0.50 (0.46-0.55). Same with diagonal-Laplace marginals, with biases excluded and for 3 training "
+    "seeds; see test_two_cluster_wasserstein_picks_weights_the_data_never_reach."))
+def test_two_cluster_wasserstein_beats_random_and_diag(daxberger_two_cluster):
+    """Acceptance claim of Daxberger §6.1 at S = 1 % and 3 % of D: Wasserstein subnet > mean of
+    3 random subnets, and > diagonal Laplace with the same prior λ."""
+    p = daxberger_two_cluster
     diag_std = _in_between_std(p["model"], p["diag"], p["xb"])
-    for S in (30, 100):
-        wass = _subnet_std(p, S, "wasserstein")
-        rand = sum(_subnet_std(p, S, "random", seed=s) for s in range(3)) / 3
+    for S in PAPER_S[:2]:
+        wass = _selected_std(p, p["exact"], S, "wasserstein")[0]  # exact marginals, as §6.1
+        rand = sum(_selected_std(p, p["diag"], S, "random", seed=s)[0] for s in range(3)) / 3
         assert wass > rand and wass > diag_std, (S, wass, rand, diag_std)
