@@ -324,6 +324,8 @@ class _Counter:
         self.rows = 0
         self.valid = 0
         self.batches = 0
+        self.wait_s = 0.0  # time spent waiting for the data pipeline
+        self.first_wait_s: float | None = None  # of which: until the first batch (pipeline start-up)
         self.skipped = SkipReport()
 
 
@@ -345,7 +347,16 @@ def _iter_valid_batches(shard, job: _Job, pass_no: int, pid: int, rank: int,
     from .data import iter_valid_batches
 
     fi = job.cfg.fault_injection
-    for b in iter_valid_batches(shard, batch_size=job.cfg.batch_size, device=device):
+    it = iter_valid_batches(shard, batch_size=job.cfg.batch_size, device=device)
+    while True:
+        t0 = time.perf_counter()
+        b = next(it, None)
+        dt = time.perf_counter() - t0
+        counter.wait_s += dt
+        if counter.first_wait_s is None:
+            counter.first_wait_s = dt
+        if b is None:
+            return
         n = int(b.y.shape[0]) + b.skipped.count
         counter.rows += n
         if b.skipped.count:
@@ -365,6 +376,35 @@ def _iter_valid_batches(shard, job: _Job, pass_no: int, pid: int, rank: int,
                                                            "time": time.time()}, ep)
                 print(f"[curvature] fault injection: rank {rank} exits in pass {pass_no} partition {pid}", flush=True)
                 os._exit(1)
+
+
+class _FirstBatch:
+    """A partition's batch generator whose first batch is fetched in a background
+    thread: Ray Data's start-up for a partition's dataset (about 2 s on 2 CPUs) then
+    overlaps the compute of the previous partition instead of adding to it.
+    ``get()`` returns ``(first_batch_or_None, generator)``; an error in the fetch
+    (fault injection, unreadable shard) is re-raised there."""
+
+    def __init__(self, batches: Iterator):
+        import threading
+
+        self._batches = batches
+        self._first = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="first-batch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._first = next(self._batches, None)
+        except BaseException as e:  # re-raised by get()
+            self._error = e
+
+    def get(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._first, self._batches
 
 
 class _Progress:
@@ -547,25 +587,51 @@ def _load_partition(pass_no: int, job: _Job, pid: int, names: Sequence[str]):
     return flat, nums, int(meta.get("rows", 0)), SkipReport.from_dict(meta["skipped"])
 
 
-def _run_pass(pass_no: int, job: _Job, model, infos, excluded, basis: Eigenbasis | None,
-              rank: int, world: int, device, rec: dict) -> _PassSum:
-    """Compute, all-reduce and store every unfinished partition of pass ``pass_no``;
+class _PassPlan:
+    """Which partitions of pass ``pass_no`` are finished (rank 0 looks, all ranks agree)
+    and which to compute, plus the data pipelines opened ahead of time: ``start()``
+    opens the first partition to compute (so its start-up overlaps the model load or
+    the eigendecomposition), :func:`_run_pass` opens each next one while the current
+    one computes."""
+
+    def __init__(self, pass_no: int, job: _Job, rank: int, world: int, device):
+        self.pass_no, self.job, self.rank, self.world, self.device = pass_no, job, rank, world, device
+        self.ids = job.pass1 if pass_no == 1 else job.pass2
+        ep = job.endpoint_url
+        self.done = _broadcast_object(finished_partitions(job.output_uri, pass_no, self.ids, ep) if rank == 0 else None,
+                                      rank)
+        self.todo = [p for p in self.ids if p not in set(self.done)]
+        known = [job.rows.get(p) for p in self.todo]
+        total = sum(known) if self.todo and all(r is not None for r in known) else None
+        self.progress = _Progress(pass_no, total, world, rank, job.cfg.log_every_s)
+        self.opened: dict[int, tuple[_Counter, _FirstBatch]] = {}
+
+    def open(self, pid: int) -> None:
+        import ray.train
+
+        counter = _Counter()
+        shard = ray.train.get_dataset_shard(f"p{self.pass_no}_{pid}")
+        batches = _iter_valid_batches(shard, self.job, self.pass_no, pid, self.rank, self.device,
+                                      DTYPES[self.job.cfg.model_dtype], counter, self.progress)
+        self.opened[pid] = (counter, _FirstBatch(batches))
+
+    def start(self) -> "_PassPlan":
+        if self.todo and self.todo[0] not in self.opened:
+            self.open(self.todo[0])
+        return self
+
+
+def _run_pass(plan: _PassPlan, model, infos, excluded, basis: Eigenbasis | None, rec: dict) -> _PassSum:
+    """Compute, all-reduce and store every unfinished partition of ``plan``'s pass;
     return the pass's sum over all its partitions (finished ones read from their files)."""
-    import ray.train
     import torch.distributed as dist
 
     from laplace_core.collect import collect_efb, collect_statistics
     from laplace_core.keyed_rng import KeyedSampler
 
+    job, pass_no, rank, world, device = plan.job, plan.pass_no, plan.rank, plan.world, plan.device
     cfg = job.cfg
-    ids = job.pass1 if pass_no == 1 else job.pass2
-    ep = job.endpoint_url
-    done = _broadcast_object(finished_partitions(job.output_uri, pass_no, ids, ep) if rank == 0 else None, rank)
-    todo = [p for p in ids if p not in set(done)]
-    known = [job.rows.get(p) for p in todo]
-    total = sum(known) if todo and all(r is not None for r in known) else None
-    prog = _Progress(pass_no, total, world, rank, cfg.log_every_s)
-    model_dtype = DTYPES[cfg.model_dtype]
+    ids, done, todo, prog, opened = plan.ids, plan.done, plan.todo, plan.progress, plan.opened
     stats_dtype = DTYPES[cfg.stats_dtype]
     p = rec.setdefault(f"pass{pass_no}", {"collect_s": 0.0, "allreduce_s": 0.0, "allreduce_bytes": 0, "allreduce_calls": 0,
                                           "write_s": 0.0, "read_s": 0.0, "images": 0, "invalid": 0, "computed": [],
@@ -576,20 +642,25 @@ def _run_pass(pass_no: int, job: _Job, model, infos, excluded, basis: Eigenbasis
     t_pass = time.perf_counter()
     if rank == 0 and todo:
         print(f"[curvature] pass {pass_no}: {len(todo)} partition(s) to compute, {len(done)} already finished", flush=True)
+    plan.start()
     for pid in ids:
         if pid in done:
             t0 = time.perf_counter()
             acc.add(*_load_partition(pass_no, job, pid, names))
             p["read_s"] += time.perf_counter() - t0
             continue
-        shard = ray.train.get_dataset_shard(f"p{pass_no}_{pid}")
-        counter = _Counter()
+        counter, pre = opened.pop(pid)
         # MC labels drawn from (seed, image key, draw): independent of which worker sees
         # which image, so 1 and N workers (and restarted ones) give the same sums.
         gen = KeyedSampler(cfg.seed)
-        batches = _iter_valid_batches(shard, job, pass_no, pid, rank, device, model_dtype, counter, prog)
         t0 = time.perf_counter()
-        first = next(batches, None)
+        first, batches = pre.get()
+        blocked = time.perf_counter() - t0
+        counter.wait_s += blocked - (counter.first_wait_s or 0.0)  # count what the loop waited, not the thread
+        counter.first_wait_s = blocked
+        nxt = todo.index(pid) + 1
+        if nxt < len(todo):  # start the next partition's data pipeline while this one computes
+            plan.open(todo[nxt])
 
         def chain():
             yield first
@@ -616,6 +687,8 @@ def _run_pass(pass_no: int, job: _Job, model, infos, excluded, basis: Eigenbasis
             nums = [0, n_local, 0, 0]
             del efb_local
         p["collect_s"] += time.perf_counter() - t0
+        p["data_wait_s"] = p.get("data_wait_s", 0.0) + counter.wait_s
+        p["data_start_s"] = p.get("data_start_s", 0.0) + (counter.first_wait_s or 0.0)
         # ---- all-reduce (pass 1: A, G, diag; pass 2: efb) + counts, in flat buckets
         counts = torch.tensor(nums + [counter.rows, counter.skipped.count], dtype=torch.float64, device=device)
         sub = {"allreduce_s": 0.0, "allreduce_bytes": 0, "allreduce_calls": 0}
@@ -754,18 +827,21 @@ def _train_loop(config: dict) -> None:
         device = torch.device("cpu")
     rec: dict[str, Any] = {"rank": rank, "world_size": world, "device": str(device)}
     t_all = time.perf_counter()
+    plan1 = _PassPlan(1, job, rank, world, device).start()  # data start-up overlaps the model load
     t0 = time.perf_counter()
     model = load_model(job.model.name, job.model.weights, job.model.num_classes, endpoint_url=job.endpoint_url)
     model = model.to(device=device, dtype=DTYPES[cfg.model_dtype]).eval()
     _, infos, excluded = find_layers(model)
     rec["model_load_s"] = time.perf_counter() - t0
 
-    acc1 = _run_pass(1, job, model, infos, excluded, None, rank, world, device, rec)
+    acc1 = _run_pass(plan1, model, infos, excluded, None, rec)
     stats = _pass1_statistics(acc1, infos, excluded, cfg)
     rec["skipped_pass1"] = acc1.info()
     del acc1
 
     basis = None
+    # open pass 2's first partition now: its data start-up overlaps the eigendecomposition
+    plan2 = _PassPlan(2, job, rank, world, device).start() if job.pass2 else None
     if cfg.needs_basis:
         buri = _basis_uri(job.output_uri)
         have = _broadcast_object(storage.exists(_manifest(buri), job.endpoint_url) if rank == 0 else None, rank)
@@ -783,7 +859,7 @@ def _train_loop(config: dict) -> None:
 
     if job.pass2:
         dev_basis = Eigenbasis(layers={k: b.to(device=device) for k, b in basis.layers.items()}, clamped=dict(basis.clamped))
-        acc2 = _run_pass(2, job, model, infos, excluded, dev_basis, rank, world, device, rec)
+        acc2 = _run_pass(plan2, model, infos, excluded, dev_basis, rec)
         rec["skipped_pass2"] = acc2.info()
         stats = stats.with_efb(dict(zip(stats.layers, acc2.tensors)), acc2.nums[1])
 
