@@ -42,6 +42,7 @@ METHOD_NAMES = ("diag", "kfac", "kfac_exact", "efb", "inf", "subnet")
 FISHER_TYPES = ("mc", "empirical")
 OBJECTIVES = ("nll", "ece")
 PRED_TYPES = ("nn", "glm")
+SUBNET_FISHER_TYPES = ("auto", "mc", "empirical", "ggn")
 
 
 class ConfigError(ValueError):
@@ -103,7 +104,9 @@ class PosteriorSpec:
     rank: int | None = 100
     prior_precision: float = 1.0
     n_data: float | None = None
-    subnet_size: int = 10_000
+    subnet_size: int = 10_000  # S, capped at the weights of all curvature layers (D_total)
+    subnet_fisher: str = "auto"  # auto (GGN for <= 10 classes, else curvature.fisher), mc, empirical, ggn
+    subnet_memory_gb: float = 4.0  # budget for the S x S float64 Fisher, checked before any cluster work
 
 
 @dataclass(frozen=True)
@@ -162,11 +165,30 @@ class RunConfig:
             raise ConfigError("curvature.num_workers must be >= 1")
         if self.posterior.rank is not None and self.posterior.rank < 1:
             raise ConfigError("posterior.rank must be >= 1 (or null for full rank)")
+        if "subnet" in self.posterior.methods:
+            self._validate_subnet()
         if not (0 < self.curvature.efb_fraction <= 1):
             raise ConfigError("curvature.efb_fraction must be in (0, 1]")
         if not self.data.demo and not self.data.root:
             raise ConfigError("data.root is required (or use --preset demo)")
         return self
+
+    def _validate_subnet(self) -> None:
+        p = self.posterior
+        if p.subnet_size < 1:
+            raise ConfigError("posterior.subnet_size must be >= 1")
+        if p.subnet_fisher not in SUBNET_FISHER_TYPES:
+            raise ConfigError(f"unknown posterior.subnet_fisher {p.subnet_fisher!r}; valid: {', '.join(SUBNET_FISHER_TYPES)}")
+        if not p.subnet_memory_gb > 0:
+            raise ConfigError("posterior.subnet_memory_gb must be > 0")
+        import torch
+
+        from laplace_core.subnet import check_subnet_memory
+
+        try:  # S^2 float64 numbers must fit: fail before any cluster work
+            check_subnet_memory(p.subnet_size, int(p.subnet_memory_gb * 2**30), torch.float64)
+        except ValueError as e:
+            raise ConfigError(f"posterior.subnet_size: {e} (or raise posterior.subnet_memory_gb)") from None
 
     def all_models(self) -> tuple[ModelSpec, ...]:
         return self.models if self.models else (self.model,)

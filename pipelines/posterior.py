@@ -4,7 +4,8 @@
 :func:`laplace_core.build_posterior` once per requested method with the reduced
 statistics and the eigenbasis the EFB pass used, and writes each posterior to
 ``<output_uri>/posterior/<method>/`` (safetensors + JSON manifest, via
-``Posterior.save``). It returns a JSON-able summary per method: numbers stored
+``Posterior.save``); ``subnet`` is built from the subnet pass's artifact
+(:mod:`pipelines.subnet_pass`). It returns a JSON-able summary per method: numbers stored
 (Table 3 counting), clipped ``D`` entries (Lemma 3), clamped factor eigenvalues,
 build and save seconds and the artifact URI.
 """
@@ -44,7 +45,9 @@ def build_and_save(
 ) -> dict[str, dict[str, Any]]:
     """Build every method of ``methods`` and save it under ``<output_uri>/posterior/<method>/``.
 
-    ``rank`` is applied to ``inf`` only (the other methods have no rank). Returns
+    ``rank`` is applied to ``inf`` only (the other methods have no rank). ``subnet`` reads
+    the ``S x S`` Fisher sum and masks of the subnet pass from ``<output_uri>/stats/subnet``
+    (:func:`pipelines.subnet_pass.run_subnet_pass`; prior ``τ S / D_total``). Returns
     ``method -> {"num_stored", "clipped_D", "clamped_eigenvalues", "build_s", "save_s", "uri"}``.
     Unknown method names raise ``ValueError`` before anything is built.
     """
@@ -54,6 +57,12 @@ def build_and_save(
     out: dict[str, dict[str, Any]] = {}
     for name in names:
         t0 = time.perf_counter()
+        subnet_fisher = None
+        if name == "subnet":  # the S x S Fisher of the subnet pass (pipelines.subnet_pass)
+            from .subnet_pass import load_subnet_fisher, subnet_uri
+
+            F_sum, count, masks, _ = load_subnet_fisher(subnet_uri(output_uri))
+            subnet_fisher = (F_sum, count, masks)
         post = build_posterior(
             stats,
             name,
@@ -61,6 +70,7 @@ def build_and_save(
             n_data=n_data,
             prior_precision=prior_precision,
             basis=basis if name in BASIS_METHODS else None,
+            subnet_fisher=subnet_fisher,
         )
         t1 = time.perf_counter()
         uri = posterior_uri(output_uri, name)
@@ -74,4 +84,6 @@ def build_and_save(
             "save_s": t2 - t1,
             "uri": uri,
         }
+        if name == "subnet":
+            out[name].update({k: post.info[k] for k in ("subnet_size", "d_total", "prior_scale") if k in post.info})
     return out

@@ -1,0 +1,450 @@
+"""Subnetwork Laplace in the Ray job: selection on the driver, a distributed ``S x S`` Fisher pass.
+
+Daxberger et al. (2021), §3-5, on top of the curvature stage (:mod:`pipelines.curvature`):
+
+1. **Selection** (driver, §5 eq. 23): the ``S`` weights of largest diagonal-Laplace
+   marginal variance ``σ_d² = 1 / (N diag_d/M + τ)`` (the run's ``n_data`` /
+   ``prior_precision`` convention), read from the reduced pass-1 statistics
+   ``<output>/stats/reduced`` (:func:`laplace_core.subnet.select_subnetwork`). ``S`` is
+   capped at ``D_total`` (all curvature weights). Memory check up front: ``S²`` numbers
+   of the Fisher's dtype must fit the budget, else a one-line ``ValueError`` naming the
+   largest ``S`` that fits (:func:`laplace_core.subnet.check_subnet_memory`).
+2. **Fisher** (Ray Train ``TorchTrainer``, the curvature pass's pattern): every worker runs
+   :func:`laplace_core.subnet.collect_subnet_fisher` on its shard of each partition,
+   ``F_sum = Σ_k d_{k,S} d_{k,S}^T`` (``S x S``, one such matrix per worker, all-reduced
+   in place) plus the count; one SUM all-reduce at the end; rank 0 writes ``<output>/stats/subnet/`` (``fisher_sum``, ``mask/<layer>``, JSON
+   meta; a :mod:`laplace_core.io` artifact, manifest last). Fisher types: ``"mc"``
+   (labels drawn from ``(seed, image key, draw)`` exactly as pass 1 draws them, so 1 or N
+   workers give the same sums, and on the same images ``diag(F_sum)`` equals pass 1's
+   Fisher diagonal at the selected entries), ``"empirical"`` (true labels), ``"ggn"``
+   (exact GGN ``Σ_k J_S^T (diag p − p p^T) J_S``, ``C`` backward passes per batch), and
+   ``"auto"``: ``ggn`` when the class count is at most :data:`GGN_MAX_CLASSES`, else the
+   curvature pass's Fisher type.
+3. **Posterior** (driver): ``P_S = N F_sum/count + τ (S / D_total) I``, built and saved by
+   :func:`pipelines.posterior.build_and_save` (``posterior/subnet/``).
+
+The keyed MC labels need the model's outputs before the backward pass; since
+``collect_subnet_fisher`` draws from a ``torch.Generator`` only, each batch gets one extra
+no-grad forward pass here to draw the keyed labels, which are then passed as
+``fisher="empirical"`` labels (``mc_samples`` draws: the batch is fed once per draw and the
+sum divided by ``mc_samples``, the weights ``1/mc_samples`` of the MC Fisher).
+
+Resume: no partition-level resume in this pass (its one artifact is the all-reduced sum of
+every partition). The artifact is skipped when it exists and its fingerprint (model,
+partitions, Fisher type, seed, dtypes, masks) matches; otherwise the pass reruns.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from laplace_core.io import load_tensors, save_tensors
+from laplace_core.statistics import CurvatureStatistics
+from laplace_core.subnet import DEFAULT_MEMORY_BUDGET, SELECTION_RULES, check_subnet_memory, select_subnetwork
+
+from . import storage
+from .config import SUBNET_FISHER_TYPES
+from .curvature import (
+    DTYPES,
+    CurvatureConfig,
+    _allreduce_sum,
+    _Counter,
+    _endpoint_env,
+    _iter_valid_batches,
+    _Job,
+    _lossless_data_config,
+    _manifest,
+    _model_ref,
+    _partition_dataset,
+    _partition_id,
+    _partition_rows,
+    _Progress,
+    _reduced_uri,
+)
+
+__all__ = [
+    "SUBNET_FISHERS",
+    "GGN_MAX_CLASSES",
+    "SUBNET_PASS_NO",
+    "SubnetConfig",
+    "SubnetResult",
+    "resolve_subnet_fisher",
+    "subnet_config",
+    "subnet_uri",
+    "select_masks",
+    "save_subnet_fisher",
+    "load_subnet_fisher",
+    "run_subnet_pass",
+]
+
+SUBNET_FISHERS = SUBNET_FISHER_TYPES  # ("auto", "mc", "empirical", "ggn"), posterior.subnet_fisher
+GGN_MAX_CLASSES = 10
+"""``fisher="auto"`` takes the exact GGN (``C`` backward passes per batch) up to this many classes."""
+SUBNET_PASS_NO = 3
+"""Pass number of the subnet Fisher pass in log lines and ``FaultInjection(pass_no=3)``."""
+FORMAT = "infoform.subnet_fisher"
+
+
+def resolve_subnet_fisher(name: str, num_classes: int | None, curvature_fisher: str = "mc") -> str:
+    """``"auto"`` -> ``"ggn"`` when ``num_classes <= GGN_MAX_CLASSES``, else ``curvature_fisher``;
+    other names are checked and returned."""
+    if name not in SUBNET_FISHERS:
+        raise ValueError(f"unknown subnet fisher {name!r}; valid: {', '.join(SUBNET_FISHERS)}")
+    if name != "auto":
+        return name
+    if num_classes is not None and int(num_classes) <= GGN_MAX_CLASSES:
+        return "ggn"
+    return curvature_fisher
+
+
+def subnet_config(posterior_spec, curvature_fisher: str, num_classes: int | None) -> "SubnetConfig":
+    """:class:`SubnetConfig` of a run from its :class:`pipelines.config.PosteriorSpec`
+    (``subnet_size``, ``subnet_fisher`` resolved, ``subnet_memory_gb``, ``n_data``, ``prior_precision``)."""
+    p = posterior_spec
+    return SubnetConfig(subnet_size=int(p.subnet_size),
+                        fisher=resolve_subnet_fisher(p.subnet_fisher, num_classes, curvature_fisher),
+                        n_data=p.n_data, prior_precision=float(p.prior_precision),
+                        memory_budget_bytes=int(p.subnet_memory_gb * 2**30))
+
+
+def subnet_uri(output_uri: str) -> str:
+    """``<output>/stats/subnet`` (the ``S x S`` Fisher sum, count and masks)."""
+    return storage.join(output_uri, "stats", "subnet")
+
+
+@dataclass(frozen=True)
+class SubnetConfig:
+    """Settings of the subnet pass (runtime settings come from the :class:`CurvatureConfig`).
+
+    ``subnet_size``: ``S`` (capped at ``D_total``). ``fisher``: ``mc``/``empirical``/``ggn``
+    (resolve ``auto`` first with :func:`resolve_subnet_fisher`). ``n_data`` /
+    ``prior_precision``: the diagonal-Laplace convention of the selection
+    (``N`` default ``M``). ``memory_budget_bytes``: for one ``S x S`` matrix in ``dtype``.
+    """
+
+    subnet_size: int
+    fisher: str = "mc"
+    rule: str = "wasserstein"
+    n_data: float | None = None
+    prior_precision: float = 1.0
+    selection_seed: int = 0
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET
+    dtype: str = "float64"
+
+    def __post_init__(self):
+        if isinstance(self.subnet_size, bool) or not isinstance(self.subnet_size, int) or self.subnet_size < 1:
+            raise ValueError(f"subnet_size must be a positive int, got {self.subnet_size!r}")
+        if self.fisher not in SUBNET_FISHERS or self.fisher == "auto":
+            raise ValueError(f"subnet fisher must be one of mc, empirical, ggn (resolve 'auto' first), got {self.fisher!r}")
+        if self.rule not in SELECTION_RULES:
+            raise ValueError(f"unknown subnetwork selection rule {self.rule!r}; valid: {', '.join(SELECTION_RULES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown subnet dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
+        if self.memory_budget_bytes <= 0:
+            raise ValueError(f"memory_budget_bytes must be > 0, got {self.memory_budget_bytes}")
+
+
+@dataclass(frozen=True)
+class SubnetResult:
+    """``uri`` of the artifact; ``subnet_size`` (after the cap) of ``d_total`` weights;
+    ``count`` examples in the sum; ``computed`` (False: a matching artifact was reused);
+    timings and all-reduce payload of this run (zero when reused); ``per_layer``: selected
+    weights per layer; ``zero_fisher``: selected weights whose pass-1 Fisher diagonal is 0
+    (dead units, Daxberger et al. §6.3: prior variance, the largest, but no effect on the
+    training data's predictions)."""
+
+    uri: str
+    subnet_size: int
+    d_total: int
+    count: int
+    fisher: str
+    computed: bool
+    fit_s: float
+    allreduce_s: float
+    allreduce_bytes: int
+    rows: int
+    skipped: dict[str, Any]
+    per_layer: dict[str, int]
+    zero_fisher: int = 0
+
+
+# =========================================================================== selection + I/O
+def select_masks(stats: CurvatureStatistics, scfg: SubnetConfig) -> tuple[dict[str, torch.Tensor], int, int]:
+    """``(masks, S, D_total)``: Wasserstein (or random) selection from the reduced statistics,
+    ``S = min(subnet_size, D_total)``, after the memory check (one-line ``ValueError``)."""
+    D = int(sum(info.shape[0] * info.shape[1] for info in stats.infos.values()))
+    if D == 0:
+        raise ValueError("no curvature layers to select a subnetwork from")
+    S = min(int(scfg.subnet_size), D)
+    check_subnet_memory(S, scfg.memory_budget_bytes, DTYPES[scfg.dtype])
+    masks = select_subnetwork(stats, S, rule=scfg.rule, prior_precision=scfg.prior_precision, n_data=scfg.n_data,
+                              seed=scfg.selection_seed)
+    return {k: v.cpu() for k, v in masks.items()}, S, D
+
+
+def _masks_digest(masks: Mapping[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k, mk in masks.items():
+        h.update(k.encode())
+        h.update(repr(tuple(mk.shape)).encode())
+        h.update(mk.to(torch.uint8).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_subnet_fisher(uri: str, fisher_sum: torch.Tensor, count: int, masks: Mapping[str, torch.Tensor],
+                       meta: Mapping[str, Any]) -> None:
+    """``<uri>/`` artifact: ``fisher_sum`` (``S x S``), ``mask/<layer>`` (bool ``m x n``, model order)."""
+    tensors = {"fisher_sum": fisher_sum.detach().cpu().contiguous()}
+    for k, mk in masks.items():
+        tensors[f"mask/{k}"] = mk.detach().cpu().contiguous()
+    save_tensors(uri, tensors, {**meta, "format": FORMAT, "version": 1, "count": int(count), "names": list(masks)})
+
+
+def load_subnet_fisher(uri: str) -> tuple[torch.Tensor, int, dict[str, torch.Tensor], dict[str, Any]]:
+    """``(fisher_sum, count, masks, meta)`` from :func:`save_subnet_fisher` (masks in model order)."""
+    tensors, meta = load_tensors(uri)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{uri}: not a subnet Fisher artifact (format {meta.get('format')!r})")
+    masks = {k: tensors[f"mask/{k}"].to(torch.bool) for k in meta["names"]}
+    return tensors["fisher_sum"], int(meta["count"]), masks, meta
+
+
+# =========================================================================== worker side
+def _labelled(model, batches, fisher: str, mc_samples: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(x, y)`` batches for ``collect_subnet_fisher``: for ``"mc"`` one batch per draw
+    ``s`` with ``y = keyed_categorical(softmax(f(x)), seed, keys, s)`` (the labels
+    ``collect_statistics`` draws with ``KeyedSampler(seed)``); else the true labels."""
+    from laplace_core.keyed_rng import keyed_categorical
+
+    for x, y, keys in batches:
+        if fisher != "mc":
+            yield x, y
+            continue
+        with torch.no_grad():
+            probs = torch.softmax(model(x).to(torch.float64), dim=1)
+        for s in range(mc_samples):
+            yield x, keyed_categorical(probs, seed, keys, s).to(x.device)
+
+
+def _local_fisher(model, batches, masks, job: _Job, scfg: SubnetConfig, S: int, device):
+    """``(F_sum, count)`` over one worker's shards of every partition (zeros when all are
+    empty); one ``collect_subnet_fisher`` call, so one ``S x S`` matrix is held."""
+    from laplace_core.subnet import collect_subnet_fisher
+
+    cfg = job.cfg
+    dtype = DTYPES[scfg.dtype]
+    first = next(batches, None)
+    if first is None:
+        return torch.zeros(S, S, dtype=dtype, device=device), 0
+
+    def chain():
+        yield first
+        yield from batches
+
+    draws = cfg.mc_samples if scfg.fisher == "mc" else 1
+    F, n = collect_subnet_fisher(model, _labelled(model, chain(), scfg.fisher, draws, cfg.seed), masks,
+                                 fisher="ggn" if scfg.fisher == "ggn" else "empirical", dtype=dtype,
+                                 memory_budget=scfg.memory_budget_bytes)
+    if draws > 1:
+        F.div_(draws)
+        n //= draws
+    return F, n
+
+
+def _subnet_loop(config: dict) -> None:
+    """``train_loop_per_worker``: local ``(F_sum, count)`` over every partition, one
+    SUM all-reduce, rank 0 writes the artifact."""
+    import ray.train
+    import torch.distributed as dist
+
+    from .models import load_model
+
+    job: _Job = config["job"]
+    scfg: SubnetConfig = config["subnet"]
+    masks: dict[str, torch.Tensor] = config["masks"]
+    meta: dict[str, Any] = config["meta"]
+    cfg = job.cfg
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    if job.endpoint_url:
+        os.environ["AWS_ENDPOINT_URL_S3"] = job.endpoint_url
+    if cfg.torch_threads:
+        torch.set_num_threads(int(cfg.torch_threads))
+    if job.use_gpu:
+        import ray.train.torch as rtt
+
+        device = rtt.get_device()
+    else:
+        device = torch.device("cpu")
+    model_dtype = DTYPES[cfg.model_dtype]
+    model = load_model(job.model.name, job.model.weights, job.model.num_classes, endpoint_url=job.endpoint_url)
+    model = model.to(device=device, dtype=model_dtype).eval()
+    S = int(meta["subnet_size"])
+    known = [job.rows.get(p) for p in job.pass1]
+    total = sum(known) if all(r is not None for r in known) else None
+    prog = _Progress(SUBNET_PASS_NO, total, world, rank, cfg.log_every_s)
+    counters = {pid: _Counter() for pid in job.pass1}
+
+    def all_partitions():
+        for pid in job.pass1:
+            yield from _iter_valid_batches(ray.train.get_dataset_shard(f"s_{pid}"), job, SUBNET_PASS_NO, pid, rank,
+                                           device, model_dtype, counters[pid], prog)
+
+    t0 = time.perf_counter()
+    F, count = _local_fisher(model, all_partitions(), masks, job, scfg, S, device)
+    collect_s = time.perf_counter() - t0
+    rows = [counters[p].rows for p in job.pass1]
+    invalid = [counters[p].skipped.count for p in job.pass1]
+    skipped = counters[job.pass1[0]].skipped
+    for p in job.pass1[1:]:
+        skipped = skipped.merge(counters[p].skipped)
+    # S x S sum in place (no flat copy: it may be GiBs), then the counts through the bucketed helper
+    t0 = time.perf_counter()
+    dist.all_reduce(F, op=dist.ReduceOp.SUM)
+    if F.is_cuda:
+        torch.cuda.synchronize(F.device)
+    rec = {"allreduce_s": time.perf_counter() - t0, "allreduce_bytes": F.numel() * F.element_size(),
+           "allreduce_calls": 1}
+    nums = torch.tensor([count, *rows, *invalid], dtype=torch.float64, device=device)
+    (nums,) = _allreduce_sum([nums], int(cfg.bucket_mb * 2**20), rec)
+    nums = [int(round(float(v))) for v in nums.cpu()]
+    count, P = nums[0], len(job.pass1)
+    rows_g, invalid_g = nums[1:1 + P], nums[1 + P:]
+    for pid, r in zip(job.pass1, rows_g):
+        expected = job.rows.get(pid)
+        if expected is not None and r != expected:
+            raise RuntimeError(f"subnet pass partition {pid}: workers read {r} rows, expected {expected}")
+    if count <= 0:
+        raise RuntimeError("subnet pass: no valid image in any partition")
+    reports = [None] * world
+    dist.all_gather_object(reports, skipped)
+    if rank == 0:
+        skip_report = reports[0]
+        for r in reports[1:]:
+            skip_report = skip_report.merge(r)
+        save_subnet_fisher(config["uri"], F, count, masks, {
+            **meta, "rows": int(sum(rows_g)), "invalid_rows": int(sum(invalid_g)), "skipped": skip_report.to_dict(),
+            "world_size": world, "collect_s": collect_s, **rec, "written_at": time.time(),
+        })
+        print(f"[subnet] S = {S}: Fisher over {count} examples written ({sum(rows_g)} rows, "
+              f"{sum(invalid_g)} invalid)", flush=True)
+    dist.barrier()
+
+
+# =========================================================================== driver side
+def _fingerprint(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_subnet_pass(
+    model_spec,
+    partitions: Sequence[Any],
+    cfg: CurvatureConfig,
+    scfg: SubnetConfig,
+    output_uri: str,
+    *,
+    data_config=None,
+    endpoint_url: str | None = None,
+    stats: CurvatureStatistics | None = None,
+    run_name: str | None = None,
+) -> SubnetResult:
+    """Select the subnetwork from ``stats`` (default: ``<output>/stats/reduced``), check
+    memory, and compute the all-reduced ``S x S`` Fisher on ``cfg.num_workers`` Ray Train
+    workers over ``partitions`` (as :func:`pipelines.curvature.run_curvature` takes them;
+    runtime settings, ``seed``, ``mc_samples``, ``model_dtype`` from ``cfg``). Writes
+    ``<output>/stats/subnet/``; reuses it when its fingerprint matches. Ray must be
+    initialised (or this calls ``ray.init()``)."""
+    import ray
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    if not isinstance(cfg, CurvatureConfig) or not isinstance(scfg, SubnetConfig):
+        raise ValueError("run_subnet_pass needs a CurvatureConfig and a SubnetConfig")
+    if not partitions:
+        raise ValueError("run_subnet_pass needs at least one data partition")
+    endpoint_url = storage.resolve_endpoint(endpoint_url) if storage.is_remote(output_uri) else endpoint_url
+    with _endpoint_env(endpoint_url if storage.is_remote(output_uri) else None):
+        if stats is None:
+            stats = CurvatureStatistics.load(_reduced_uri(output_uri))
+    masks, S, D = select_masks(stats, scfg)
+    model = _model_ref(model_spec)
+    ids = [_partition_id(p, i) for i, p in enumerate(partitions)]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"partition ids must be unique, got {ids}")
+    by_id = dict(zip(ids, partitions))
+    rows = {pid: _partition_rows(p) for pid, p in by_id.items()}
+    meta = {
+        "subnet_size": S, "requested_size": int(scfg.subnet_size), "d_total": D, "fisher": scfg.fisher,
+        "mc_samples": cfg.mc_samples if scfg.fisher == "mc" else 1, "seed": cfg.seed, "rule": scfg.rule,
+        "n_data": scfg.n_data, "prior_precision": scfg.prior_precision, "dtype": scfg.dtype,
+        "model_dtype": cfg.model_dtype, "per_layer": {k: int(mk.sum()) for k, mk in masks.items()},
+        "zero_fisher": int(sum(int((stats.layers[k].diag[mk.to(stats.layers[k].diag.device)] == 0).sum())
+                               for k, mk in masks.items())),
+    }
+    if meta["zero_fisher"]:
+        print(f"[subnet] note: {meta['zero_fisher']} of the S = {S} selected weights have a zero Fisher diagonal "
+              "(dead units: prior variance, no effect on the training data's predictions; Daxberger et al. §6.3)",
+              flush=True)
+    fp = _fingerprint({
+        "model": dataclasses.asdict(model), "partitions": ids, "rows": [rows[p] for p in ids],
+        "data": [getattr(by_id[p], "fingerprint", None) for p in ids], "masks": _masks_digest(masks),
+        **{k: meta[k] for k in ("fisher", "mc_samples", "seed", "dtype", "model_dtype")},
+    })
+    meta["fingerprint"] = fp
+    uri = subnet_uri(output_uri)
+    with _endpoint_env(endpoint_url if storage.is_remote(output_uri) else None):
+        old = storage.read_json(_manifest(uri), endpoint_url).get("meta", {}) \
+            if storage.exists(_manifest(uri), endpoint_url) else {}
+        if old.get("format") == FORMAT and old.get("fingerprint") == fp:
+            print(f"[subnet] {uri}: done earlier (same fingerprint), reused", flush=True)
+            return SubnetResult(uri=uri, subnet_size=S, d_total=D, count=int(old["count"]), fisher=scfg.fisher,
+                                computed=False,
+                                fit_s=0.0, allreduce_s=0.0, allreduce_bytes=0, rows=int(old.get("rows", 0)),
+                                skipped=old.get("skipped", {}), per_layer=meta["per_layer"],
+                                zero_fisher=meta["zero_fisher"])
+
+    if not ray.is_initialized():
+        ray.init()
+    use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
+    run_id = run_name or f"subnet-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    datasets = {f"s_{pid}": _partition_dataset(by_id[pid], data_config, endpoint_url) for pid in ids}
+    job = _Job(model=model, cfg=cfg, output_uri=output_uri, endpoint_url=endpoint_url, pass1=tuple(ids), pass2=(),
+               rows=rows, run_id=run_id, use_gpu=bool(use_gpu))
+    resources = {"CPU": cfg.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = cfg.gpus_per_worker
+    if storage.is_remote(output_uri):
+        storage_path = os.path.join(tempfile.gettempdir(), "infoform_ray_train")
+    else:
+        storage_path = os.path.abspath(storage.join(output_uri, "_ray_train"))
+    trainer = TorchTrainer(
+        _subnet_loop,
+        train_loop_config={"job": job, "subnet": scfg, "masks": masks, "meta": meta, "uri": uri},
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=bool(use_gpu),
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(name=run_id, storage_path=storage_path,
+                                       failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
+        datasets=datasets,
+        dataset_config=_lossless_data_config(),
+    )
+    print(f"[subnet] S = {S} of {D} weights ({scfg.rule}), {scfg.fisher} Fisher on {cfg.num_workers} worker(s)",
+          flush=True)
+    t0 = time.perf_counter()
+    trainer.fit()
+    fit_s = time.perf_counter() - t0
+    written = storage.read_json(_manifest(uri), endpoint_url)["meta"]
+    count = int(written["count"])
+    return SubnetResult(uri=uri, subnet_size=S, d_total=D, count=count, fisher=scfg.fisher, computed=True, fit_s=fit_s,
+                        allreduce_s=float(written.get("allreduce_s", 0.0)),
+                        allreduce_bytes=int(written.get("allreduce_bytes", 0)), rows=int(written.get("rows", 0)),
+                        skipped=written.get("skipped", {}), per_layer=meta["per_layer"], zero_fisher=meta["zero_fisher"])
