@@ -1089,10 +1089,18 @@ def write_audit_report(output: str, per_model: Mapping[str, tuple[Mapping[str, A
     if not isinstance(per_model, Mapping) or not per_model:
         raise ValueError("per_model must be a non-empty mapping {model: (run_summary, metrics_by_method)}")
     checked: dict[str, tuple[Mapping[str, Any], dict[str, Mapping[str, Any]]]] = {}
+    failed: list[str] = []  # "model/method: reason" of evaluations that did not finish
     for model, pair in per_model.items():
-        if not (isinstance(pair, Sequence) and len(pair) == 2 and isinstance(pair[0], Mapping)):
+        if not (isinstance(pair, Sequence) and len(pair) == 2 and isinstance(pair[0], Mapping)
+                and isinstance(pair[1], Mapping)):
             raise ValueError(f"per_model[{model!r}] must be a (run_summary dict, metrics_by_method dict) pair")
-        checked[str(model)] = (pair[0], _check_metrics(pair[1]))
+        ok = {}
+        for meth, d in pair[1].items():
+            if isinstance(d, Mapping) and d.get("status", STATUS_OK) != STATUS_OK:
+                failed.append(f"{model}/{meth}: {d.get('status')} ({d.get('reason') or 'no reason given'})")
+            else:
+                ok[meth] = d
+        checked[str(model)] = (pair[0], _check_metrics(ok) if ok else {})
     safe = {m: _safe_name(m) for m in checked}
     if len(set(safe.values())) != len(safe):
         raise ValueError(f"model names collide after making them path-safe: {safe}")
@@ -1134,6 +1142,7 @@ def write_audit_report(output: str, per_model: Mapping[str, tuple[Mapping[str, A
             m_keys.append(f"{model}/{meth}")
         notes += [x for x in n if x not in notes]
     m_table = [[r.get(c, "—") for c in m_header] for r in m_rows]
+    notes += [f"Evaluation failed, not in the table: {f}" for f in failed]
 
     page_title = title or "infoform comparison: " + ", ".join(checked)
     body = [f"<h1>{_esc(page_title)}</h1>",
@@ -1153,7 +1162,7 @@ def write_audit_report(output: str, per_model: Mapping[str, tuple[Mapping[str, A
     md += ["", "## Comparison", "", f"![comparison]({_relative_link(out, paths['comparison'])})", ""]
     for model, (summary, mbm) in checked.items():
         rows = search_rows(search_tables.get(model))
-        figs = _render_standard(mbm, summary, rows)
+        figs = _render_standard(mbm, summary, rows) if mbm else {}
         body.append(f'<section class="model" id="model-{_esc(safe[model])}"><h2>{_esc(model)}</h2>')
         body.append(_html_kv(_kv(summary.get("data")) if summary.get("data") is not None else []))
         cfg = _dump_config(summary.get("config"))

@@ -10,7 +10,9 @@ the output already holds a run with other settings (use a new ``--output`` or
 fully skipped re-run reproduces it.
 
 An audit (``models:`` with several entries) runs the same stages per model under
-``<output>/models/<name>/`` and writes one comparison report (``audit.html``).
+``<output>/models/<name>/`` and writes one comparison report (``audit.html`` + ``audit.md``,
+:func:`pipelines.report.write_audit_report`) and a top-level ``run.json`` listing the models,
+their outputs, posterior sizes and headline results.
 """
 from __future__ import annotations
 
@@ -119,8 +121,16 @@ def preflight(cfg: RunConfig) -> None:
                 resolve_weights_enum(spec.weights)
             elif not storage.exists(spec.weights, _endpoint(cfg)):
                 raise FileNotFoundError(f"weights file not found: {spec.weights}")
-        elif not cfg.data.demo and spec.name != "demo_cnn":
+        elif spec.name != "demo_cnn":
             raise ValueError(f"model {spec.name!r} needs --weights (a state-dict file or a torchvision weights name)")
+    if cfg.models and cfg.model != ModelSpec():
+        raise ValueError("both model (--model/--weights) and models: (an audit) are set; with models:, give each "
+                         "model's weights in the list, e.g. --set 'models=[{name: resnet18, weights: ...}]'")
+    names = [spec.name for spec in cfg.all_models()]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"models: {', '.join(twice)} listed more than once; an audit writes each model to "
+                         "<output>/models/<name>/, so model names must be unique")
     if not cfg.data.demo:
         root = cfg.data.root
         if not storage.exists(root, _endpoint(cfg)):
@@ -271,7 +281,8 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     ep = cfg.data.endpoint_url
     t_start = time.perf_counter()
     model_info: dict[str, Any] = {"name": spec.name, "weights": spec.weights}
-    if plan.demo is not None:
+    if plan.demo is not None and spec.name == "demo_cnn" and spec.weights is None:
+        # the embedded demo: the small CNN trained on the spot (any other model is used as given)
         spec, trained = _demo_model(cfg, plan, output)
         trained.pop("cached", None)  # run.json must not depend on whether the cache was warm
         model_info.update(name=spec.name, weights=spec.weights, demo_training=trained)
@@ -307,25 +318,42 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     _log(f"data: {len(train_idx)} train images in {len(parts)} partitions, {len(search_idx)} for the search, "
          f"{len(test_idx)} test, {0 if ood_idx is None else len(ood_idx)} OOD")
     methods = tuple(m for m in cfg.posterior.methods)
-    unsupported = [m for m in methods if m not in ("diag", "kfac", "kfac_exact", "efb", "inf")]
-    if unsupported:
-        raise ValueError(f"method(s) {', '.join(unsupported)} are not available in the Ray job yet")
+    # "subnet" is not built from the reduced sums alone: the curvature stage adds its S x S Fisher pass
+    layer_methods = tuple(m for m in methods if m != "subnet")
+    subnet_cfg = None
+    if "subnet" in methods:
+        from .subnet_pass import subnet_config
+
+        subnet_cfg = subnet_config(cfg.posterior, cfg.curvature.fisher, spec.num_classes or len(classes))
 
     # ---- curvature (+ posteriors built from the reduced sums)
     c = cfg.curvature
     curv_cfg = CurvatureConfig(
         num_workers=c.num_workers, use_gpu=c.use_gpu, cpus_per_worker=c.cpus_per_worker, fisher=c.fisher,
-        mc_samples=c.mc_samples, seed=c.seed, batch_size=c.batch_size, methods=methods, rank=cfg.posterior.rank,
+        mc_samples=c.mc_samples, seed=c.seed, batch_size=c.batch_size, methods=layer_methods, rank=cfg.posterior.rank,
         n_data=cfg.posterior.n_data, prior_precision=cfg.posterior.prior_precision, efb_fraction=c.efb_fraction,
         max_failures=c.max_failures, torch_threads=c.torch_threads or 1,
     )
     curv_fp = {"model": to_dict(spec), "train": train_idx.fingerprint, "curvature": to_dict(c),
                "image": [cfg.data.image_size, cfg.data.resize_size], "methods": list(methods)}
+    if subnet_cfg is not None:  # the selection (S, n_data, tau) and the Fisher type shape the subnet pass
+        curv_fp["subnet"] = dataclasses.asdict(subnet_cfg)
 
     def do_curvature() -> dict[str, Any]:
-        res = run_curvature(spec, parts, curv_cfg, output, data_config=_data_config(
-            cfg, plan, cfg.data.train_split, limit=cfg.data.limit, per_class=cfg.data.per_class), endpoint_url=ep)
+        train_dcfg = _data_config(cfg, plan, cfg.data.train_split, limit=cfg.data.limit, per_class=cfg.data.per_class)
+        res = run_curvature(spec, parts, curv_cfg, output, data_config=train_dcfg, endpoint_url=ep)
         skipped = {k: v for k, v in res.skipped.items()}
+        posteriors, subnet = dict(res.posteriors), None
+        if subnet_cfg is not None:  # Daxberger et al. (2021): select from the reduced sums, S x S Fisher pass
+            from .posterior import build_and_save
+            from .subnet_pass import run_subnet_pass
+
+            sres = run_subnet_pass(spec, parts, curv_cfg, subnet_cfg, output, data_config=train_dcfg,
+                                   endpoint_url=ep, stats=res.stats)
+            with _endpoint_env(ep):
+                posteriors.update(build_and_save(res.stats, None, ("subnet",), None, output, n_data=cfg.posterior.n_data,
+                                                 prior_precision=cfg.posterior.prior_precision))
+            subnet = dataclasses.asdict(sres)
         return {
             "count": res.stats.count, "efb_count": res.stats.efb_count, "excluded": res.stats.excluded,
             "skipped_batches": res.stats.skipped_batches, "skipped": skipped,
@@ -334,7 +362,8 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
             "computed_partitions": {k: list(v) for k, v in res.computed_partitions.items()},
             "reused_partitions": {k: list(v) for k, v in res.reused_partitions.items()},
             "num_workers": res.num_workers, "use_gpu": res.use_gpu,
-            "posteriors": res.posteriors, "timings": {k: v for k, v in res.timings.items() if k != "worker"},
+            "posteriors": posteriors, "timings": {k: v for k, v in res.timings.items() if k != "worker"},
+            **({"subnet": subnet} if subnet is not None else {}),
         }
 
     curv = st.run("curvature", curv_fp, do_curvature)
@@ -344,11 +373,11 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
         from laplace_core.statistics import CurvatureStatistics
 
         from .curvature import _basis_uri, _reduced_uri, load_eigenbasis
-        from .posterior import build_and_save
+        from .posterior import BASIS_METHODS, build_and_save
 
         with _endpoint_env(ep):
             stats = CurvatureStatistics.load(_reduced_uri(output))
-            basis = load_eigenbasis(_basis_uri(output)) if any(m != "diag" for m in methods) else None
+            basis = load_eigenbasis(_basis_uri(output)) if any(m in BASIS_METHODS for m in methods) else None
         return {"posteriors": build_and_save(stats, basis, methods, cfg.posterior.rank, output,
                                              n_data=cfg.posterior.n_data, prior_precision=cfg.posterior.prior_precision)}
 
@@ -480,7 +509,8 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
     srch = results.get("search") or {}
     evl = results.get("evaluate") or {}
     posteriors = post.get("posteriors") or curv.get("posteriors") or {}
-    sizes = {m: {"numbers": p.get("num_stored"), "note": f"rank {cfg.posterior.rank}" if m == "inf" else ""}
+    sizes = {m: {"numbers": p.get("num_stored"), "note": f"rank {cfg.posterior.rank}" if m == "inf" else
+                 f"S = {p.get('subnet_size')} of {p.get('d_total')} weights" if m == "subnet" else ""}
              for m, p in posteriors.items()}
     skipped = {}
     for k, v in (curv.get("skipped") or {}).items():
@@ -504,7 +534,8 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
         "chosen": chosen,
         "curvature": {k: curv.get(k) for k in ("count", "efb_count", "num_workers", "use_gpu", "allreduce_s",
                                                "allreduce_bytes", "computed_partitions", "reused_partitions",
-                                               "excluded", "skipped_batches")},
+                                               "excluded", "skipped_batches")}
+        | ({"subnet": curv["subnet"]} if "subnet" in curv else {}),
         "search": {"chosen": srch.get("chosen"), "notes": srch.get("notes")},
         "results": evl.get("methods"),
         "output": output,
@@ -568,14 +599,28 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
         return RunResult(output=output, report_path=report, summary=summary)
     from .report import load_eval_metrics, write_audit_report
 
-    per_model = {}
+    ep = cfg.data.endpoint_url
+    per_model, tables, listing = {}, {}, {}
     for spec in models:
         sub = storage.join(output, "models", spec.name)
         _log(f"audit: model {spec.name} -> {sub}")
         summary = _run_model(cfg, spec, sub, plan, ensure_ray)
-        per_model[spec.name] = (summary, load_eval_metrics(sub, cfg.data.endpoint_url))
-    paths = write_audit_report(output, per_model, endpoint_url=cfg.data.endpoint_url)
-    return RunResult(output=output, report_path=paths["html"], summary={"models": list(per_model)})
+        listing[spec.name] = {k: summary.get(k) for k in ("output", "model", "results", "posterior_sizes", "chosen")}
+        if summary.get("results") is None:  # evaluate not run (--stages): nothing to compare for this model
+            continue
+        per_model[spec.name] = (summary, load_eval_metrics(sub, ep))
+        tables[spec.name] = _read_search(sub, cfg.posterior.methods, ep)
+    audit = {"preset": cfg.preset, "config": to_dict(cfg), "models": listing, "report": None}
+    paths = {}
+    if per_model:
+        paths = write_audit_report(output, per_model, search_tables=tables, endpoint_url=ep)
+        audit["report"] = {"html": paths["html"], "md": paths["md"]}
+        audit["figures"] = {k: v for k, v in paths.items() if k not in ("html", "md")}
+    else:
+        _log("audit: no model has evaluation results yet; no comparison report written")
+    storage.write_json_atomic(storage.join(output, "run.json"), audit, ep)
+    # without a comparison (no model evaluated yet) the run.json listing is what there is to show
+    return RunResult(output=output, report_path=paths.get("html", storage.join(output, "run.json")), summary=audit)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -515,3 +515,108 @@ def test_no_credentials_in_infra():
                 names = set(value) if path.endswith("env_vars") else {value.get("name")} if "value" in value or "valueFrom" in value else set()
                 bad = names & CREDENTIAL_ENV_NAMES
                 assert not bad, f"{where} {path}: sets {sorted(bad)}; credentials come from the AWS chain / roles"
+
+
+# --------------------------------------------------------------------------- what a run costs
+COST_SECTION = "## What a run costs"
+MAIN_README = REPO / "README.md"
+
+
+def cost_section() -> str:
+    text = README.read_text()
+    assert COST_SECTION in text, f"infra/README.md has no {COST_SECTION!r} section"
+    return text.split(COST_SECTION, 1)[1]
+
+
+def cost_inputs() -> dict[str, float]:
+    """``name = value`` lines of the first ```text block of the cost section."""
+    block = re.search(r"```text\n(.*?)```", cost_section(), flags=re.S)
+    assert block, "the cost section has no inputs block"
+    values = {}
+    for line in block.group(1).splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "=" in line:
+            key, value = (x.strip() for x in line.split("=", 1))
+            values[key] = float(value)
+    return values
+
+
+def _table_row(label: str) -> list[str]:
+    for line in cost_section().splitlines():
+        if line.startswith(f"| {label}"):
+            return [c.strip() for c in line.strip().strip("|").split("|")]
+    raise AssertionError(f"no cost table row starting with {label!r}")
+
+
+def test_cost_section_has_no_placeholders():
+    assert "TBD" not in README.read_text(), "infra/README.md still has TBD figures"
+
+
+def test_cost_inputs_match_the_benchmarks_and_the_preset():
+    v = cost_inputs()
+    bench = " ".join(MAIN_README.read_text().split())
+    # measured: the worst end of README.md's measured ranges, and the sum of the MC-evaluation ratios
+    pass1 = re.search(r"\(KFAC \+ diagonal pass\) / \(forward \+ backward\)[^|]*\|[^|]*\| ([\d.]+)x – ([\d.]+)x", bench)
+    efb = re.search(r"\(EFB pass\) / \(forward \+ backward\)[^|]*\|[^|]*\| ([\d.]+)x – ([\d.]+)x", bench)
+    mc = re.search(r"\| INF ([\d.]+)x, Diag ([\d.]+)x, KFAC ([\d.]+)x, EFB ([\d.]+)x \|", bench)
+    assert pass1 and efb and mc, "README.md's benchmark table changed shape; update this test"
+    assert v["rho_1"] == float(pass1.group(2)) and v["rho_2"] == float(efb.group(2))
+    assert v["rho_mc"] == pytest.approx(sum(float(x) for x in mc.groups()), abs=1e-9)
+    assert v["r_fwd"] == 3 * v["r_fb"]
+    from jobs.imagenet_inf import config_from_args, get_args_parser
+
+    cfg = config_from_args(get_args_parser().parse_args(["--preset", "imagenet-resnet50", "--data", "s3://YOUR-BUCKET/x"]))
+    assert cfg.data.limit is None and v["N_tr"] == 1_281_167  # the full ImageNet-1k train set
+    assert v["f"] == cfg.curvature.efb_fraction and v["S"] == cfg.search.num_configs
+    assert v["K_s"] == cfg.search.mc_samples and v["N_s"] == cfg.data.val_limit
+    assert v["K_mc"] == cfg.evaluate.mc_samples and v["N_ev"] == cfg.data.test_limit
+    assert list(cfg.posterior.methods) == ["diag", "kfac", "efb", "inf"]  # rho_mc sums exactly these
+
+
+def test_cost_table_follows_from_its_inputs():
+    v = cost_inputs()
+    hours = {
+        "Curvature pass 1": v["N_tr"] * v["rho_1"] / v["r_fb"] / 3600,
+        "EFB pass 2": v["f"] * v["N_tr"] * v["rho_2"] / v["r_fb"] / 3600,
+        "Search": v["S"] * v["K_s"] * v["N_s"] * v["rho_mc"] / v["r_fwd"] / 3600,
+        "Evaluation": v["K_mc"] * (v["N_ev"] + v["N_ood"]) * v["rho_mc"] / v["r_fwd"] / 3600,
+    }
+    hours["Total"] = sum(hours.values())
+    for label, h in hours.items():
+        row = _table_row(label)
+        assert row[3] == f"{h:.2f}", f"{label}: table says {row[3]} GPU-hours, the inputs give {h:.2f}"
+        assert row[4] == f"${h * v['p_gpu']:.2f}", f"{label}: table says {row[4]}, the inputs give ${h * v['p_gpu']:.2f}"
+    passes = {"Curvature pass 1": v["N_tr"], "EFB pass 2": v["N_tr"], "Search": 4 * v["S"] * v["K_s"] * v["N_s"],
+              "Evaluation": 4 * v["K_mc"] * (v["N_ev"] + v["N_ood"])}
+    for label, n in passes.items():
+        assert _table_row(label)[1] == f"{int(n):,}", label
+
+
+def test_resnet50_allreduce_bytes_are_exact():
+    """The all-reduce payloads quoted for ResNet-50: float64 sums of A (n x n), G (m x m) and the
+    diagonal (m x n) per covered layer (pass 1), the EFB sums (m x n, pass 2), and the eigenbasis
+    broadcast; partitions = ceil(N_tr / data.partition_size)."""
+    import math
+
+    import torch
+    import torchvision
+
+    from jobs.imagenet_inf import config_from_args, get_args_parser
+    from laplace_core.layers import find_layers
+
+    with torch.device("meta"):
+        model = torchvision.models.resnet50()
+    _, infos, _ = find_layers(model)
+    shapes = [tuple(i.shape) for i in infos.values()]
+    a, g, d = (sum(n * n for m, n in shapes), sum(m * m for m, n in shapes), sum(m * n for m, n in shapes))
+    basis = sum((n * n + n + m * m + m + 1) * 8 for m, n in shapes)
+    text = " ".join(cost_section().split())
+    assert f"{len(shapes)} covered layers" in text
+    for figure in (a, g, d, a + g + d, 8 * (a + g + d), 8 * d, basis):
+        assert f"{figure:,}" in text, f"{figure:,} not quoted in the cost section"
+    cfg = config_from_args(get_args_parser().parse_args(["--preset", "imagenet-resnet50", "--data", "s3://YOUR-BUCKET/x"]))
+    parts = math.ceil(cost_inputs()["N_tr"] / cfg.data.partition_size)
+    assert f"there are {parts} partitions" in text
+    assert f"{parts * 8 * (a + g + d) / 1e9:.1f} GB (pass 1)" in text and f"{parts * 8 * d / 1e9:.1f} GB (pass 2)" in text
+    largest = max(max(s) for s in shapes)
+    assert f"{largest} x {largest} factor" in text

@@ -1,0 +1,290 @@
+"""Every command in README.md is one that a test or CI runs, or (when it needs a GPU cluster, S3
+or minutes of benchmarking) at least one whose script exists and whose arguments parse.
+
+Commands are taken from README.md itself: every line of a plain code block that starts with a
+program (backslash continuations joined), every backticked command in the text and the tables
+(``make demo``, ``python benchmarks/...``, ...), and the Python API block. :data:`EXERCISED` maps
+each one to where it runs or how it is checked; a command missing from the map, or an entry the
+README no longer has, fails :func:`test_every_readme_command_is_mapped`.
+
+| README command | exercised by |
+| --- | --- |
+| ``make demo`` / ``python jobs/imagenet_inf.py`` | tests/jobs/test_demo_fresh.py (fresh clone, new venv; on in ``make test``) |
+| ``make test`` | ``.ci/run`` (CI runs exactly ``make test``) |
+| ``pip install -e '.[dev,bench]'`` | the Makefile's install recipe (``make demo`` / ``make test``) |
+| ``ray job submit ... --preset smoke ...``, ``ray start --head`` | tests/jobs/test_job.py (submits to a ``ray start --head`` on loopback) |
+| ``ray job submit ... --preset imagenet-resnet50 ... s3://`` | parse: Ray's own ``job submit`` CLI + the job's parser (dry run) |
+| ``infoform sizes ...`` | run here (meta device, seconds); README's resnet18 figures checked |
+| ``infoform run ...`` | run here with ``--dry-run``; the job itself in tests/jobs/test_job.py |
+| ``make core-demo`` | parse: the Makefile target and ``jobs/core_demo.py``'s parser (minutes of CPU) |
+| ``python benchmarks/*.py ...`` | parse: each script's own argparse with the README's arguments (benchmarks take minutes) |
+| Python API block | run here on a tiny CNN |
+
+infra/README.md's commands are checked by tests/jobs/test_infra.py.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PROGRAMS = ("make", "python", "infoform", "ray", "pip")
+SAMPLE_ENV = {"RAY_ADDRESS": "http://127.0.0.1:8265"}
+
+# Plain code blocks that hold no commands, by their first line.
+NOT_COMMANDS = {
+    "stats/partitions/pass{1,2}/part-NNNNN/   per-partition sums (resume unit)": "the artifact layout",
+}
+
+# README command -> (kind, where / why). kind "run": a test or CI runs it (the needle ties it to
+# that file); "here": a test in this file runs it; "parse": checked without running it.
+EXERCISED: dict[str, tuple[str, str]] = {
+    "make demo": ("run", "tests/jobs/test_demo_fresh.py"),
+    "make test": ("run", ".ci/run"),
+    "python jobs/imagenet_inf.py": ("run", "Makefile"),  # `make demo` runs it; test_demo_fresh runs make demo
+    "pip install -e '.[dev,bench]'": ("run", "Makefile"),
+    "ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/imagenet_inf.py --preset smoke "
+    "--output /tmp/infoform-smoke": ("run", "tests/jobs/test_job.py"),
+    "ray job submit --address $RAY_ADDRESS --working-dir . --runtime-env infra/runtime_env.yaml -- python "
+    "jobs/imagenet_inf.py --preset imagenet-resnet50 --data s3://bucket/imagenet --weights s3://bucket/resnet50.pt "
+    "--output s3://bucket/runs/r50": ("parse", "needs a GPU cluster and S3: Ray's CLI + the job's parser"),
+    "infoform sizes --model resnet18 --rank 100": ("here", "test_sizes_commands_run"),
+    "infoform sizes --model densenet121 --json": ("here", "test_sizes_commands_run"),
+    "infoform sizes": ("here", "test_sizes_commands_run (the section heading)"),
+    "infoform run ...": ("here", "test_infoform_run_is_the_job"),
+    "ray start --head": ("run", "tests/jobs/test_job.py"),
+    "make core-demo": ("parse", "minutes of CPU: the Makefile target and jobs/core_demo.py's parser"),
+    "python benchmarks/core_pass.py --random-basis": ("parse", "benchmark"),
+    "python benchmarks/sampling.py": ("parse", "benchmark"),
+    "python benchmarks/eval_overhead.py --model demo_cnn --size 64 --n-images 128 --batch-size 64 --threads 1":
+        ("parse", "benchmark"),
+    "python benchmarks/peers.py --model resnet18 --size 64 --batch 32 --batches 4": ("parse", "benchmark"),
+    "python benchmarks/scaling.py --images 768 --size 32 --partitions 2 --workers 1 2 --repeats 2":
+        ("parse", "benchmark"),
+    "<python API block>": ("here", "test_python_api_block_runs"),
+}
+
+# For "run" entries: a fragment of the runner's source that shows it runs the command.
+RUNNER_NEEDLES = {
+    "make demo": '["make", "demo"]',
+    "make test": "make test",
+    "python jobs/imagenet_inf.py": "$(PY) jobs/imagenet_inf.py",
+    "pip install -e '.[dev,bench]'": "pip install -e '.[dev,bench]'",
+    "ray start --head": '"start", "--head"',
+}
+
+
+# --------------------------------------------------------------------------- extraction
+def _blocks(text: str) -> list[tuple[str, str]]:
+    """``(language, body)`` of every fenced code block."""
+    return re.findall(r"^```([\w-]*)\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def readme_commands() -> dict[str, str]:
+    """Normalised command -> where in README.md it was found."""
+    text = README.read_text(encoding="utf-8")
+    found: dict[str, str] = {}
+    for lang, body in _blocks(text):
+        if lang == "python":
+            found["<python API block>"] = "python block"
+            continue
+        assert lang in ("", "bash", "sh", "text"), f"README code block in an unexpected language {lang!r}"
+        first = body.splitlines()[0].strip() if body.strip() else ""
+        if first in NOT_COMMANDS:
+            continue
+        joined = re.sub(r"\\\n\s*", " ", body)
+        for line in joined.splitlines():
+            line = line.split(" #", 1)[0].strip()
+            if not line:
+                continue
+            assert line.split()[0] in PROGRAMS, (f"README code block line {line!r} is neither a command nor in a "
+                                                 "block listed in NOT_COMMANDS")
+            found[" ".join(line.split())] = "code block"
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    for span in re.findall(r"`([^`\n]+)`", prose):
+        if span.split()[0] in PROGRAMS and not span.startswith("python -m pytest"):
+            found.setdefault(" ".join(span.split()), "inline")
+    return found
+
+
+def _substitute(cmd: str) -> str:
+    return re.sub(r"\$(\w+)", lambda m: SAMPLE_ENV[m.group(1)], cmd)
+
+
+def _entrypoint(cmd: str) -> tuple[list[str], list[str]]:
+    """``ray job submit OPTIONS -- python SCRIPT ARGS`` -> (OPTIONS, [SCRIPT, *ARGS])."""
+    tokens = shlex.split(_substitute(cmd))
+    assert tokens[:3] == ["ray", "job", "submit"] and "--" in tokens, cmd
+    i = tokens.index("--")
+    assert tokens[i + 1] == "python", cmd
+    return tokens[3:i], tokens[i + 2:]
+
+
+def _load_script(path: Path):
+    name = "readme_cmd_" + re.sub(r"\W", "_", str(path.relative_to(ROOT)))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Parsed(Exception):
+    def __init__(self, ns):
+        self.ns = ns
+
+
+def _parse_only(monkeypatch, call) -> argparse.Namespace:
+    """Run ``call()`` but stop right after its argparse parsed the arguments (a bad argument
+    makes argparse exit 2, reported as a failure)."""
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    try:
+        call()
+    except _Parsed as p:
+        return p.ns
+    except SystemExit as e:
+        pytest.fail(f"arguments do not parse (exit {e.code})")
+    finally:
+        monkeypatch.setattr(argparse.ArgumentParser, "parse_args", original)
+    pytest.fail("the script returned without parsing any arguments")
+
+
+# --------------------------------------------------------------------------- the map
+def test_every_readme_command_is_mapped():
+    found = readme_commands()
+    unmapped = sorted(set(found) - set(EXERCISED))
+    assert not unmapped, f"README commands with no test or check (add them to EXERCISED): {unmapped}"
+    stale = sorted(set(EXERCISED) - set(found))
+    assert not stale, f"EXERCISED lists commands README.md no longer has: {stale}"
+
+
+@pytest.mark.parametrize("cmd", [c for c, (k, _) in EXERCISED.items() if k == "run"])
+def test_run_entries_name_a_runner_that_runs_them(cmd):
+    runner = ROOT / EXERCISED[cmd][1]
+    assert runner.is_file(), runner
+    source = runner.read_text(encoding="utf-8")
+    if cmd.startswith("ray job submit"):
+        # test_job.py submits the same entrypoint (its own --output) with the same ray options
+        # (its head's address; --runtime-env-json excludes .venv/.git/runs from the upload)
+        ray_opts, entry = _entrypoint(cmd)
+        assert '"job", "submit"' in source and '"--working-dir"' in source
+        i = entry.index("--output")
+        fragment = ", ".join(json.dumps(t) for t in ["python", *entry[: i + 1]])
+        assert fragment in source, f"{runner.name} does not submit {fragment}"
+        assert ray_opts[0] == "--address" and ray_opts[1].startswith("http://127.0.0.1:")
+        return
+    assert RUNNER_NEEDLES[cmd] in source, f"{runner.name} does not run {cmd!r}"
+    if runner.name == "Makefile" and cmd == "python jobs/imagenet_inf.py":
+        assert '["make", "demo"]' in (ROOT / "tests/jobs/test_demo_fresh.py").read_text()
+
+
+def test_ci_runs_make_test_which_runs_pytest():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test$", ci, flags=re.M)
+    assert re.search(r"^test: .*\n\t\$\(PY\) -m pytest", (ROOT / "Makefile").read_text(), flags=re.M)
+
+
+# --------------------------------------------------------------------------- run here
+def test_sizes_commands_run(capsys):
+    from pipelines.cli import main
+
+    assert main(["sizes", "--model", "resnet18", "--rank", "100"]) == 0
+    out = capsys.readouterr().out
+    # the figures README.md quotes for resnet18 (Lee et al. 2020, Table 3)
+    for figure in ("11,679,912", "44.6", "362.4", "407.0"):
+        assert figure in out, (figure, out)
+    for claim in ("Diag 11,679,912 numbers", "= 44.6 MB", "KFAC 362.4 MB", "EFB 407.0 MB"):
+        assert claim in " ".join(README.read_text().split())
+    assert main(["sizes", "--model", "densenet121", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "diag" in json.dumps(report)
+
+
+def test_infoform_run_is_the_job(capsys):
+    from pipelines.cli import main
+
+    assert main(["run", "--preset", "smoke", "--dry-run"]) == 0
+    assert "preset: smoke" in capsys.readouterr().out
+
+
+def test_python_api_block_runs(tmp_path, monkeypatch):
+    """The README's Python API block, verbatim, on a tiny CNN with 2 batches of 8 images."""
+    import torch
+
+    from pipelines.models import tiny_cnn
+
+    block = next(body for lang, body in _blocks(README.read_text(encoding="utf-8")) if lang == "python")
+    g = torch.Generator().manual_seed(1)
+    model = tiny_cnn(3).eval()
+    batches = [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(2)]
+    x = torch.randn(4, 3, 8, 8, generator=g)
+    monkeypatch.chdir(tmp_path)  # the block saves to runs/x/posterior/inf
+    ns = {"model": model, "batches": batches, "x": x}
+    exec(compile(block, "README.md:python", "exec"), ns)
+    post, probs = ns["post"], ns["probs"]
+    assert post.method == "inf"
+    assert probs.shape == (4, 3) and torch.allclose(probs.sum(-1), torch.ones(4, dtype=probs.dtype), atol=1e-5)
+    deltas = ns["deltas"]
+    assert deltas and all(d.shape[0] == 1 for d in deltas.values())
+    assert (tmp_path / "runs" / "x" / "posterior" / "inf").is_dir()
+
+
+# --------------------------------------------------------------------------- parse only
+def test_cluster_submission_parses():
+    from ray.dashboard.modules.job.cli import job_cli_group
+
+    from pipelines.job import config_from_args, get_args_parser
+
+    cmds = [c for c, (k, _) in EXERCISED.items() if k == "parse" and c.startswith("ray job submit")]
+    assert cmds
+    for cmd in cmds:
+        ray_opts, entry = _entrypoint(cmd)
+        ctx = job_cli_group.commands["submit"].make_context("submit", [*ray_opts, "--", "python", *entry])
+        if ctx.params.get("runtime_env"):
+            assert (ROOT / ctx.params["runtime_env"]).is_file(), ctx.params["runtime_env"]
+        assert (ROOT / entry[0]).is_file() and entry[0] == "jobs/imagenet_inf.py"
+        ns = get_args_parser().parse_args(entry[1:])
+        assert "dry_run" in vars(ns)  # the job has a parse-only mode
+        cfg = config_from_args(ns)
+        assert cfg.output.startswith("s3://") and cfg.data.root.startswith("s3://") and not cfg.data.demo
+        assert cfg.model.weights and cfg.model.weights.startswith("s3://")
+
+
+def test_make_core_demo_parses(monkeypatch):
+    make = (ROOT / "Makefile").read_text()
+    m = re.search(r"^core-demo: .*\n\t(.+)$", make, flags=re.M)
+    assert m and m.group(1).strip() == "$(PY) jobs/core_demo.py", m
+    mod = _load_script(ROOT / "jobs" / "core_demo.py")
+    ns = mod.get_args_parser().parse_args([])
+    assert ns.workdir and ns.rank >= 1
+
+
+@pytest.mark.parametrize("cmd", [c for c in EXERCISED if c.startswith("python benchmarks/")])
+def test_benchmark_commands_parse(cmd, monkeypatch):
+    tokens = shlex.split(cmd)
+    script = ROOT / tokens[1]
+    assert script.is_file(), script
+    args = tokens[2:]
+    source = script.read_text(encoding="utf-8")
+    if "argparse" not in source:  # a plain script: it must not expect arguments
+        assert not args and "sys.argv" not in source, cmd
+        compile(source, str(script), "exec")
+        return
+    mod = _load_script(script)
+    assert callable(getattr(mod, "main", None)), f"{script.name} has no main()"
+    ns = _parse_only(monkeypatch, lambda: mod.main(args))
+    for flag in (t for t in args if t.startswith("--")):
+        assert hasattr(ns, flag[2:].replace("-", "_")), (cmd, flag)
