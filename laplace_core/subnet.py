@@ -9,7 +9,9 @@
    uniform baseline. Ties are broken by position (layers in model order, then ``vec``
    order), so selection is deterministic. Caveat (Daxberger et al. §6.3): weights with
    zero Fisher (dead ReLUs) have the prior variance ``1/τ``, the largest possible,
-   and are picked first although they do not move the function.
+   and are picked first although they do not move the function. ``rule="wasserstein_live"``
+   (opt-in, not in the paper) ranks the same way but only among **live** weights, whose
+   Fisher diagonal is ``> LIVE_RTOL x`` its layer's largest (:func:`live_weights`).
 2. **Inference** (§3): the full ``S x S`` Fisher over the selected weights,
    ``F_sum = Σ_k d_{k,S} d_{k,S}^T`` from per-example gradients gathered at the
    selected entries (:func:`collect_subnet_fisher`; MC / empirical labels as in
@@ -26,6 +28,7 @@ a layer ascending ``vec`` (column-stacking) position of ``W~``.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Iterable, Mapping
 
 import torch
@@ -36,14 +39,16 @@ from .hooks import capture, layer_inputs, layer_output_grads
 from .layers import find_layers
 from .statistics import CurvatureStatistics
 from .structures.base import Posterior, vec
-from .structures.diag import check_hyper
+from .structures.diag import DiagLayer, check_hyper
 from .structures.subnet import SubnetLayerView, SubnetPosterior
 
 __all__ = [
     "SELECTION_RULES",
+    "LIVE_RTOL",
     "SUBNET_FISHER_TYPES",
     "DEFAULT_MEMORY_BUDGET",
     "marginal_variances",
+    "live_weights",
     "select_subnetwork",
     "subnet_size",
     "max_subnet_size",
@@ -53,7 +58,11 @@ __all__ = [
     "subnet_laplace",
 ]
 
-SELECTION_RULES = ("wasserstein", "random")
+SELECTION_RULES = ("wasserstein", "wasserstein_live", "random")
+LIVE_RTOL = 1e-12
+"""A weight is live when its Fisher diagonal is ``> LIVE_RTOL x`` the largest of its layer
+(see :func:`live_weights`): gradients below ``1e-6`` of the layer's largest (about ten
+float32 round-off units), squared, count as dead."""
 SUBNET_FISHER_TYPES = ("mc", "empirical", "ggn")
 DEFAULT_MEMORY_BUDGET = 4 * 2**30
 """Default bytes allowed for the ``S x S`` Fisher (4 GiB: ``S ≈ 23,170`` in float64)."""
@@ -93,6 +102,45 @@ def marginal_variances(source, prior_precision: float = 1.0, n_data: float | Non
     )
 
 
+def live_weights(source, rtol: float = LIVE_RTOL) -> dict[str, torch.Tensor]:
+    """Boolean masks ``name -> (m, n)``: weights whose Fisher diagonal is **live**,
+    ``diag_d > rtol * max_{d' in layer} diag_{d'}`` (strict, so exact zeros are never live,
+    nor is any weight of a layer whose diagonal is all zero).
+
+    Why a relative, per-layer threshold and not ``diag > 0``: ``diag = Σ_k d_k²`` is exactly
+    0 for dead ReLU units, but smooth activations (GELU, SiLU in torchvision's ConvNeXt /
+    EfficientNet) or float32 round-off leave tiny non-zero values whose marginal variance
+    ``1 / (N diag/M + τ)`` equals the prior's ``1/τ`` to machine precision, i.e. the same
+    pathology. The default ``rtol = 1e-12`` on the squared sums means gradients below
+    ``1e-6`` of the layer's largest (≈ ten float32 round-off units). Per layer, because
+    gradient scales differ by orders of magnitude between layers (a global maximum could
+    declare a whole small-gradient layer dead), and round-off is relative to the layer's own
+    scale. ``diag`` is invariant to ``N, τ``, so liveness does not depend on them.
+
+    ``source``: :class:`CurvatureStatistics` (its ``diag`` sums) or a :class:`Posterior`
+    whose layers are all diagonal (their ``fisher_diag = diag/M``); marginal-variance
+    mappings carry no Fisher diagonal and are refused (one-line ``ValueError``).
+    """
+    rtol = float(rtol)
+    if not (math.isfinite(rtol) and rtol >= 0):
+        raise ValueError(f"rtol must be a finite number >= 0, got {rtol!r}")
+    if isinstance(source, CurvatureStatistics):
+        diags = {k: ls.diag for k, ls in source.layers.items()}
+    elif isinstance(source, Posterior) and all(isinstance(lp, DiagLayer) for lp in source.layers.values()):
+        diags = {k: lp.fisher_diag for k, lp in source.layers.items()}
+    else:
+        kind = f"a {source.method!r} posterior" if isinstance(source, Posterior) else type(source).__name__
+        raise ValueError(f"live weights need the Fisher diagonal: pass CurvatureStatistics or a diag posterior, "
+                         f"got {kind}")
+    out = {}
+    for k, d in diags.items():
+        d = d.to(torch.float64)
+        if not bool(torch.isfinite(d).all()) or bool((d < 0).any()):
+            raise ValueError(f"layer {k!r}: Fisher diagonal has negative or NaN/inf entries")
+        out[k] = d > rtol * d.max() if d.numel() else torch.zeros_like(d, dtype=torch.bool)
+    return out
+
+
 def select_subnetwork(
     source,
     S: int,
@@ -105,6 +153,15 @@ def select_subnetwork(
 
     ``rule="wasserstein"``: the ``S`` largest marginal variances (Daxberger eq. 23 with a
     diagonal posterior); ties go to the earlier position (model order, then vec order).
+    ``rule="wasserstein_live"``: the same ranking among the live weights only
+    (:func:`live_weights`, Fisher diagonal ``> LIVE_RTOL x`` its layer's largest), so dead
+    units (variance ``1/τ``, no effect on the data's predictions) are not picked first.
+    ``source`` must then be :class:`CurvatureStatistics` or a diag posterior. When fewer
+    than ``S`` weights are live, all live ones are kept and the rest is **filled** by the
+    plain rule among the non-live ones (largest variance, then position), with a one-line
+    ``UserWarning`` giving the live and filled counts: ``S`` (and with it the prior
+    ``τ S/D`` and the ``S x S`` memory) stays what was asked, and a long run does not
+    fail after its curvature pass; the filled weights only add prior mass.
     ``rule="random"``: ``S`` positions uniformly without replacement from
     ``torch.Generator().manual_seed(seed)``. ``source``: see :func:`marginal_variances`.
     """
@@ -117,10 +174,21 @@ def select_subnetwork(
     D = flat.numel()
     if isinstance(S, bool) or not isinstance(S, int) or not 1 <= S <= D:
         raise ValueError(f"S must be an int in [1, {D}] (weights in all curvature layers), got {S!r}")
-    if rule == "wasserstein":
+    if rule in ("wasserstein", "wasserstein_live"):
         if not bool(torch.isfinite(flat).all()):
             raise ValueError("marginal variances contain NaN/inf")
         order = torch.sort(flat, descending=True, stable=True).indices
+        if rule == "wasserstein_live":
+            live = torch.cat([vec(mk).cpu() for mk in live_weights(source).values()])
+            if live.numel() != D:
+                raise ValueError(f"Fisher diagonal has {live.numel()} entries but the marginal variances {D}")
+            alive = live[order]
+            order = torch.cat([order[alive], order[~alive]])  # live first, each part by variance then position
+            n_live = int(live.sum())
+            if n_live < S:
+                warnings.warn(f"wasserstein_live: only {n_live} of {D} weights have a live Fisher diagonal "
+                              f"(> {LIVE_RTOL:g} x layer max); filled the other {S - n_live} of S = {S} by "
+                              "the plain wasserstein rule", UserWarning, stacklevel=2)
         chosen = order[:S]
     else:
         g = torch.Generator().manual_seed(int(seed))

@@ -106,6 +106,7 @@ class PosteriorSpec:
     n_data: float | None = None
     subnet_size: int = 10_000  # S, capped at the weights of all curvature layers (D_total)
     subnet_fisher: str = "auto"  # auto (GGN for <= 10 classes, else curvature.fisher), mc, empirical, ggn
+    subnet_rule: str = "wasserstein"  # laplace_core.subnet.SELECTION_RULES; wasserstein_live skips dead units
     subnet_memory_gb: float = 4.0  # budget for the S x S float64 Fisher, checked before any cluster work
 
 
@@ -183,7 +184,10 @@ class RunConfig:
             raise ConfigError("posterior.subnet_memory_gb must be > 0")
         import torch
 
-        from laplace_core.subnet import check_subnet_memory
+        from laplace_core.subnet import SELECTION_RULES, check_subnet_memory
+
+        if p.subnet_rule not in SELECTION_RULES:
+            raise ConfigError(f"unknown posterior.subnet_rule {p.subnet_rule!r}; valid: {', '.join(SELECTION_RULES)}")
 
         try:  # S^2 float64 numbers must fit: fail before any cluster work
             check_subnet_memory(p.subnet_size, int(p.subnet_memory_gb * 2**30), torch.float64)

@@ -108,10 +108,12 @@ def resolve_subnet_fisher(name: str, num_classes: int | None, curvature_fisher: 
 
 def subnet_config(posterior_spec, curvature_fisher: str, num_classes: int | None) -> "SubnetConfig":
     """:class:`SubnetConfig` of a run from its :class:`pipelines.config.PosteriorSpec`
-    (``subnet_size``, ``subnet_fisher`` resolved, ``subnet_memory_gb``, ``n_data``, ``prior_precision``)."""
+    (``subnet_size``, ``subnet_fisher`` resolved, ``subnet_rule``, ``subnet_memory_gb``, ``n_data``,
+    ``prior_precision``)."""
     p = posterior_spec
     return SubnetConfig(subnet_size=int(p.subnet_size),
                         fisher=resolve_subnet_fisher(p.subnet_fisher, num_classes, curvature_fisher),
+                        rule=p.subnet_rule,
                         n_data=p.n_data, prior_precision=float(p.prior_precision),
                         memory_budget_bytes=int(p.subnet_memory_gb * 2**30))
 
@@ -394,6 +396,9 @@ def run_subnet_pass(
         print(f"[subnet] note: {meta['zero_fisher']} of the S = {S} selected weights have a zero Fisher diagonal "
               "(dead units: prior variance, no effect on the training data's predictions; Daxberger et al. §6.3)",
               flush=True)
+        if scfg.rule == "wasserstein":
+            print("[subnet] hint: --set posterior.subnet_rule=wasserstein_live ranks only weights with a live "
+                  "Fisher diagonal", flush=True)
     fp = _fingerprint({
         "model": dataclasses.asdict(model), "partitions": ids, "rows": [rows[p] for p in ids],
         "data": [getattr(by_id[p], "fingerprint", None) for p in ids], "masks": _masks_digest(masks),

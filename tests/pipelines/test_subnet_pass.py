@@ -171,3 +171,30 @@ def test_job_config_memory_check_and_fisher_choice():
     assert resolve_subnet_fisher("mc", 3) == "mc"
     with pytest.raises(ValueError, match="valid: auto, mc, empirical, ggn"):
         resolve_subnet_fisher("exact", 3)
+
+
+def test_job_config_subnet_rule():
+    """``posterior.subnet_rule`` reaches the pass's SubnetConfig; unknown rules fail in one line."""
+    from pipelines.subnet_pass import subnet_config
+
+    cfg = load_config("smoke", ["posterior.methods=[subnet]"])
+    assert cfg.posterior.subnet_rule == "wasserstein"  # the paper's rule stays the default
+    assert subnet_config(cfg.posterior, "mc", 3).rule == "wasserstein"
+    cfg = load_config("smoke", ["posterior.methods=[subnet]", "posterior.subnet_rule=wasserstein_live"])
+    assert subnet_config(cfg.posterior, "mc", 3).rule == "wasserstein_live"
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", ["posterior.methods=[subnet]", "posterior.subnet_rule=live"])
+    msg = str(e.value)
+    assert "\n" not in msg and "posterior.subnet_rule" in msg and "valid: wasserstein, wasserstein_live, random" in msg
+
+
+def test_zero_fisher_note_comes_with_the_live_rule_hint(setup, ray_run, capsys):
+    """Reuses the artifact (no fit): the log notes zero-Fisher selected weights and, with the
+    default rule, hints at ``posterior.subnet_rule=wasserstein_live`` exactly when there are any."""
+    _, scfg = ray_run
+    capsys.readouterr()
+    res = run_subnet_pass(setup["spec"], setup["parts"], _cfg(), scfg, setup["out"], data_config=setup["dcfg"])
+    log = capsys.readouterr().out
+    assert not res.computed and scfg.rule == "wasserstein"
+    assert ("subnet_rule=wasserstein_live" in log) == (res.zero_fisher > 0), (res.zero_fisher, log)
+    assert ("zero Fisher diagonal" in log) == (res.zero_fisher > 0)
