@@ -804,27 +804,34 @@ def _distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, d
     return Eigenbasis(layers=layers, clamped={k: b.clamped for k, b in layers.items()})
 
 
-def _train_loop(config: dict) -> None:
-    """``train_loop_per_worker``: pass 1, eigenbasis, pass 2, reduced statistics."""
+def _worker_setup(job: _Job) -> tuple[int, int, torch.device]:
+    """``(rank, world_size, device)`` of this Ray Train worker; also points S3 at the
+    job's endpoint and sets the torch thread count. Shared by every pass's loop."""
     import ray.train
-    import torch.distributed as dist
 
-    from .models import load_model
-
-    job: _Job = config["job"]
-    cfg = job.cfg
     ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
     if job.endpoint_url:
         os.environ["AWS_ENDPOINT_URL_S3"] = job.endpoint_url
-    if cfg.torch_threads:
-        torch.set_num_threads(int(cfg.torch_threads))
+    if job.cfg.torch_threads:
+        torch.set_num_threads(int(job.cfg.torch_threads))
     if job.use_gpu:
         import ray.train.torch as rtt
 
         device = rtt.get_device()
     else:
         device = torch.device("cpu")
+    return ctx.get_world_rank(), ctx.get_world_size(), device
+
+
+def _train_loop(config: dict) -> None:
+    """``train_loop_per_worker``: pass 1, eigenbasis, pass 2, reduced statistics."""
+    import torch.distributed as dist
+
+    from .models import load_model
+
+    job: _Job = config["job"]
+    cfg = job.cfg
+    rank, world, device = _worker_setup(job)
     rec: dict[str, Any] = {"rank": rank, "world_size": world, "device": str(device)}
     t_all = time.perf_counter()
     plan1 = _PassPlan(1, job, rank, world, device).start()  # data start-up overlaps the model load

@@ -69,6 +69,7 @@ from .curvature import (
     _partition_rows,
     _Progress,
     _reduced_uri,
+    _worker_setup,
 )
 
 __all__ = [
@@ -275,18 +276,7 @@ def _subnet_loop(config: dict) -> None:
     masks: dict[str, torch.Tensor] = config["masks"]
     meta: dict[str, Any] = config["meta"]
     cfg = job.cfg
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    if job.endpoint_url:
-        os.environ["AWS_ENDPOINT_URL_S3"] = job.endpoint_url
-    if cfg.torch_threads:
-        torch.set_num_threads(int(cfg.torch_threads))
-    if job.use_gpu:
-        import ray.train.torch as rtt
-
-        device = rtt.get_device()
-    else:
-        device = torch.device("cpu")
+    rank, world, device = _worker_setup(job)
     model_dtype = DTYPES[cfg.model_dtype]
     model = load_model(job.model.name, job.model.weights, job.model.num_classes, endpoint_url=job.endpoint_url)
     model = model.to(device=device, dtype=model_dtype).eval()
