@@ -38,9 +38,8 @@ the ``W~`` layout: a dict ``name -> (m, n)`` delta per curvature layer.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -48,7 +47,7 @@ from torch.func import functional_call, jvp, vmap
 
 from .hooks import capture, layer_inputs, layer_output_grads
 from .layers import find_layers, get_matrix, perturbed
-from .predictive import SampleCache, check_layers, draw_sample, sample_seed
+from .predictive import SampleCache, _eval_mode, check_layers, sample_seed
 from .structures.base import LayerPosterior, Posterior
 from .structures.diag import DiagLayer
 from .structures.efb import EigenDiagLayer
@@ -74,17 +73,6 @@ _PI8 = math.pi / 8.0
 
 
 # =========================================================================== helpers
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    flags = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, f in flags:
-            m.training = f
-
-
 def _modules(model: nn.Module, modules: Mapping[str, nn.Module] | None) -> dict[str, nn.Module]:
     return dict(find_layers(model)[0] if modules is None else modules)
 

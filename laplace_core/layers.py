@@ -123,15 +123,23 @@ def set_matrix(module: nn.Module, mat: torch.Tensor) -> None:
 def perturbed(modules: Mapping[str, nn.Module], deltas: Mapping[str, torch.Tensor]) -> Iterator[None]:
     """Temporarily add ``deltas[name]`` (``W~``-shaped) to each named layer's parameters.
 
-    The MAP values are restored exactly (saved copies, not subtraction) on exit.
+    ``delta`` is ``m x n``: columns ``[:n-1]`` (or all, without a bias) go to the
+    flattened weight, the last to the bias; added in place (``W + δ`` elementwise, no
+    ``W~`` concatenation). The MAP values are restored exactly (saved copies, not
+    subtraction) on exit.
     """
     saved = {}
     try:
-        for name, delta in deltas.items():
-            mod = modules[name]
-            base = get_matrix(mod)
-            saved[name] = (mod.weight.detach().clone(), None if mod.bias is None else mod.bias.detach().clone())
-            set_matrix(mod, base + delta.to(device=base.device, dtype=base.dtype))
+        with torch.no_grad():
+            for name, delta in deltas.items():
+                mod = modules[name]
+                w = mod.weight
+                saved[name] = (w.detach().clone(), None if mod.bias is None else mod.bias.detach().clone())
+                d = delta.to(device=w.device, dtype=w.dtype)
+                k = w[0].numel()
+                w.add_(d[:, :k].reshape(w.shape))
+                if mod.bias is not None:
+                    mod.bias.add_(d[:, k])
         yield
     finally:
         with torch.no_grad():

@@ -10,17 +10,12 @@ type only: sample ``t`` is ``posterior.sample(1, g_t)`` with a fresh
 ``torch.Generator`` seeded by :func:`sample_seed` (a BLAKE2b hash of
 ``(seed, t)``, stable across processes and Python versions). Every actor, every
 batch and every shard therefore sees the same ``θ_t``, whatever the batch order.
-Weights are set as :func:`laplace_core.layers.perturbed` sets them (``W + δ``
-elementwise, the same float additions) but through :class:`_MapWeights`: the MAP
-values of the posterior layers are copied once per ``predict`` call, each sample
-adds its ``δ_t`` in place and the MAP values are restored exactly by copying back
-(one read-modify-write and one copy of the weights per sample, instead of
-``perturbed``'s concatenation, clone, sum and slice copies). The model runs in
-``eval()`` mode under ``torch.no_grad()``; the modules' training flags are restored
-afterwards.
+Weights are set with :func:`laplace_core.layers.perturbed` (``W + δ`` in place, the
+MAP values restored exactly from saved copies). The model runs in ``eval()`` mode under
+``torch.no_grad()``; the modules' training flags are restored afterwards.
 
-Memory is flat in ``K``: one sample's deltas and one MAP copy (each the size of the
-curvature layers' weights) plus one ``[B, C]`` float64 running sum. Trade-off for large data:
+Memory is flat in ``K``: one sample's deltas and one saved MAP copy (each the size of
+the curvature layers' weights) plus one ``[B, C]`` float64 running sum. Trade-off for large data:
 ``predict(x)`` redraws ``δ_t`` for every batch (``K`` draws per batch; for INF and
 Diag a draw costs far less than a forward pass). :meth:`MCPredictor.predict_batches`
 instead draws each ``δ_t`` once and loops batches inside (needs a re-iterable
@@ -39,7 +34,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from .layers import find_layers, get_matrix
+from .layers import find_layers, get_matrix, perturbed
 from .structures.base import Posterior
 
 __all__ = [
@@ -121,45 +116,6 @@ def check_layers(modules: Mapping[str, nn.Module], posterior: Posterior) -> None
             raise ValueError(f"layer {k!r}: posterior W~ shape {tuple(lp.shape)} != model W~ shape {shape}")
 
 
-class _MapWeights:
-    """MAP copies of the parameters of ``modules[name]`` for ``names``, taken at construction.
-
-    ``with mw.perturbed(deltas):`` adds ``deltas[name]`` (``W~``-shaped ``m x n``; columns
-    ``[:k]`` to the flattened weight, column ``k`` to the bias) in place and, on exit, copies
-    the MAP values back (exact, as :func:`laplace_core.layers.perturbed`; the additions are
-    the same elementwise ``W + δ``).
-    """
-
-    def __init__(self, modules: Mapping[str, nn.Module], names: Sequence[str]):
-        self.items = []
-        for name in names:
-            mod = modules[name]
-            w = mod.weight.detach()
-            b = None if mod.bias is None else mod.bias.detach()
-            self.items.append((name, mod, w.clone(), None if b is None else b.clone()))
-
-    def _restore(self) -> None:
-        with torch.no_grad():
-            for _, mod, w, b in self.items:
-                mod.weight.copy_(w)
-                if b is not None:
-                    mod.bias.copy_(b)
-
-    @contextlib.contextmanager
-    def perturbed(self, deltas: Mapping[str, torch.Tensor]) -> Iterator[None]:
-        try:
-            with torch.no_grad():
-                for name, mod, w, b in self.items:
-                    d = deltas[name].to(device=w.device, dtype=w.dtype)
-                    k = w[0].numel()
-                    mod.weight.add_(d[:, :k].reshape(w.shape))
-                    if b is not None:
-                        mod.bias.add_(d[:, k])
-            yield
-        finally:
-            self._restore()
-
-
 class SampleCache:
     """Sample ``t`` of a posterior (``draw_sample(posterior, seed, t)``), kept in memory for
     reuse when all ``n_samples`` deltas fit ``cache_bytes``; otherwise redrawn on demand
@@ -231,9 +187,8 @@ class MCPredictor:
         """``x`` ``[B, ...]`` -> ``(1/K) Σ_t softmax(f(x; θ* + δ_t))`` ``[B, C]``."""
         total = None
         with torch.no_grad(), _eval_mode(self.model):
-            mw = _MapWeights(self.modules, list(self.posterior.layers))
             for t in range(self.n_samples):
-                with mw.perturbed(self.sample(t)):
+                with perturbed(self.modules, self.sample(t)):
                     p = self._forward(x)
                 total = p.to(torch.float64) if total is None else total + p.to(torch.float64)
         return (total / self.n_samples).to(p.dtype)
@@ -247,9 +202,8 @@ class MCPredictor:
         totals: list[torch.Tensor] = []
         dtypes: list[torch.dtype] = []
         with torch.no_grad(), _eval_mode(self.model):
-            mw = _MapWeights(self.modules, list(self.posterior.layers))
             for t in range(self.n_samples):
-                with mw.perturbed(self.sample(t)):
+                with perturbed(self.modules, self.sample(t)):
                     j = -1
                     for j, x in enumerate(batches):
                         p = self._forward(x)

@@ -908,6 +908,34 @@ def _lossless_data_config():
     return LosslessSplit()
 
 
+def _make_trainer(loop, loop_config: dict, cfg: CurvatureConfig, use_gpu: bool, name: str, output_uri: str,
+                  datasets: dict):
+    """The ``TorchTrainer`` every pass runs on: ``cfg.num_workers`` workers (GPU + NCCL
+    when ``use_gpu``, else gloo), ``FailureConfig(cfg.max_failures)``, the lossless data
+    config; Ray Train's own files go next to a local output, or to a temp dir for S3."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    resources = {"CPU": cfg.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = cfg.gpus_per_worker
+    if storage.is_remote(output_uri):
+        storage_path = os.path.join(tempfile.gettempdir(), "infoform_ray_train")
+    else:
+        storage_path = os.path.abspath(storage.join(output_uri, "_ray_train"))
+    return TorchTrainer(
+        loop,
+        train_loop_config=loop_config,
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu,
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(name=name, storage_path=storage_path,
+                                       failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
+        datasets=datasets,
+        dataset_config=_lossless_data_config(),
+    )
+
+
 def _model_ref(model_spec) -> _ModelRef:
     if isinstance(model_spec, str):
         return _ModelRef(model_spec, None, None)
@@ -993,8 +1021,6 @@ def run_curvature(
     initialised (or this calls ``ray.init()``).
     """
     import ray
-    import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
 
     if not isinstance(cfg, CurvatureConfig):
         raise ValueError(f"cfg must be a CurvatureConfig, got {type(cfg).__name__}")
@@ -1025,24 +1051,8 @@ def run_curvature(
 
     job = _Job(model=model, cfg=cfg, output_uri=output_uri, endpoint_url=endpoint_url, pass1=tuple(ids),
                pass2=tuple(efb_ids), rows=rows, run_id=run_id, use_gpu=bool(use_gpu))
-    resources = {"CPU": cfg.cpus_per_worker}
-    if use_gpu:
-        resources["GPU"] = cfg.gpus_per_worker
-    if storage.is_remote(output_uri):
-        storage_path = os.path.join(tempfile.gettempdir(), "infoform_ray_train")
-    else:
-        storage_path = os.path.abspath(storage.join(output_uri, "_ray_train"))
-    trainer = TorchTrainer(
-        _train_loop,
-        train_loop_config={"job": job},
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=bool(use_gpu),
-                                               resources_per_worker=resources),
-        run_config=ray.train.RunConfig(name=f"curvature-{run_id}", storage_path=storage_path,
-                                       failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
-        datasets=datasets,
-        dataset_config=_lossless_data_config(),
-    )
+    trainer = _make_trainer(_train_loop, {"job": job}, cfg, bool(use_gpu), f"curvature-{run_id}", output_uri,
+                            datasets)
     t0 = time.perf_counter()
     trainer.fit()
     fit_s = time.perf_counter() - t0

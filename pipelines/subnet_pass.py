@@ -38,8 +38,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -61,7 +59,7 @@ from .curvature import (
     _endpoint_env,
     _iter_valid_batches,
     _Job,
-    _lossless_data_config,
+    _make_trainer,
     _manifest,
     _model_ref,
     _partition_dataset,
@@ -356,8 +354,6 @@ def run_subnet_pass(
     ``<output>/stats/subnet/``; reuses it when its fingerprint matches. Ray must be
     initialised (or this calls ``ray.init()``)."""
     import ray
-    import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
 
     if not isinstance(cfg, CurvatureConfig) or not isinstance(scfg, SubnetConfig):
         raise ValueError("run_subnet_pass needs a CurvatureConfig and a SubnetConfig")
@@ -414,24 +410,8 @@ def run_subnet_pass(
     datasets = {f"s_{pid}": _partition_dataset(by_id[pid], data_config, endpoint_url) for pid in ids}
     job = _Job(model=model, cfg=cfg, output_uri=output_uri, endpoint_url=endpoint_url, pass1=tuple(ids), pass2=(),
                rows=rows, run_id=run_id, use_gpu=bool(use_gpu))
-    resources = {"CPU": cfg.cpus_per_worker}
-    if use_gpu:
-        resources["GPU"] = cfg.gpus_per_worker
-    if storage.is_remote(output_uri):
-        storage_path = os.path.join(tempfile.gettempdir(), "infoform_ray_train")
-    else:
-        storage_path = os.path.abspath(storage.join(output_uri, "_ray_train"))
-    trainer = TorchTrainer(
-        _subnet_loop,
-        train_loop_config={"job": job, "subnet": scfg, "masks": masks, "meta": meta, "uri": uri},
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=bool(use_gpu),
-                                               resources_per_worker=resources),
-        run_config=ray.train.RunConfig(name=run_id, storage_path=storage_path,
-                                       failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
-        datasets=datasets,
-        dataset_config=_lossless_data_config(),
-    )
+    trainer = _make_trainer(_subnet_loop, {"job": job, "subnet": scfg, "masks": masks, "meta": meta, "uri": uri},
+                            cfg, bool(use_gpu), run_id, output_uri, datasets)
     print(f"[subnet] S = {S} of {D} weights ({scfg.rule}), {scfg.fisher} Fisher on {cfg.num_workers} worker(s)",
           flush=True)
     t0 = time.perf_counter()
