@@ -806,9 +806,13 @@ def _distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, d
 
 def _worker_setup(job: _Job) -> tuple[int, int, torch.device]:
     """``(rank, world_size, device)`` of this Ray Train worker; also points S3 at the
-    job's endpoint and sets the torch thread count. Shared by every pass's loop."""
+    job's endpoint, sets the torch thread count and the process's malloc settings
+    (:mod:`pipelines.malloc`). Shared by every pass's loop."""
     import ray.train
 
+    from .malloc import tune_malloc
+
+    tune_malloc()
     ctx = ray.train.get_context()
     if job.endpoint_url:
         os.environ["AWS_ENDPOINT_URL_S3"] = job.endpoint_url

@@ -64,6 +64,7 @@ from laplace_core.metrics import (
 )
 
 from . import storage
+from .malloc import tune_malloc
 
 __all__ = [
     "PRED_TYPES",
@@ -498,6 +499,7 @@ class EvalWorker:
                  endpoint_url: str | None = None):
         t0 = time.perf_counter()
         torch.set_num_threads(cfg.threads)
+        tune_malloc()  # reuse the per-batch buffers instead of page-faulting them in again
         self.cfg = cfg
         self.model = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device,
                                      endpoint_url=endpoint_url)

@@ -1,0 +1,63 @@
+"""glibc ``malloc`` settings for the compute processes (Ray Train workers, evaluation actors).
+
+Why: with glibc's defaults a CPU tensor above the dynamic ``mmap`` threshold (128 KiB at
+start, raised to the size of each mapped block freed, at most 32 MiB) is a fresh ``mmap`` and
+its ``free`` an ``munmap``, and a free heap top above twice that threshold is returned to the
+kernel. A curvature or evaluation loop allocates and frees a batch's worth of activation and
+gradient buffers every batch, so every batch page-faults those pages in again and the kernel
+zeroes them: measured on the demo CNN (64x64, one thread) 190k-500k minor faults and 7-18 % of
+the pass in system time. With the settings below the buffers are reused from the heap: ~0
+faults, ~0 system time, the same peak RSS (``benchmarks/RESULTS.md``, "malloc").
+Blocks above 32 MiB keep glibc's default (mapped per use): a fixed higher threshold let
+2 MiB-aligned 48 MiB tensors fragment the heap (+336 MiB RSS in a probe).
+
+``tune_malloc`` sets ``M_MMAP_THRESHOLD`` (allocations below it come from the heap and are
+reused; setting it also switches off glibc's dynamic threshold) and ``M_TRIM_THRESHOLD``
+(freed memory at the heap top is kept up to this much) with ``mallopt(3)``. It affects only
+the calling process, from the next allocation on. The cost: freed memory up to the trim
+threshold stays in the process (RSS does not fall back after a peak). It does nothing off
+glibc (macOS, musl), and nothing when ``INFOFORM_MALLOC_TUNING=0``.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+MMAP_THRESHOLD = 32 * 2**20  # bytes: below this, allocations come from (and return to) the heap
+TRIM_THRESHOLD = 512 * 2**20  # bytes of free heap top kept before returning memory to the kernel
+ENV_SWITCH = "INFOFORM_MALLOC_TUNING"
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+
+
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # only glibc has it (musl does not)
+        libc.mallopt
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD) -> dict[str, int] | None:
+    """Apply the settings to this process; returns ``{"mmap_threshold": .., "trim_threshold": ..}``
+    as applied, or ``None`` when not applied (not glibc, switched off by ``INFOFORM_MALLOC_TUNING=0``,
+    or ``mallopt`` refused a value)."""
+    for name, v in (("mmap_threshold", mmap_threshold), ("trim_threshold", trim_threshold)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 2**31:
+            raise ValueError(f"{name} must be an int in (0, 2^31) bytes, got {v!r}")
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    libc = _glibc()
+    if libc is None:
+        return None
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.mallopt.restype = ctypes.c_int
+    if libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) != 1 or libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) != 1:
+        return None
+    return {"mmap_threshold": mmap_threshold, "trim_threshold": trim_threshold}
