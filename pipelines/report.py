@@ -76,6 +76,7 @@ __all__ = [
     "METHOD_LABELS",
     "FIGURE_NAMES",
     "STATUS_OK",
+    "split_failed",
     "SEARCH_REQUIRED_COLUMNS",
     "SEARCH_OBJECTIVES",
     "order_methods",
@@ -145,8 +146,24 @@ def _method_color(name: str, i: int) -> str:
     return extra[i % len(extra)]
 
 
-def _check_metrics(metrics_by_method: Any) -> dict[str, Mapping[str, Any]]:
-    if not isinstance(metrics_by_method, Mapping) or not metrics_by_method:
+def split_failed(metrics_by_method: Mapping[str, Any], prefix: str = "") -> tuple[dict[str, Any], list[str]]:
+    """``(ok, failed)``: the methods whose ``metrics.json`` has no ``status`` or ``status == "ok"``,
+    and one ``"<prefix><method>: <status> (<reason>)"`` line per method whose evaluation did not
+    finish (it has no numbers to show; the report lists it instead of failing)."""
+    if not isinstance(metrics_by_method, Mapping):
+        raise ValueError(f"metrics_by_method must be a mapping, got {type(metrics_by_method).__name__}")
+    ok: dict[str, Any] = {}
+    failed: list[str] = []
+    for meth, d in metrics_by_method.items():
+        if isinstance(d, Mapping) and d.get("status", STATUS_OK) != STATUS_OK:
+            failed.append(f"{prefix}{meth}: {d.get('status')} ({d.get('reason') or 'no reason given'})")
+        else:
+            ok[meth] = d
+    return ok, failed
+
+
+def _check_metrics(metrics_by_method: Any, allow_empty: bool = False) -> dict[str, Mapping[str, Any]]:
+    if not isinstance(metrics_by_method, Mapping) or (not metrics_by_method and not allow_empty):
         raise ValueError("metrics_by_method must be a non-empty mapping {method: MetricSuite.compute() dict}")
     out = {}
     for name in order_methods(metrics_by_method):
@@ -870,13 +887,17 @@ def _stage_rows(summary: Mapping[str, Any]) -> list[list[str]]:
 
 
 def render_html(run_summary: Mapping[str, Any], metrics_by_method: Mapping[str, Mapping[str, Any]],
-                search_table: Any = None, figures: Mapping[str, bytes] | None = None) -> str:
-    """The self-contained report page (figures given as PNG bytes are inlined as data URIs)."""
+                search_table: Any = None, figures: Mapping[str, bytes] | None = None,
+                failed: Sequence[str] = ()) -> str:
+    """The self-contained report page (figures given as PNG bytes are inlined as data URIs);
+    ``failed``: lines from :func:`split_failed`, listed under the table (``metrics_by_method``
+    may then be empty)."""
     if not isinstance(run_summary, Mapping):
         raise ValueError(f"run_summary must be a mapping, got {type(run_summary).__name__}")
-    mbm = _check_metrics(metrics_by_method)
+    mbm = _check_metrics(metrics_by_method, allow_empty=bool(failed))
     rows = search_rows(search_table)
     header, trows, notes, methods = _method_rows(mbm, run_summary)
+    notes += [f"Evaluation failed, not in the table: {f}" for f in failed]
     body = [f"<h1>{_esc(_title(run_summary))}</h1>", f'<p class="meta">{_esc(_meta_line(run_summary))}</p>']
     body.append('<section id="run"><h2>Run</h2>')
     body.append("<h3>Model</h3>" + _html_kv(_kv(run_summary.get("model"))))
@@ -927,13 +948,16 @@ def _md_counts(counts: list[tuple[str, str, list[str]]]) -> str:
 
 
 def render_markdown(run_summary: Mapping[str, Any], metrics_by_method: Mapping[str, Mapping[str, Any]],
-                    search_table: Any = None, figure_links: Mapping[str, str] | None = None) -> str:
-    """The report in Markdown; ``figure_links`` maps figure names to (relative) links."""
+                    search_table: Any = None, figure_links: Mapping[str, str] | None = None,
+                    failed: Sequence[str] = ()) -> str:
+    """The report in Markdown; ``figure_links`` maps figure names to (relative) links;
+    ``failed`` as in :func:`render_html`."""
     if not isinstance(run_summary, Mapping):
         raise ValueError(f"run_summary must be a mapping, got {type(run_summary).__name__}")
-    mbm = _check_metrics(metrics_by_method)
+    mbm = _check_metrics(metrics_by_method, allow_empty=bool(failed))
     rows = search_rows(search_table)
     header, trows, notes, _ = _method_rows(mbm, run_summary)
+    notes += [f"Evaluation failed, not in the table: {f}" for f in failed]
     out = [f"# {_md(_title(run_summary))}", "", f"_{_md(_meta_line(run_summary))}_", "", "## Run", "", "### Model", "",
            _md_kv(_kv(run_summary.get("model")))]
     if run_summary.get("data") is not None:
@@ -990,7 +1014,8 @@ def write_report(output_dir_or_uri: str, run_summary: Mapping[str, Any],
     """
     if not isinstance(run_summary, Mapping):
         raise ValueError(f"run_summary must be a mapping, got {type(run_summary).__name__}")
-    mbm = _check_metrics(metrics_by_method)
+    ok, failed = split_failed(metrics_by_method)
+    mbm = _check_metrics(ok, allow_empty=bool(failed))
     rows = search_rows(search_table)
     if not isinstance(output_dir_or_uri, str) or not output_dir_or_uri.strip("/"):
         raise ValueError(f"output must be a directory path or URI, got {output_dir_or_uri!r}")
@@ -998,7 +1023,7 @@ def write_report(output_dir_or_uri: str, run_summary: Mapping[str, Any],
     paths: dict[str, str] = {}
     pngs: dict[str, bytes] = {}
     given = dict(figures or {})
-    rendered = _render_standard(mbm, run_summary, rows, skip=given)
+    rendered = _render_standard(mbm, run_summary, rows, skip=given) if mbm else {}
     for name in FIGURE_NAMES:
         if name in rendered:
             uri = storage.join(out, "figures", f"{name}.png")
@@ -1009,8 +1034,8 @@ def write_report(output_dir_or_uri: str, run_summary: Mapping[str, Any],
     for name, uri in given.items():
         if name not in pngs:
             paths[name], pngs[name] = uri, storage.read_bytes(uri, endpoint_url)
-    page = render_html(run_summary, mbm, rows, pngs)
-    md = render_markdown(run_summary, mbm, rows, {n: _relative_link(out, u) for n, u in paths.items()})
+    page = render_html(run_summary, mbm, rows, pngs, failed=failed)
+    md = render_markdown(run_summary, mbm, rows, {n: _relative_link(out, u) for n, u in paths.items()}, failed=failed)
     paths["html"] = storage.join(out, "report.html")
     paths["md"] = storage.join(out, "report.md")
     storage.write_bytes_atomic(paths["html"], page.encode("utf-8"), endpoint_url)
@@ -1094,12 +1119,8 @@ def write_audit_report(output: str, per_model: Mapping[str, tuple[Mapping[str, A
         if not (isinstance(pair, Sequence) and len(pair) == 2 and isinstance(pair[0], Mapping)
                 and isinstance(pair[1], Mapping)):
             raise ValueError(f"per_model[{model!r}] must be a (run_summary dict, metrics_by_method dict) pair")
-        ok = {}
-        for meth, d in pair[1].items():
-            if isinstance(d, Mapping) and d.get("status", STATUS_OK) != STATUS_OK:
-                failed.append(f"{model}/{meth}: {d.get('status')} ({d.get('reason') or 'no reason given'})")
-            else:
-                ok[meth] = d
+        ok, f = split_failed(pair[1], prefix=f"{model}/")
+        failed += f
         checked[str(model)] = (pair[0], _check_metrics(ok) if ok else {})
     safe = {m: _safe_name(m) for m in checked}
     if len(set(safe.values())) != len(safe):

@@ -324,6 +324,29 @@ def test_without_ood_or_search_and_with_given_figure(tmp_path):
     assert f"]({extra})" in md  # outside the output directory: linked by its own path
 
 
+def test_failed_evaluations_are_listed_not_fatal(tmp_path):
+    """A method whose evaluation did not finish (``status != "ok"``, no numbers) is listed under
+    the table; the others are reported as usual; with every method failed the page still says why."""
+    metrics = make_metrics(("map", "diag"), ood=False)
+    metrics["kfac"] = {"status": "failed", "reason": "NaN logits in 3 of 4 batches"}
+    paths = report.write_report(str(tmp_path / "some"), {"model": "tiny"}, metrics)
+    page = parse(Path(paths["html"]).read_text(encoding="utf-8"))
+    assert page.tables["methods-table"]["keys"] == ["map", "diag"]
+    line = "Evaluation failed, not in the table: kfac: failed (NaN logits in 3 of 4 batches)"
+    assert line in Path(paths["html"]).read_text(encoding="utf-8")
+    assert line in Path(paths["md"]).read_text(encoding="utf-8")
+    assert {"reliability", "entropy"} <= set(paths)
+
+    only = {"diag": {"status": "failed", "reason": ""}}
+    paths = report.write_report(str(tmp_path / "none"), {"model": "tiny"}, only)
+    assert set(paths) == {"html", "md"}  # no figures without numbers
+    text = Path(paths["html"]).read_text(encoding="utf-8")
+    assert parse(text).tables["methods-table"]["rows"] == []
+    assert "Evaluation failed, not in the table: diag: failed (no reason given)" in text
+    with pytest.raises(ValueError, match="non-empty mapping"):
+        report.write_report(str(tmp_path / "empty"), {"model": "tiny"}, {})
+
+
 def test_load_eval_metrics_and_search_table(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
