@@ -34,8 +34,9 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from .collect import output_gradients, sample_targets
+from .collect import _check_fisher, _likelihood, _split, output_gradients, sample_targets
 from .hooks import capture, layer_inputs, layer_output_grads
+from .keyed_rng import KeyedSampler
 from .layers import find_layers
 from .statistics import CurvatureStatistics
 from .structures.base import Posterior, vec
@@ -244,22 +245,6 @@ def _check_masks(masks: Mapping[str, torch.Tensor], modules: Mapping[str, nn.Mod
 
 
 # =========================================================================== subnet Fisher
-def _split(batch, i: int):
-    if isinstance(batch, Mapping):
-        x = batch["image"] if "image" in batch else batch.get("x")
-        y = batch["label"] if "label" in batch else batch.get("y")
-        if x is None:
-            raise ValueError(f"batch {i}: dict batches need an 'image' (or 'x') entry, got keys {sorted(batch)}")
-        return x, y
-    if isinstance(batch, (tuple, list)):
-        if len(batch) != 2:
-            raise ValueError(f"batch {i}: expected an (x, y) pair, got a sequence of length {len(batch)}")
-        return batch[0], batch[1]
-    if isinstance(batch, torch.Tensor):
-        return batch, None
-    raise ValueError(f"batch {i}: expected (x, y), a dict with 'image'/'label', or a tensor; got {type(batch).__name__}")
-
-
 def _ggn_output_grads(out: torch.Tensor, likelihood: str) -> torch.Tensor:
     """Rows ``r_c`` with ``Σ_c r_c r_c^T = Λ`` per example, shape ``(C, B, C)``.
 
@@ -304,7 +289,7 @@ def collect_subnet_fisher(
     *,
     fisher: str = "mc",
     mc_samples: int = 1,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | KeyedSampler | None = None,
     dtype: torch.dtype = torch.float64,
     likelihood: str = "classification",
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
@@ -316,7 +301,8 @@ def collect_subnet_fisher(
     (subnetwork order, module docstring). ``fisher="mc"``: ``mc_samples`` labels drawn
     from the model's predictive with ``generator`` (the same draws as
     :func:`laplace_core.collect.collect_statistics` makes from a generator in the same
-    state), ``w_s = 1/mc_samples``; ``"empirical"``: true labels; ``"ggn"``: the exact
+    state, or with a :class:`~laplace_core.keyed_rng.KeyedSampler` the same keyed draws,
+    batches then carrying keys: ``(x, y, keys)`` or a dict ``"key"``), ``w_s = 1/mc_samples``; ``"empirical"``: true labels; ``"ggn"``: the exact
     GGN, ``Σ_k J_S^T Λ_k J_S`` (one backward pass per class/output). ``masks``: bool
     ``(m, n)`` per curvature layer in model order (layers may be omitted: nothing
     selected there). Fails up front when ``S²`` numbers exceed ``memory_budget`` bytes.
@@ -346,7 +332,7 @@ def collect_subnet_fisher(
     try:
         with capture(model, modules) as cap, torch.enable_grad():
             for i, batch in enumerate(batches):
-                x, y = _split(batch, i)
+                x, y, keys = _split(batch, i)
                 x = torch.as_tensor(x)
                 x = x.to(device=device, dtype=cdtype if x.dtype.is_floating_point else x.dtype)
                 out = model(x)
@@ -356,9 +342,19 @@ def collect_subnet_fisher(
                 if fisher == "ggn":
                     go = _ggn_output_grads(od, likelihood)
                     w = 1.0
+                elif fisher == "mc" and isinstance(generator, KeyedSampler):
+                    if keys is None:
+                        raise ValueError(f"batch {i}: a KeyedSampler needs per-example keys ((x, y, keys) or dict key 'key')")
+                    keys = torch.as_tensor(keys).reshape(-1)
+                    if keys.shape[0] != x.shape[0]:
+                        raise ValueError(f"batch {i}: {keys.shape[0]} keys for {x.shape[0]} examples")
+                    lik = _likelihood(likelihood)
+                    lik.check(od, y, fisher)
+                    targets = lik.sample_keyed(od, _check_fisher(fisher, mc_samples), generator.seed, keys)
                 else:
                     targets = sample_targets(od, y, fisher=fisher, mc_samples=mc_samples, generator=generator,
                                              likelihood=likelihood)
+                if fisher != "ggn":
                     go = output_gradients(od, targets, likelihood)
                     w = 1.0 / go.shape[0]
                 go = go.to(out.dtype)

@@ -41,7 +41,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -220,25 +220,10 @@ def load_subnet_fisher(uri: str) -> tuple[torch.Tensor, int, dict[str, torch.Ten
 
 
 # =========================================================================== worker side
-def _labelled(model, batches, fisher: str, mc_samples: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(x, y)`` batches for ``collect_subnet_fisher``: for ``"mc"`` one batch per draw
-    ``s`` with ``y = keyed_categorical(softmax(f(x)), seed, keys, s)`` (the labels
-    ``collect_statistics`` draws with ``KeyedSampler(seed)``); else the true labels."""
-    from laplace_core.keyed_rng import keyed_categorical
-
-    for x, y, keys in batches:
-        if fisher != "mc":
-            yield x, y
-            continue
-        with torch.no_grad():
-            probs = torch.softmax(model(x).to(torch.float64), dim=1)
-        for s in range(mc_samples):
-            yield x, keyed_categorical(probs, seed, keys, s).to(x.device)
-
-
 def _local_fisher(model, batches, masks, job: _Job, scfg: SubnetConfig, S: int, device):
     """``(F_sum, count)`` over one worker's shards of every partition (zeros when all are
     empty); one ``collect_subnet_fisher`` call, so one ``S x S`` matrix is held."""
+    from laplace_core.keyed_rng import KeyedSampler
     from laplace_core.subnet import collect_subnet_fisher
 
     cfg = job.cfg
@@ -251,13 +236,11 @@ def _local_fisher(model, batches, masks, job: _Job, scfg: SubnetConfig, S: int, 
         yield first
         yield from batches
 
-    draws = cfg.mc_samples if scfg.fisher == "mc" else 1
-    F, n = collect_subnet_fisher(model, _labelled(model, chain(), scfg.fisher, draws, cfg.seed), masks,
-                                 fisher="ggn" if scfg.fisher == "ggn" else "empirical", dtype=dtype,
+    # batches are (x, y, keys): the MC labels are drawn from (seed, example key, draw), the
+    # same labels collect_statistics drew in pass 1, from the same forward pass as the backward
+    F, n = collect_subnet_fisher(model, chain(), masks, fisher=scfg.fisher, mc_samples=cfg.mc_samples,
+                                 generator=KeyedSampler(cfg.seed), dtype=dtype,
                                  memory_budget=scfg.memory_budget_bytes)
-    if draws > 1:
-        F.div_(draws)
-        n //= draws
     return F, n
 
 

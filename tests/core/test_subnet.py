@@ -27,6 +27,7 @@ from torch import nn
 from laplace_core.collect import collect_statistics, sample_targets
 from laplace_core.glm import GLMPredictor, glm_covariance
 from laplace_core.io import load_posterior
+from laplace_core.keyed_rng import KeyedSampler
 from laplace_core.layers import find_layers
 from laplace_core.posterior import build_posterior, with_hyper
 from laplace_core.predictive import MCPredictor
@@ -264,6 +265,43 @@ def test_subnet_fisher_equals_exact_rows_and_columns(problem, fisher):
         Fa, _ = collect_subnet_fisher(model, batches, allm, generator=torch.Generator().manual_seed(0))
         diag = torch.cat([vec(ls.diag) for ls in stats.layers.values()])
         assert float((Fa.diagonal() - diag).abs().max() / diag.max()) < EXACT_TOL
+
+
+@pytest.mark.parametrize("problem", ["conv", "regression"])
+def test_keyed_mc_subnet_fisher_uses_the_pass1_labels(problem):
+    """With a ``KeyedSampler`` the MC labels come from ``(seed, key, draw)``: the result equals
+    the empirical subnet Fisher over those labels drawn separately (1/S per draw), and the
+    full-network diagonal equals collect_statistics' keyed exact diagonal (pass 1)."""
+    make, shape, lik = {"conv": (_conv_classifier, (2, 3, 3), "classification"),
+                        "regression": (_regressor, (2,), "regression")}[problem]
+    model = make()
+    batches = _batches(model, shape, lik)
+    keyed = [(x, y, torch.arange(10 * j, 10 * j + x.shape[0])) for j, (x, y) in enumerate(batches)]
+    masks = select_subnetwork(_stats(model, batches, lik), 17, rule="random", seed=2)
+    F, count = collect_subnet_fisher(model, keyed, masks, fisher="mc", mc_samples=3, generator=KeyedSampler(11),
+                                     likelihood=lik)
+    # reference: the same keyed draws made here, each fed as "empirical" labels
+    from laplace_core.collect import _likelihood
+    ref = torch.zeros_like(F)
+    for x, y, keys in keyed:
+        with torch.no_grad():
+            t = _likelihood(lik).sample_keyed(model(x), 3, 11, keys)
+        for s in range(3):
+            Fs, _ = collect_subnet_fisher(model, [(x, t[s])], masks, fisher="empirical", likelihood=lik)
+            ref += Fs / 3
+    assert count == 20
+    assert float((F - ref).abs().max() / ref.abs().max()) < EXACT_TOL
+    if problem == "conv":
+        stats = collect_statistics(model, keyed, fisher="mc", mc_samples=3, generator=KeyedSampler(11))
+        allm = {k: torch.ones(i.shape, dtype=torch.bool) for k, i in stats.infos.items()}
+        Fa, _ = collect_subnet_fisher(model, keyed, allm, fisher="mc", mc_samples=3, generator=KeyedSampler(11))
+        diag = torch.cat([vec(ls.diag) for ls in stats.layers.values()])
+        assert float((Fa.diagonal() - diag).abs().max() / diag.max()) < EXACT_TOL
+    with pytest.raises(ValueError, match="KeyedSampler needs per-example keys"):
+        collect_subnet_fisher(model, batches, masks, fisher="mc", generator=KeyedSampler(11), likelihood=lik)
+    with pytest.raises(ValueError, match="3 keys for 10 examples"):
+        collect_subnet_fisher(model, [(x, y, keys[:3]) for x, y, keys in keyed], masks, fisher="mc",
+                              generator=KeyedSampler(11), likelihood=lik)
 
 
 def test_memory_budget_is_checked_up_front():
