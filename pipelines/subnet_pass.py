@@ -23,11 +23,10 @@ Daxberger et al. (2021), §3-5, on top of the curvature stage (:mod:`pipelines.c
 3. **Posterior** (driver): ``P_S = N F_sum/count + τ (S / D_total) I``, built and saved by
    :func:`pipelines.posterior.build_and_save` (``posterior/subnet/``).
 
-The keyed MC labels need the model's outputs before the backward pass; since
-``collect_subnet_fisher`` draws from a ``torch.Generator`` only, each batch gets one extra
-no-grad forward pass here to draw the keyed labels, which are then passed as
-``fisher="empirical"`` labels (``mc_samples`` draws: the batch is fed once per draw and the
-sum divided by ``mc_samples``, the weights ``1/mc_samples`` of the MC Fisher).
+The keyed MC labels come from ``collect_subnet_fisher``'s ``KeyedSampler`` branch: the
+batches carry the image keys, the labels are drawn from the forward pass the backward
+passes reuse (one forward per batch, ``mc_samples`` backward passes, weights
+``1/mc_samples``).
 
 Resume: no partition-level resume in this pass (its one artifact is the all-reduced sum of
 every partition). The artifact is skipped when it exists and its fingerprint (model,
