@@ -71,6 +71,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = [
+    "MIN_DECODE_TASKS",
+    "decode_batch",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "FORMATS",
@@ -139,8 +141,11 @@ class DataConfig:
     e.g. (".jpeg", ".jpg")); None keeps every non-hidden file. unlabeled: no
     labels (-1). endpoint_url: S3-compatible endpoint. num_partitions /
     partition_size: default partitioning for ``partition`` (at most one).
-    decode_batch_size: images per decode task batch; decode_num_cpus: CPUs per
-    Ray decode task.
+    decode_batch_size: most images per decode task batch (fewer when the source has
+    fewer than ``MIN_DECODE_TASKS`` batches' worth, so that small partitions still
+    spread over the workers); 128 decoded 1.35x faster than 32 (Ray Data's cost per
+    block; 500x375 JPEGs to 224, 2 CPUs: 295-312 vs 210-230 images/s; 64: 272,
+    256: 277-285). decode_num_cpus: CPUs per Ray decode task.
     """
 
     root: str
@@ -160,7 +165,7 @@ class DataConfig:
     endpoint_url: str | None = None
     num_partitions: int | None = None
     partition_size: int | None = None
-    decode_batch_size: int = 32
+    decode_batch_size: int = 128
     decode_num_cpus: float = 1.0
 
     def __post_init__(self) -> None:
@@ -846,11 +851,24 @@ def _decode_kwargs(source: _Entries, cfg: DataConfig) -> dict[str, Any]:
     }
 
 
+MIN_DECODE_TASKS = 8  # a source is cut into at least this many decode batches when it has the images
+
+
+def decode_batch(n: int, decode_batch_size: int) -> int:
+    """Images per decode batch for a source of ``n`` images: ``decode_batch_size``, or fewer
+    so that there are at least ``MIN_DECODE_TASKS`` batches (never below 1).
+
+    >>> decode_batch(100_000, 128), decode_batch(256, 128), decode_batch(20, 128), decode_batch(5, 4)
+    (128, 32, 3, 1)
+    """
+    return max(1, min(int(decode_batch_size), math.ceil(n / MIN_DECODE_TASKS)))
+
+
 def build_dataset(source: DatasetIndex | Partition, cfg: DataConfig) -> "ray.data.Dataset":
     """Lazy Ray Dataset over ``source``'s entries: read bytes + decode + eval transform in
-    ``map_batches`` tasks (CPU, ``cfg.decode_num_cpus`` each, ``cfg.decode_batch_size``
-    images per call). Columns as ``read_decode_batch``. Nothing is materialised; pass it
-    to ``TorchTrainer(datasets={...})`` and read it with ``ValidBatches``. The S3 endpoint
+    ``map_batches`` tasks (CPU, ``cfg.decode_num_cpus`` each, at most
+    ``cfg.decode_batch_size`` images per call, see :func:`decode_batch`). Columns as
+    ``read_decode_batch``. Nothing is materialised; pass it to ``TorchTrainer(datasets={...})`` and read it with ``ValidBatches``. The S3 endpoint
     is resolved on the driver and shipped to the tasks; credentials are not (each node
     uses its own AWS credential chain).
     """
@@ -859,11 +877,12 @@ def build_dataset(source: DatasetIndex | Partition, cfg: DataConfig) -> "ray.dat
     if len(source) == 0:
         raise DataError("cannot build a dataset from an empty index/partition")
     items = source.items()
-    blocks = max(1, min(1024, math.ceil(len(items) / cfg.decode_batch_size)))
+    bs = decode_batch(len(items), cfg.decode_batch_size)
+    blocks = max(1, min(1024, math.ceil(len(items) / bs)))
     ds = ray.data.from_items(items, override_num_blocks=blocks)
     return ds.map_batches(
         read_decode_batch,
-        batch_size=cfg.decode_batch_size,
+        batch_size=bs,
         batch_format="numpy",
         fn_kwargs=_decode_kwargs(source, cfg),
         num_cpus=cfg.decode_num_cpus,

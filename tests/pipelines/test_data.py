@@ -24,6 +24,7 @@ from pipelines.data import (
     SkipReport,
     ValidBatches,
     build_dataset,
+    decode_batch,
     convert_to_parquet,
     exact_split_data_config,
     iter_local_batches,
@@ -408,3 +409,12 @@ def test_ray_train_workers_share_the_dataset(ray_session, bad_tree, tmp_path):
     local = decode_all(iter_local_batches(idx, cfg))
     for p, y, s in rows:
         assert y == local[p][1] and s == pytest.approx(float(local[p][0].astype(np.float64).sum()), abs=1e-9)
+
+
+def test_decode_batch_keeps_small_sources_spread():
+    assert decode_batch(1_281_167, 128) == 128  # ImageNet train: the configured batch
+    assert decode_batch(400, 128) == 50  # a demo partition: 8 decode batches, not 4
+    assert decode_batch(256, 128) == 32
+    assert decode_batch(20, 128) == 3 and decode_batch(5, 4) == 1 and decode_batch(0, 128) == 1
+    assert decode_batch(1000, 2) == 2  # an explicit small batch is kept
+    assert DataConfig(root="/x").decode_batch_size == 128
