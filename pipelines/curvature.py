@@ -1003,6 +1003,15 @@ def _endpoint_env(endpoint_url: str | None):
             os.environ["AWS_ENDPOINT_URL_S3"] = old
 
 
+def _index_partitions(partitions: Sequence[Any]) -> tuple[list[int], dict[int, Any], dict[int, int | None]]:
+    """``(ids, partition by id, rows by id)``; ids must be unique (they name the artifacts)."""
+    ids = [_partition_id(p, i) for i, p in enumerate(partitions)]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"partition ids must be unique, got {ids}")
+    by_id = dict(zip(ids, partitions))
+    return ids, by_id, {pid: _partition_rows(p) for pid, p in by_id.items()}
+
+
 def run_curvature(
     model_spec,
     partitions: Sequence[Any],
@@ -1034,11 +1043,7 @@ def run_curvature(
         ray.init()
     endpoint_url = storage.resolve_endpoint(endpoint_url) if storage.is_remote(output_uri) else endpoint_url
     model = _model_ref(model_spec)
-    ids = [_partition_id(p, i) for i, p in enumerate(partitions)]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"partition ids must be unique, got {ids}")
-    by_id = dict(zip(ids, partitions))
-    rows = {pid: _partition_rows(p) for pid, p in by_id.items()}
+    ids, by_id, rows = _index_partitions(partitions)
     efb_ids = efb_partition_ids(ids, rows, cfg.efb_fraction, cfg.efb_max_examples) if cfg.needs_efb else ()
     use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
     run_id = run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"

@@ -61,9 +61,8 @@ from .curvature import (
     _make_trainer,
     _manifest,
     _model_ref,
+    _index_partitions,
     _partition_dataset,
-    _partition_id,
-    _partition_rows,
     _Progress,
     _reduced_uri,
     _worker_setup,
@@ -347,11 +346,7 @@ def run_subnet_pass(
             stats = CurvatureStatistics.load(_reduced_uri(output_uri))
     masks, S, D = select_masks(stats, scfg)
     model = _model_ref(model_spec)
-    ids = [_partition_id(p, i) for i, p in enumerate(partitions)]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"partition ids must be unique, got {ids}")
-    by_id = dict(zip(ids, partitions))
-    rows = {pid: _partition_rows(p) for pid, p in by_id.items()}
+    ids, by_id, rows = _index_partitions(partitions)
     meta = {
         "subnet_size": S, "requested_size": int(scfg.subnet_size), "d_total": D, "fisher": scfg.fisher,
         "mc_samples": cfg.mc_samples if scfg.fisher == "mc" else 1, "seed": cfg.seed, "rule": scfg.rule,
