@@ -302,7 +302,8 @@ def collect_subnet_fisher(
     from the model's predictive with ``generator`` (the same draws as
     :func:`laplace_core.collect.collect_statistics` makes from a generator in the same
     state, or with a :class:`~laplace_core.keyed_rng.KeyedSampler` the same keyed draws,
-    batches then carrying keys: ``(x, y, keys)`` or a dict ``"key"``), ``w_s = 1/mc_samples``; ``"empirical"``: true labels; ``"ggn"``: the exact
+    batches then carrying keys: ``(x, y, keys)`` or a dict ``"key"``),
+    ``w_s = 1/mc_samples``; ``"empirical"``: true labels; ``"ggn"``: the exact
     GGN, ``Σ_k J_S^T Λ_k J_S`` (one backward pass per class/output). ``masks``: bool
     ``(m, n)`` per curvature layer in model order (layers may be omitted: nothing
     selected there). Fails up front when ``S²`` numbers exceed ``memory_budget`` bytes.

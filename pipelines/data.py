@@ -868,7 +868,8 @@ def build_dataset(source: DatasetIndex | Partition, cfg: DataConfig) -> "ray.dat
     """Lazy Ray Dataset over ``source``'s entries: read bytes + decode + eval transform in
     ``map_batches`` tasks (CPU, ``cfg.decode_num_cpus`` each, at most
     ``cfg.decode_batch_size`` images per call, see :func:`decode_batch`). Columns as
-    ``read_decode_batch``. Nothing is materialised; pass it to ``TorchTrainer(datasets={...})`` and read it with ``ValidBatches``. The S3 endpoint
+    ``read_decode_batch``. Nothing is materialised; pass it to
+    ``TorchTrainer(datasets={...})`` and read it with ``ValidBatches``. The S3 endpoint
     is resolved on the driver and shipped to the tasks; credentials are not (each node
     uses its own AWS credential chain).
     """
