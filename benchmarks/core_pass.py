@@ -83,20 +83,29 @@ def register_ratio(name: str, fn: Callable[[Context], float | dict[str, float]])
     EXTRA_RATIOS[name] = fn
 
 
+def layer_positions(model: torch.nn.Module, x: torch.Tensor) -> dict[str, int]:
+    """``T`` (positions per example) of every curvature layer, from one forward of ``x[:1]``."""
+    modules = find_layers(model)[0]
+    T: dict[str, int] = {}
+    hooks = [m.register_forward_hook(lambda m, a, o, _n=n: T.__setitem__(_n, num_positions(m, a[0])))
+             for n, m in modules.items()]
+    try:
+        with torch.no_grad():
+            model(x[:1])
+    finally:
+        for h in hooks:
+            h.remove()
+    return T
+
+
 def multiply_floors(model: torch.nn.Module, x: torch.Tensor) -> dict[str, float]:
     """Multiply counts of this implementation relative to forward + backward (3 mnT per layer).
 
     KFAC+diag: forward mnT, output-gradient backprop mnT (none for the first layer),
     A n²T, G m²T, diagonal mnT (T = 1: mn). EFB pass: forward, backprop and the cheaper
     contraction order. BatchNorm/ReLU/pooling are ignored (they are in both)."""
-    modules, infos, _ = find_layers(model)
-    shapes = {}
-    hooks = [m.register_forward_hook(lambda m, a, o, _n=n: shapes.__setitem__(_n, num_positions(m, a[0])))
-             for n, m in modules.items()]
-    with torch.no_grad():
-        model(x[:1])
-    for h in hooks:
-        h.remove()
+    infos = find_layers(model)[1]
+    shapes = layer_positions(model, x)
     fb = kfac = efb = 0
     for i, (name, info) in enumerate(infos.items()):
         m, n, T = info.out_features, info.in_features, shapes[name]

@@ -247,7 +247,7 @@ def flop_table(a) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from laplace_core.collect import efb_contraction_order
-    from laplace_core.hooks import num_positions
+    from core_pass import layer_positions  # benchmarks/ is sys.path[0] when run as a script
     from laplace_core.layers import find_layers
 
     model, batches = _setup(a)
@@ -259,14 +259,8 @@ def flop_table(a) -> dict:
     with FlopCounterMode(display=False) as fc:
         torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
     fb = fc.get_total_flops()
-    modules, infos, _ = find_layers(model)
-    T = {}
-    hooks = [m.register_forward_hook(lambda m, i, o, _n=n: T.__setitem__(_n, num_positions(m, i[0])))
-             for n, m in modules.items()]
-    with torch.no_grad():
-        model(x[:1])
-    for h in hooks:
-        h.remove()
+    infos = find_layers(model)[1]
+    T = layer_positions(model, x)  # the same T as benchmarks/core_pass.py counts with
     p1 = p2 = eig = kd = 0
     for name, info in infos.items():
         m, n, t = info.out_features, info.in_features, T[name]
