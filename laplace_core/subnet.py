@@ -294,6 +294,7 @@ def collect_subnet_fisher(
     likelihood: str = "classification",
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     max_chunk_elements: int = 2**26,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """``(F_sum, count)``: ``F_sum = Σ_k w_s Σ_s d_{s,k,S} d_{s,k,S}^T`` (``S x S``, in ``dtype``).
 
@@ -308,6 +309,10 @@ def collect_subnet_fisher(
     ``(m, n)`` per curvature layer in model order (layers may be omitted: nothing
     selected there). Fails up front when ``S²`` numbers exceed ``memory_budget`` bytes.
     Model in ``eval()`` mode; modes restored; ``.grad`` untouched.
+
+    ``out``: an ``S x S`` tensor of ``dtype`` on the model's device to add this data's
+    sum into (returned as ``F_sum``; ``count`` is still this call's): a sum over several
+    calls, e.g. one per data partition, then holds a single ``S x S`` matrix.
     """
     if fisher not in SUBNET_FISHER_TYPES:
         raise ValueError(f"unknown subnet fisher {fisher!r}; valid: {', '.join(SUBNET_FISHER_TYPES)}")
@@ -326,7 +331,13 @@ def collect_subnet_fisher(
         nz = masks[k].to(device).T.nonzero()  # (j, i) pairs in vec (column-stacking) order
         if nz.shape[0]:
             sel[k] = (nz[:, 1], nz[:, 0])
-    F = torch.zeros(S, S, dtype=dtype, device=device)
+    if out is None:
+        F = torch.zeros(S, S, dtype=dtype, device=device)
+    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (S, S) or out.dtype != dtype or out.device != device:
+        raise ValueError(f"out must be an {S} x {S} {dtype} tensor on {device}, got "
+                         f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out))} on {getattr(out, 'device', None)}")
+    else:
+        F = out
     count = 0
     modes = {mod: mod.training for mod in model.modules()}
     model.eval()

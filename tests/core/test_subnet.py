@@ -304,6 +304,27 @@ def test_keyed_mc_subnet_fisher_uses_the_pass1_labels(problem):
                               generator=KeyedSampler(11), likelihood=lik)
 
 
+def test_out_accumulates_one_call_per_part():
+    """``out=``: one call per part of the data (keyed MC labels) adds into the same matrix, which
+    equals one call over all of it; ``count`` is each call's own; a wrong ``out`` is a clear error."""
+    model = _conv_classifier()
+    batches = _batches(model, (2, 3, 3), "classification")
+    keyed = [(x, y, torch.arange(10 * j, 10 * j + x.shape[0])) for j, (x, y) in enumerate(batches)]
+    masks = select_subnetwork(_stats(model, batches, "classification"), 17, rule="random", seed=2)
+    whole, n = collect_subnet_fisher(model, keyed, masks, mc_samples=2, generator=KeyedSampler(5))
+    acc = torch.zeros(17, 17, dtype=F64)
+    counts = []
+    for part in (keyed[:1], keyed[1:]):
+        F, c = collect_subnet_fisher(model, part, masks, mc_samples=2, generator=KeyedSampler(5), out=acc)
+        assert F is acc
+        counts.append(c)
+    assert counts == [batches[0][0].shape[0], n - batches[0][0].shape[0]]
+    assert float((acc - whole).abs().max() / whole.abs().max()) < EXACT_TOL
+    for bad in (torch.zeros(16, 16, dtype=F64), torch.zeros(17, 17, dtype=torch.float32)):
+        with pytest.raises(ValueError, match="out must be an 17 x 17 torch.float64 tensor"):
+            collect_subnet_fisher(model, keyed, masks, generator=KeyedSampler(5), out=bad)
+
+
 def test_memory_budget_is_checked_up_front():
     assert max_subnet_size(8 * 100**2) == 100
     with pytest.raises(ValueError, match="largest S that fits is 100"):
