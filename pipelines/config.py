@@ -108,6 +108,7 @@ class PosteriorSpec:
     subnet_fisher: str = "auto"  # auto (GGN for <= 10 classes, else curvature.fisher), mc, empirical, ggn
     subnet_rule: str = "wasserstein"  # laplace_core.subnet.SELECTION_RULES; wasserstein_live skips dead units
     subnet_memory_gb: float = 4.0  # budget for the S x S float64 Fisher, checked before any cluster work
+    subnet_checkpoint_s: float | None = 600.0  # save the running S x S sum after a partition this often (0: each; None: never)
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,8 @@ class RunConfig:
             raise ConfigError(f"unknown posterior.subnet_fisher {p.subnet_fisher!r}; valid: {', '.join(SUBNET_FISHER_TYPES)}")
         if not p.subnet_memory_gb > 0:
             raise ConfigError("posterior.subnet_memory_gb must be > 0")
+        if p.subnet_checkpoint_s is not None and not p.subnet_checkpoint_s >= 0:
+            raise ConfigError("posterior.subnet_checkpoint_s must be >= 0 (seconds) or null (never)")
         import torch
 
         from laplace_core.subnet import SELECTION_RULES, check_subnet_memory

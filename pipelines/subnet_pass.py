@@ -28,9 +28,16 @@ batches carry the image keys, the labels are drawn from the forward pass the bac
 passes reuse (one forward per batch, ``mc_samples`` backward passes, weights
 ``1/mc_samples``).
 
-Resume: no partition-level resume in this pass (its one artifact is the all-reduced sum of
-every partition). The artifact is skipped when it exists and its fingerprint (model,
-partitions, Fisher type, seed, dtypes, masks) matches; otherwise the pass reruns.
+Resume: the finished artifact is skipped when its fingerprint (model, partitions, Fisher
+type, seed, dtypes, masks) matches. While the pass runs, the workers all-reduce their sums
+after a partition once ``checkpoint_every_s`` seconds have passed since the last time
+(``0``: after every partition; ``None``: only at the end), and rank 0 then saves the
+running ``S x S`` sum with the finished partition ids, counts and skips under
+``<output>/stats/subnet_partial/ckpt-<k>`` (``k`` = partitions done; manifest last, the
+previous checkpoint removed only after the new one is committed). A restarted worker group
+(``FailureConfig``) or a re-submitted job with the same fingerprint starts from the latest
+checkpoint and computes only the other partitions; each worker still holds one ``S x S``
+matrix (rank 0's carries the running sum, the others' are zeroed after each all-reduce).
 """
 from __future__ import annotations
 
@@ -54,6 +61,7 @@ from .curvature import (
     DTYPES,
     CurvatureConfig,
     _allreduce_sum,
+    _broadcast_object,
     _Counter,
     _endpoint_env,
     _iter_valid_batches,
@@ -77,6 +85,8 @@ __all__ = [
     "resolve_subnet_fisher",
     "subnet_config",
     "subnet_uri",
+    "subnet_partial_uri",
+    "latest_checkpoint",
     "select_masks",
     "save_subnet_fisher",
     "load_subnet_fisher",
@@ -89,6 +99,7 @@ GGN_MAX_CLASSES = 10
 SUBNET_PASS_NO = 3
 """Pass number of the subnet Fisher pass in log lines and ``FaultInjection(pass_no=3)``."""
 FORMAT = "infoform.subnet_fisher"
+PARTIAL_FORMAT = "infoform.subnet_fisher_partial"
 
 
 def resolve_subnet_fisher(name: str, num_classes: int | None, curvature_fisher: str = "mc") -> str:
@@ -112,12 +123,18 @@ def subnet_config(posterior_spec, curvature_fisher: str, num_classes: int | None
                         fisher=resolve_subnet_fisher(p.subnet_fisher, num_classes, curvature_fisher),
                         rule=p.subnet_rule,
                         n_data=p.n_data, prior_precision=float(p.prior_precision),
-                        memory_budget_bytes=int(p.subnet_memory_gb * 2**30))
+                        memory_budget_bytes=int(p.subnet_memory_gb * 2**30),
+                        checkpoint_every_s=p.subnet_checkpoint_s)
 
 
 def subnet_uri(output_uri: str) -> str:
     """``<output>/stats/subnet`` (the ``S x S`` Fisher sum, count and masks)."""
     return storage.join(output_uri, "stats", "subnet")
+
+
+def subnet_partial_uri(output_uri: str) -> str:
+    """``<output>/stats/subnet_partial`` (checkpoints ``ckpt-<k>`` of the running sum)."""
+    return storage.join(output_uri, "stats", "subnet_partial")
 
 
 @dataclass(frozen=True)
@@ -128,6 +145,8 @@ class SubnetConfig:
     (resolve ``auto`` first with :func:`resolve_subnet_fisher`). ``n_data`` /
     ``prior_precision``: the diagonal-Laplace convention of the selection
     (``N`` default ``M``). ``memory_budget_bytes``: for one ``S x S`` matrix in ``dtype``.
+    ``checkpoint_every_s``: seconds between saves of the running sum (module docstring;
+    ``0``: after every partition, ``None``: never).
     """
 
     subnet_size: int
@@ -138,8 +157,11 @@ class SubnetConfig:
     selection_seed: int = 0
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET
     dtype: str = "float64"
+    checkpoint_every_s: float | None = 600.0
 
     def __post_init__(self):
+        if self.checkpoint_every_s is not None and not float(self.checkpoint_every_s) >= 0:
+            raise ValueError(f"checkpoint_every_s must be >= 0 or None, got {self.checkpoint_every_s!r}")
         if isinstance(self.subnet_size, bool) or not isinstance(self.subnet_size, int) or self.subnet_size < 1:
             raise ValueError(f"subnet_size must be a positive int, got {self.subnet_size!r}")
         if self.fisher not in SUBNET_FISHERS or self.fisher == "auto":
@@ -159,7 +181,9 @@ class SubnetResult:
     timings and all-reduce payload of this run (zero when reused); ``per_layer``: selected
     weights per layer; ``zero_fisher``: selected weights whose pass-1 Fisher diagonal is 0
     (dead units, Daxberger et al. §6.3: prior variance, the largest, but no effect on the
-    training data's predictions)."""
+    training data's predictions). ``computed_partitions`` / ``reused_partitions``: the
+    partitions this run computed and those it took from a checkpoint (both empty when the
+    artifact was reused)."""
 
     uri: str
     subnet_size: int
@@ -174,6 +198,8 @@ class SubnetResult:
     skipped: dict[str, Any]
     per_layer: dict[str, int]
     zero_fisher: int = 0
+    computed_partitions: tuple[int, ...] = ()
+    reused_partitions: tuple[int, ...] = ()
 
 
 # =========================================================================== selection + I/O
@@ -218,35 +244,91 @@ def load_subnet_fisher(uri: str) -> tuple[torch.Tensor, int, dict[str, torch.Ten
 
 
 # =========================================================================== worker side
-def _local_fisher(model, batches, masks, job: _Job, scfg: SubnetConfig, S: int, device):
-    """``(F_sum, count)`` over one worker's shards of every partition (zeros when all are
-    empty); one ``collect_subnet_fisher`` call, so one ``S x S`` matrix is held."""
-    from laplace_core.keyed_rng import KeyedSampler
-    from laplace_core.subnet import collect_subnet_fisher
+def latest_checkpoint(base_uri: str, fingerprint: str, endpoint_url: str | None = None
+                      ) -> tuple[str, dict[str, Any]] | None:
+    """``(uri, meta)`` of the checkpoint under ``base_uri`` (:func:`subnet_partial_uri`) with
+    the most finished partitions whose manifest is committed and whose fingerprint is
+    ``fingerprint``; ``None`` when there is none. Checkpoints of another fingerprint (a
+    different model, data or selection) are never used."""
+    best = None
+    for name in storage.listdir(base_uri, endpoint_url):
+        if not name.startswith("ckpt-") or not name[5:].isdigit():
+            continue
+        uri = storage.join(base_uri, name)
+        if not storage.exists(_manifest(uri), endpoint_url):
+            continue  # cut short before its commit point
+        meta = storage.read_json(_manifest(uri), endpoint_url).get("meta", {})
+        if meta.get("format") == PARTIAL_FORMAT and meta.get("fingerprint") == fingerprint:
+            if best is None or len(meta["done"]) > len(best[1]["done"]):
+                best = (uri, meta)
+    return best
 
-    cfg = job.cfg
-    dtype = DTYPES[scfg.dtype]
-    first = next(batches, None)
-    if first is None:
-        return torch.zeros(S, S, dtype=dtype, device=device), 0
 
-    def chain():
-        yield first
-        yield from batches
+class _Totals:
+    """The running totals (the same on every rank) of the finished partitions: ids, example count, rows and
+    unreadable rows per partition, the skip report."""
 
-    # batches are (x, y, keys): the MC labels are drawn from (seed, example key, draw), the
-    # same labels collect_statistics drew in pass 1, from the same forward pass as the backward
-    F, n = collect_subnet_fisher(model, chain(), masks, fisher=scfg.fisher, mc_samples=cfg.mc_samples,
-                                 generator=KeyedSampler(cfg.seed), dtype=dtype,
-                                 memory_budget=scfg.memory_budget_bytes)
-    return F, n
+    def __init__(self, meta: Mapping[str, Any] | None = None):
+        from .data import SkipReport
+
+        meta = meta or {}
+        self.done: list[int] = [int(p) for p in meta.get("done", [])]
+        self.count = int(meta.get("count", 0))
+        self.rows = {int(k): int(v) for k, v in meta.get("rows", {}).items()}
+        self.invalid = {int(k): int(v) for k, v in meta.get("invalid", {}).items()}
+        self.skipped = SkipReport.from_dict(meta["skipped"]) if "skipped" in meta else SkipReport(0, ())
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"done": list(self.done), "count": self.count, "rows": {str(k): v for k, v in self.rows.items()},
+                "invalid": {str(k): v for k, v in self.invalid.items()}, "skipped": self.skipped.to_dict()}
+
+
+def _reduce_segment(F: torch.Tensor, seg: Sequence[int], local_count: int, counters, totals: _Totals,
+                    job: _Job, rank: int, world: int, rec: dict) -> None:
+    """All-reduce ``F`` in place (rank 0 keeps the running sum, the others zero theirs) and
+    the counts of the partitions ``seg`` computed since the last reduce, added to every
+    rank's ``totals``. A partition whose rows do not add up to its size is an error."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    dist.all_reduce(F, op=dist.ReduceOp.SUM)  # S x S in place, no flat copy: it may be GiBs
+    if F.is_cuda:
+        torch.cuda.synchronize(F.device)
+    rec["allreduce_s"] += time.perf_counter() - t0
+    rec["allreduce_bytes"] += F.numel() * F.element_size()
+    rec["allreduce_calls"] += 1
+    if rank != 0:
+        F.zero_()
+    nums = torch.tensor([local_count, *[counters[p].rows for p in seg], *[counters[p].skipped.count for p in seg]],
+                        dtype=torch.float64, device=F.device)
+    (nums,) = _allreduce_sum([nums], int(job.cfg.bucket_mb * 2**20), rec)
+    nums = [int(round(float(v))) for v in nums.cpu()]
+    reports = [None] * world
+    skipped = counters[seg[0]].skipped
+    for p in seg[1:]:
+        skipped = skipped.merge(counters[p].skipped)
+    dist.all_gather_object(reports, skipped)
+    for pid, r in zip(seg, nums[1:1 + len(seg)]):
+        expected = job.rows.get(pid)
+        if expected is not None and r != expected:
+            raise RuntimeError(f"subnet pass partition {pid}: workers read {r} rows, expected {expected}")
+    totals.done.extend(seg)
+    totals.count += nums[0]
+    totals.rows.update(zip(seg, nums[1:1 + len(seg)]))
+    totals.invalid.update(zip(seg, nums[1 + len(seg):]))
+    for r in reports:
+        totals.skipped = totals.skipped.merge(r)
 
 
 def _subnet_loop(config: dict) -> None:
-    """``train_loop_per_worker``: local ``(F_sum, count)`` over every partition, one
-    SUM all-reduce, rank 0 writes the artifact."""
+    """``train_loop_per_worker``: resume from the latest checkpoint, add every unfinished
+    partition's local Fisher into one ``S x S`` matrix, all-reduce and checkpoint every
+    ``checkpoint_every_s``, rank 0 writes the artifact."""
     import ray.train
     import torch.distributed as dist
+
+    from laplace_core.keyed_rng import KeyedSampler
+    from laplace_core.subnet import collect_subnet_fisher
 
     from .models import load_model
 
@@ -254,60 +336,83 @@ def _subnet_loop(config: dict) -> None:
     scfg: SubnetConfig = config["subnet"]
     masks: dict[str, torch.Tensor] = config["masks"]
     meta: dict[str, Any] = config["meta"]
-    cfg = job.cfg
+    partial: str = config["partial_uri"]
+    cfg, ep = job.cfg, job.endpoint_url
     rank, world, device = _worker_setup(job)
-    model_dtype = DTYPES[cfg.model_dtype]
-    model = load_model(job.model.name, job.model.weights, job.model.num_classes, endpoint_url=job.endpoint_url)
+    model_dtype, dtype = DTYPES[cfg.model_dtype], DTYPES[scfg.dtype]
+    model = load_model(job.model.name, job.model.weights, job.model.num_classes, endpoint_url=ep)
     model = model.to(device=device, dtype=model_dtype).eval()
     S = int(meta["subnet_size"])
-    known = [job.rows.get(p) for p in job.pass1]
+
+    found = latest_checkpoint(partial, meta["fingerprint"], ep) if rank == 0 else None
+    state = _broadcast_object(None if found is None else found[1], rank)
+    totals = _Totals(state)
+    F = torch.zeros(S, S, dtype=dtype, device=device)
+    if rank == 0 and found is not None:
+        tensors, _ = load_tensors(found[0])
+        F.copy_(tensors.pop("fisher_sum"))
+        del tensors
+    reused = [p for p in job.pass1 if p in set(totals.done)]
+    todo = [p for p in job.pass1 if p not in set(totals.done)]
+    if rank == 0 and reused:
+        print(f"[subnet] resuming from {found[0]}: {len(reused)} partition(s) done, {len(todo)} to compute", flush=True)
+    known = [job.rows.get(p) for p in todo]
     total = sum(known) if all(r is not None for r in known) else None
     prog = _Progress(SUBNET_PASS_NO, total, world, rank, cfg.log_every_s)
-    counters = {pid: _Counter() for pid in job.pass1}
+    counters = {pid: _Counter() for pid in todo}
+    rec = {"allreduce_s": 0.0, "allreduce_bytes": 0, "allreduce_calls": 0, "checkpoint_s": 0.0, "checkpoints": 0}
+    every = scfg.checkpoint_every_s
+    collect_s, seg, local_count, last = 0.0, [], 0, time.perf_counter()
+    for i, pid in enumerate(todo):
+        t0 = time.perf_counter()
+        batches = _iter_valid_batches(ray.train.get_dataset_shard(f"s_{pid}"), job, SUBNET_PASS_NO, pid, rank,
+                                      device, model_dtype, counters[pid], prog)
+        first = next(batches, None)
+        if first is not None:
+            def chain(first=first, batches=batches):
+                yield first
+                yield from batches
 
-    def all_partitions():
-        for pid in job.pass1:
-            yield from _iter_valid_batches(ray.train.get_dataset_shard(f"s_{pid}"), job, SUBNET_PASS_NO, pid, rank,
-                                           device, model_dtype, counters[pid], prog)
-
-    t0 = time.perf_counter()
-    F, count = _local_fisher(model, all_partitions(), masks, job, scfg, S, device)
-    collect_s = time.perf_counter() - t0
-    rows = [counters[p].rows for p in job.pass1]
-    invalid = [counters[p].skipped.count for p in job.pass1]
-    skipped = counters[job.pass1[0]].skipped
-    for p in job.pass1[1:]:
-        skipped = skipped.merge(counters[p].skipped)
-    # S x S sum in place (no flat copy: it may be GiBs), then the counts through the bucketed helper
-    t0 = time.perf_counter()
-    dist.all_reduce(F, op=dist.ReduceOp.SUM)
-    if F.is_cuda:
-        torch.cuda.synchronize(F.device)
-    rec = {"allreduce_s": time.perf_counter() - t0, "allreduce_bytes": F.numel() * F.element_size(),
-           "allreduce_calls": 1}
-    nums = torch.tensor([count, *rows, *invalid], dtype=torch.float64, device=device)
-    (nums,) = _allreduce_sum([nums], int(cfg.bucket_mb * 2**20), rec)
-    nums = [int(round(float(v))) for v in nums.cpu()]
-    count, P = nums[0], len(job.pass1)
-    rows_g, invalid_g = nums[1:1 + P], nums[1 + P:]
-    for pid, r in zip(job.pass1, rows_g):
-        expected = job.rows.get(pid)
-        if expected is not None and r != expected:
-            raise RuntimeError(f"subnet pass partition {pid}: workers read {r} rows, expected {expected}")
-    if count <= 0:
+            # batches are (x, y, keys): the MC labels come from (seed, example key, draw), the
+            # labels collect_statistics drew in pass 1, from the forward pass the backward reuses
+            _, n = collect_subnet_fisher(model, chain(), masks, fisher=scfg.fisher, mc_samples=cfg.mc_samples,
+                                         generator=KeyedSampler(cfg.seed), dtype=dtype,
+                                         memory_budget=scfg.memory_budget_bytes, out=F)
+            local_count += n
+        collect_s += time.perf_counter() - t0
+        seg.append(pid)
+        due = torch.tensor([float(every is not None and time.perf_counter() - last >= every)], device=device)
+        dist.all_reduce(due, op=dist.ReduceOp.MAX)  # one decision for every rank
+        final = i == len(todo) - 1
+        if not (final or bool(due.item())):
+            continue
+        _reduce_segment(F, seg, local_count, counters, totals, job, rank, world, rec)
+        seg, local_count, last = [], 0, time.perf_counter()
+        if rank == 0 and not final:
+            t0 = time.perf_counter()
+            uri = storage.join(partial, f"ckpt-{len(totals.done):06d}")
+            save_tensors(uri, {"fisher_sum": F.detach().cpu().contiguous()},
+                         {"format": PARTIAL_FORMAT, "fingerprint": meta["fingerprint"], "subnet_size": S,
+                          "written_at": time.time(), **totals.to_meta()})
+            for name in storage.listdir(partial, ep):  # the older ones, now that this one is committed
+                if name.startswith("ckpt-") and name != uri.rsplit("/", 1)[-1]:
+                    storage.remove(storage.join(partial, name), recursive=True, endpoint_url=ep)
+            rec["checkpoint_s"] += time.perf_counter() - t0
+            rec["checkpoints"] += 1
+            print(f"[subnet] checkpoint: {len(totals.done)} of {len(job.pass1)} partition(s) in {uri} "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    if totals.count <= 0:
         raise RuntimeError("subnet pass: no valid image in any partition")
-    reports = [None] * world
-    dist.all_gather_object(reports, skipped)
     if rank == 0:
-        skip_report = reports[0]
-        for r in reports[1:]:
-            skip_report = skip_report.merge(r)
-        save_subnet_fisher(config["uri"], F, count, masks, {
-            **meta, "rows": int(sum(rows_g)), "invalid_rows": int(sum(invalid_g)), "skipped": skip_report.to_dict(),
+        rows_n, invalid_n = sum(totals.rows.values()), sum(totals.invalid.values())
+        save_subnet_fisher(config["uri"], F, totals.count, masks, {
+            **meta, "rows": rows_n, "invalid_rows": invalid_n, "skipped": totals.skipped.to_dict(),
             "world_size": world, "collect_s": collect_s, **rec, "written_at": time.time(),
+            "computed_partitions": todo, "reused_partitions": reused,
         })
-        print(f"[subnet] S = {S}: Fisher over {count} examples written ({sum(rows_g)} rows, "
-              f"{sum(invalid_g)} invalid)", flush=True)
+        storage.remove(partial, recursive=True, endpoint_url=ep)
+        print(f"[subnet] S = {S}: Fisher over {totals.count} examples written ({rows_n} rows, "
+              f"{invalid_n} invalid)", flush=True)
     dist.barrier()
 
 
@@ -387,7 +492,8 @@ def run_subnet_pass(
     datasets = {f"s_{pid}": _partition_dataset(by_id[pid], data_config, endpoint_url) for pid in ids}
     job = _Job(model=model, cfg=cfg, output_uri=output_uri, endpoint_url=endpoint_url, pass1=tuple(ids), pass2=(),
                rows=rows, run_id=run_id, use_gpu=bool(use_gpu))
-    trainer = _make_trainer(_subnet_loop, {"job": job, "subnet": scfg, "masks": masks, "meta": meta, "uri": uri},
+    trainer = _make_trainer(_subnet_loop, {"job": job, "subnet": scfg, "masks": masks, "meta": meta, "uri": uri,
+                                           "partial_uri": subnet_partial_uri(output_uri)},
                             cfg, bool(use_gpu), run_id, output_uri, datasets)
     print(f"[subnet] S = {S} of {D} weights ({scfg.rule}), {scfg.fisher} Fisher on {cfg.num_workers} worker(s)",
           flush=True)
@@ -399,4 +505,6 @@ def run_subnet_pass(
     return SubnetResult(uri=uri, subnet_size=S, d_total=D, count=count, fisher=scfg.fisher, computed=True, fit_s=fit_s,
                         allreduce_s=float(written.get("allreduce_s", 0.0)),
                         allreduce_bytes=int(written.get("allreduce_bytes", 0)), rows=int(written.get("rows", 0)),
-                        skipped=written.get("skipped", {}), per_layer=meta["per_layer"], zero_fisher=meta["zero_fisher"])
+                        skipped=written.get("skipped", {}), per_layer=meta["per_layer"], zero_fisher=meta["zero_fisher"],
+                        computed_partitions=tuple(written.get("computed_partitions", ())),
+                        reused_partitions=tuple(written.get("reused_partitions", ())))

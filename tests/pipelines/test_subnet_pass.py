@@ -10,10 +10,14 @@ model's softmax, ``(seed, key of the image path, draw)``, 2 draws). Checks, floa
 * the selection is the Wasserstein rule on the reduced statistics written under
   ``<output>/stats/reduced`` (largest ``1 / (N diag/M + τ)``);
 * the posterior built from the artifact has the dense precision ``N F/M + τ (S/D) I``;
+* a worker killed mid-pass: the restarted group resumes from the checkpoint of the running
+  sum and computes only the other partition, same result;
 * a second call reuses the artifact (no fit); too large an ``S`` fails up front in one
   line naming the largest ``S`` that fits (pipeline and job config).
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -31,9 +35,11 @@ from pipelines.posterior import build_and_save
 from pipelines.subnet_pass import (
     GGN_MAX_CLASSES,
     SubnetConfig,
+    latest_checkpoint,
     load_subnet_fisher,
     resolve_subnet_fisher,
     run_subnet_pass,
+    subnet_partial_uri,
     subnet_uri,
 )
 
@@ -118,6 +124,7 @@ def test_two_workers_equal_single_process(setup, ray_run):
     assert F.dtype == torch.float64 and _close(F, F_ref)
     assert _close(F, F.T, 0.0)
     assert res.rows == sum(len(p) for p in setup["parts"]) and res.skipped["count"] > 0  # bad files counted
+    assert res.computed_partitions == tuple(p.id for p in setup["parts"]) and res.reused_partitions == ()
     # the diagonal is pass 1's exact Fisher diagonal at the selected entries (same labels)
     diag_sel = torch.cat([vec(setup["stats"].layers[k].diag)[vec(mk)] for k, mk in masks.items()])
     assert _close(torch.diagonal(F), diag_sel)
@@ -198,3 +205,49 @@ def test_zero_fisher_note_comes_with_the_live_rule_hint(setup, ray_run, capsys):
     assert not res.computed and scfg.rule == "wasserstein"
     assert ("subnet_rule=wasserstein_live" in log) == (res.zero_fisher > 0), (res.zero_fisher, log)
     assert ("zero Fisher diagonal" in log) == (res.zero_fisher > 0)
+
+
+def test_killed_worker_resumes_from_the_checkpoint(setup, ray_session):
+    """A worker killed in the second partition (``max_failures=1``): the restarted group loads
+    the checkpoint written after the first partition (``checkpoint_every_s=0``), computes only
+    the second and gives the single-process result; the checkpoints are removed at the end."""
+    out = str(setup["tmp"] / "out_resume")
+    setup["stats"].save(reduced_uri(out))
+    marker = str(setup["tmp"] / "subnet-fault.json")
+    ids = [p.id for p in setup["parts"]]
+    cfg = _cfg(max_failures=1, fault_injection={"pass": 3, "partition": ids[1], "once_marker": marker})
+    scfg = SubnetConfig(subnet_size=S, fisher="mc", prior_precision=2.0, checkpoint_every_s=0.0)
+    res = run_subnet_pass(setup["spec"], setup["parts"], cfg, scfg, out, data_config=setup["dcfg"])
+    assert os.path.exists(marker), "the fault was not injected"
+    assert res.computed and res.reused_partitions == (ids[0],) and res.computed_partitions == (ids[1],)
+    F, count, masks, meta = load_subnet_fisher(subnet_uri(out))
+    F_ref, n_ref = _reference(setup, masks)
+    assert count == n_ref == res.count and _close(F, F_ref)
+    assert res.rows == sum(len(p) for p in setup["parts"]) and res.skipped["count"] > 0
+    assert not os.path.exists(subnet_partial_uri(out))
+
+
+def test_latest_checkpoint_takes_the_most_advanced_committed_one(tmp_path):
+    """Pure helper (no Ray): the checkpoint with most finished partitions among those with a
+    committed manifest and the same fingerprint; none -> None."""
+    from laplace_core.io import save_tensors
+
+    base = str(tmp_path / "partial")
+    assert latest_checkpoint(base, "fp") is None
+
+    def write(k, fp):
+        save_tensors(f"{base}/ckpt-{k:06d}", {"fisher_sum": torch.eye(2, dtype=torch.float64) * k},
+                     {"format": "infoform.subnet_fisher_partial", "fingerprint": fp, "done": list(range(k)),
+                      "count": k, "rows": {}, "invalid": {}, "skipped": {"count": 0, "examples": []}})
+
+    write(1, "fp")
+    write(2, "fp")
+    write(3, "other")  # another model / data / selection: never used
+    os.makedirs(f"{base}/ckpt-000004")  # cut short before its manifest
+    uri, meta = latest_checkpoint(base, "fp")
+    assert uri.endswith("ckpt-000002") and meta["done"] == [0, 1]
+    assert latest_checkpoint(base, "nope") is None
+    with pytest.raises(ValueError, match="checkpoint_every_s must be >= 0"):
+        SubnetConfig(subnet_size=3, checkpoint_every_s=-1.0)
+    with pytest.raises(ConfigError, match="subnet_checkpoint_s"):
+        load_config("smoke", ["posterior.methods=[subnet]", "posterior.subnet_checkpoint_s=-5"])
