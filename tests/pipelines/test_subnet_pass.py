@@ -207,24 +207,32 @@ def test_zero_fisher_note_comes_with_the_live_rule_hint(setup, ray_run, capsys):
     assert ("zero Fisher diagonal" in log) == (res.zero_fisher > 0)
 
 
-def test_killed_worker_resumes_from_the_checkpoint(setup, ray_session):
-    """A worker killed in the second partition (``max_failures=1``): the restarted group loads
-    the checkpoint written after the first partition (``checkpoint_every_s=0``), computes only
-    the second and gives the single-process result; the checkpoints are removed at the end."""
-    out = str(setup["tmp"] / "out_resume")
-    setup["stats"].save(reduced_uri(out))
+def test_killed_worker_resumes_from_the_checkpoint(setup, ray_session, s3_bucket):
+    """Output on S3 (moto on 127.0.0.1), a worker killed in the second partition
+    (``max_failures=1``): the restarted group loads the checkpoint written after the first
+    partition (``checkpoint_every_s=0``), computes only the second and gives the
+    single-process result; the checkpoints are removed at the end."""
+    from pipelines import storage
+    from pipelines.curvature import _endpoint_env
+
+    bucket, endpoint = s3_bucket
+    out = f"{bucket}/out_resume"
+    with _endpoint_env(endpoint):
+        setup["stats"].save(reduced_uri(out))
     marker = str(setup["tmp"] / "subnet-fault.json")
     ids = [p.id for p in setup["parts"]]
     cfg = _cfg(max_failures=1, fault_injection={"pass": 3, "partition": ids[1], "once_marker": marker})
     scfg = SubnetConfig(subnet_size=S, fisher="mc", prior_precision=2.0, checkpoint_every_s=0.0)
-    res = run_subnet_pass(setup["spec"], setup["parts"], cfg, scfg, out, data_config=setup["dcfg"])
+    res = run_subnet_pass(setup["spec"], setup["parts"], cfg, scfg, out, data_config=setup["dcfg"],
+                          endpoint_url=endpoint)
     assert os.path.exists(marker), "the fault was not injected"
     assert res.computed and res.reused_partitions == (ids[0],) and res.computed_partitions == (ids[1],)
-    F, count, masks, meta = load_subnet_fisher(subnet_uri(out))
+    with _endpoint_env(endpoint):
+        F, count, masks, meta = load_subnet_fisher(subnet_uri(out))
     F_ref, n_ref = _reference(setup, masks)
     assert count == n_ref == res.count and _close(F, F_ref)
     assert res.rows == sum(len(p) for p in setup["parts"]) and res.skipped["count"] > 0
-    assert not os.path.exists(subnet_partial_uri(out))
+    assert storage.listdir(subnet_partial_uri(out), endpoint) == []
 
 
 def test_latest_checkpoint_takes_the_most_advanced_committed_one(tmp_path):
