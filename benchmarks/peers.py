@@ -19,6 +19,9 @@ empirical Fisher (true labels) everywhere, ``batches x batch`` images at ``size 
   compute_eigenvalue_correction`` (its own factor pass, eigh, correction pass) + the exact
   empirical-Fisher diagonal (BackPACK ``SumGradSquared``, what laplace-torch's ``BackPackEF``
   diag uses; if BackPACK cannot extend the model, laplace-torch's ``CurvlinopsEF.diag``).
+  When EKFAC fails (its float32 ``eigh`` does not converge on densenet121's factors), the
+  time spent until then is reported as a lower bound of the peers' fit, and ours over it
+  as an upper bound of the fit ratio.
 * ``kfac_ours``: fit = ``collect_statistics`` + ``build_posterior(stats, "kfac")``, then (same
   process, timed separately) predict = ``MCPredictor(model, post, 30).predict(x)`` on one batch,
   and ``plain30`` = 30 plain forward passes of the MAP model on that batch (the FLOP floor
@@ -185,12 +188,21 @@ def _task(a) -> dict:
         loss = torch.nn.CrossEntropyLoss(reduction="sum")
         with ph("kfac"):
             KFACLinearOperator(model, loss, params, batches, **kw).compute_kronecker_factors()
-        with ph("ekfac"):
-            EKFACLinearOperator(model, loss, params, batches, **kw).compute_eigenvalue_correction()
         with ph("diag"):
             out["diag_source"], _ = _peer_diag(model, batches)
-        out["fit_s"] = sum(ph.s.values())
-        out["fit_rss_mib"] = max(ph.rss.values())
+        t0 = time.perf_counter()
+        try:
+            with ph("ekfac"):
+                EKFACLinearOperator(model, loss, params, batches, **kw).compute_eigenvalue_correction()
+        except Exception as e:  # curvlinops' float32 eigh can fail to converge (densenet121)
+            # what the peers spent until the failure (KFAC, diagonal, EKFAC's factor pass up to
+            # its eigh) is a lower bound of their fit: ours / it bounds our ratio from above
+            out["ekfac_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+            out["fit_lower_bound_s"] = ph.s["kfac"] + ph.s["diag"] + (time.perf_counter() - t0)
+            out["fit_lower_bound_rss_mib"] = max(ph.rss.values())
+        else:
+            out["fit_s"] = sum(ph.s.values())
+            out["fit_rss_mib"] = max(ph.rss.values())
     elif a.task == "kfac_ours":
         from laplace_core.collect import collect_statistics
         from laplace_core.posterior import build_posterior
@@ -294,6 +306,7 @@ def _run_child(a, task: str) -> dict:
 ROWS = {
     "inf_ours.fit": ("inf_ours", "fit"),
     "inf_peers.fit": ("inf_peers", "fit"),
+    "inf_peers.fit lower bound (EKFAC failed)": ("inf_peers", "fit_lower_bound"),
     "kfac_ours.fit": ("kfac_ours", "fit"),
     "kfac_laplace.fit": ("kfac_laplace", "fit"),
     "kfac_ours.predict": ("kfac_ours", "predict"),
@@ -307,9 +320,9 @@ ROWS = {
 
 
 def _value(r: dict, key: str) -> tuple[float | None, float | None]:
-    if key == "fit":
-        if "fit_s" in r:
-            return r["fit_s"], r["fit_rss_mib"]
+    if key in ("fit", "fit_lower_bound"):
+        if f"{key}_s" in r:
+            return r[f"{key}_s"], r[f"{key}_rss_mib"]
     if key in r.get("phases_s", {}):
         return r["phases_s"][key], r["phases_rss_mib"][key]
     return None, None
@@ -368,7 +381,7 @@ def main(argv=None) -> int:
         for t in tasks:
             r = _run_child(a, t)
             runs[t].append(r)
-            print(f"rep {rep} {t}: {r.get('fit_s', r.get('error'))} {r.get('phases_s', '')}", file=sys.stderr, flush=True)
+            print(f"rep {rep} {t}: {r.get('fit_s', r.get('fit_lower_bound_s', r.get('error')))} {r.get('ekfac_error', '')} {r.get('phases_s', '')}", file=sys.stderr, flush=True)
     load.append(os.getloadavg())
     summary = summarise(runs)
 
@@ -378,6 +391,8 @@ def main(argv=None) -> int:
 
     ratios = {
         "inf_ours/inf_peers (fit)": ratio("inf_ours.fit", "inf_peers.fit"),
+        "inf_ours/inf_peers (fit), at most (peers' lower bound)": ratio(
+            "inf_ours.fit", "inf_peers.fit lower bound (EKFAC failed)"),
         "kfac fit ours/laplace": ratio("kfac_ours.fit", "kfac_laplace.fit"),
         "predict laplace/ours (kfac)": ratio("kfac_laplace.predict", "kfac_ours.predict"),
         "predict laplace/ours (inf)": ratio("kfac_laplace.predict", "inf_ours.predict"),
@@ -388,6 +403,9 @@ def main(argv=None) -> int:
         "draw laplace/ours kfac": ratio("kfac_laplace.draw (per draw)", "kfac_ours.draw (per draw)"),
     }
     r1, r2 = ratios["inf_ours/inf_peers (fit)"], ratios["predict laplace/ours (kfac)"]
+    if r1 is None:  # EKFAC failed in every run: the upper bound decides only when it is below 0.6
+        ub = ratios["inf_ours/inf_peers (fit), at most (peers' lower bound)"]
+        r1 = ub if ub is not None and ub <= 0.6 else None
     targets = {
         "inf_ours/inf_peers <= 0.6": None if r1 is None else r1 <= 0.6,
         "predict laplace/ours (kfac) >= 2": None if r2 is None else r2 >= 2,
