@@ -131,6 +131,7 @@ class EvalSpec:
     ece_mode: str = "equal_width"
     pred_type: str = "nn"
     seed: int = 0
+    max_failures: int = 2  # the actors' round starts again this often when an actor dies (search and evaluation)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
@@ -135,6 +136,12 @@ class _RuntimeFields:
     clusters). torch_threads: intra-op threads per actor (None: ``max(1, round(cpus))``).
     device: "cpu" / "cuda" (None: "cuda" when gpus_per_actor > 0). dtype: model and
     input dtype, "float32" or "float64" (posterior samples are cast to it).
+    max_failures: times the round of actors is started again when an actor dies (its
+    process exits, is killed for memory, or its node goes away); the results do not
+    depend on which attempt they come from (every sample is a function of ``(seed, t)``).
+    An exception raised by the actors' code is not retried. fault_marker: test-only; the
+    first actor to finish a batch while this file (a URI) does not exist writes it and
+    exits its process, so that the next attempt runs clean.
     """
 
     num_actors: int = 2
@@ -145,10 +152,14 @@ class _RuntimeFields:
     torch_threads: int | None = None
     device: str | None = None
     dtype: str = "float32"
+    max_failures: int = 2
+    fault_marker: str | None = None
 
     def _check_runtime(self) -> None:
         for n in ("num_actors", "batch_size", "chunk_size"):
             _pos_int(n, getattr(self, n))
+        if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) or self.max_failures < 0:
+            raise ValueError(f"max_failures must be an int >= 0, got {self.max_failures!r}")
         if not (self.cpus_per_actor >= 0 and math.isfinite(self.cpus_per_actor)):
             raise ValueError(f"cpus_per_actor must be >= 0, got {self.cpus_per_actor!r}")
         if not (self.gpus_per_actor >= 0 and math.isfinite(self.gpus_per_actor)):
@@ -217,8 +228,9 @@ class EvalConfig(_RuntimeFields):
     @classmethod
     def from_spec(cls, spec: Any, **overrides: Any) -> "EvalConfig":
         """From ``pipelines.config.EvalSpec`` (mc_samples, num_actors, batch_size, ece_bins,
-        ece_mode, pred_type, seed) plus keyword overrides for the runtime fields."""
-        names = ("mc_samples", "num_actors", "batch_size", "ece_bins", "ece_mode", "pred_type", "seed")
+        ece_mode, pred_type, seed, max_failures) plus keyword overrides for the runtime fields."""
+        names = ("mc_samples", "num_actors", "batch_size", "ece_bins", "ece_mode", "pred_type", "seed",
+                 "max_failures")
         kw = {n: getattr(spec, n) for n in names if hasattr(spec, n)}
         kw.update(overrides)
         return cls(**kw)
@@ -509,6 +521,8 @@ class EvalWorker:
     def run(self, in_shard: Any, ood_shard: Any = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         in_it, in_skipped = _valid_batches(in_shard, self.cfg.batch_size)
+        if self.cfg.fault_marker is not None:
+            in_it = _exit_once_after_first(in_it, self.cfg.fault_marker)
         ood_it, ood_skipped = (None, None) if ood_shard is None else _valid_batches(ood_shard, self.cfg.batch_size)
         acc, info = evaluate_shard(self.model, self.posteriors, in_it, ood_it, self.cfg)
         return {
@@ -524,6 +538,17 @@ class EvalWorker:
         }
 
 
+def _exit_once_after_first(batches, marker: str):
+    """Test-only fault (``_RuntimeFields.fault_marker``): after the first batch, exit the
+    process unless ``marker`` exists; write it first, so that a retried round runs clean."""
+    for i, b in enumerate(batches):
+        yield b
+        if i == 0 and not storage.exists(marker):
+            storage.write_json_atomic(marker, {"pid": os.getpid(), "time": time.time()})
+            print(f"[evaluate] fault injection: actor process {os.getpid()} exits", flush=True)
+            os._exit(1)
+
+
 def _actor_options(cfg: _RuntimeFields) -> dict[str, Any]:
     return {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor}
 
@@ -532,19 +557,30 @@ def run_actors(actor_cls: type, init_args: tuple, datasets: Sequence[Any], cfg: 
     """Start ``cfg.num_actors`` actors of ``actor_cls(*init_args)``, give actor ``i`` the
     ``i``-th ``streaming_split(num_actors, equal=False)`` iterator of every dataset in
     ``datasets`` (``None`` entries stay ``None``) and return their ``run`` results in actor
-    order. Actors are killed afterwards."""
+    order. Actors are killed afterwards. When an actor dies (``ray.exceptions.RayActorError``)
+    the whole round starts again with new actors and new splits, at most ``cfg.max_failures``
+    times; an error raised by the actors' code propagates at once."""
     import ray
+    from ray.exceptions import RayActorError
 
     n = cfg.num_actors
     remote_cls = ray.remote(actor_cls).options(**_actor_options(cfg))
-    actors = [remote_cls.remote(*init_args) for _ in range(n)]
-    try:
-        splits = [None if ds is None else ds.streaming_split(n, equal=False) for ds in datasets]
-        refs = [a.run.remote(*[None if s is None else s[i] for s in splits]) for i, a in enumerate(actors)]
-        return ray.get(refs)
-    finally:
-        for a in actors:
-            ray.kill(a)
+    for attempt in range(cfg.max_failures + 1):
+        actors = [remote_cls.remote(*init_args) for _ in range(n)]
+        try:
+            splits = [None if ds is None else ds.streaming_split(n, equal=False) for ds in datasets]
+            refs = [a.run.remote(*[None if s is None else s[i] for s in splits]) for i, a in enumerate(actors)]
+            return ray.get(refs)
+        except RayActorError as e:
+            if attempt == cfg.max_failures:
+                raise
+            why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            print(f"[{actor_cls.__name__}] an actor died ({why}); starting the round again "
+                  f"(attempt {attempt + 2} of {cfg.max_failures + 1})", flush=True)
+        finally:
+            for a in actors:
+                ray.kill(a)
+    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------- driver

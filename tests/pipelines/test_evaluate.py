@@ -105,7 +105,11 @@ def _strip(res):
     return {m: {k: v for k, v in r.items() if k != "timing"} for m, r in res.items()}
 
 
-def test_one_and_two_actors_agree_and_match_a_direct_computation(ray_session, digits):
+def test_one_and_two_actors_and_a_killed_actor_agree_and_match_a_direct_computation(ray_session, digits, capsys):
+    """1 actor, 2 actors, and 2 actors of which one exits its process after its first batch
+    (``fault_marker``, ``max_failures=1``: the round starts again) give the same metrics."""
+    import os
+
     from pipelines import storage
 
     cfg = dict(mc_samples=3, seed=11, batch_size=32, dtype="float64", torch_threads=1, cpus_per_actor=0.5)
@@ -117,6 +121,13 @@ def test_one_and_two_actors_agree_and_match_a_direct_computation(ray_session, di
     assert list(r1) == [MAP, *METHODS]
     assert all(r["status"] == "ok" for r in r1.values())
     _assert_close(_strip(r1), _strip(r2))
+    marker = str(digits["root"] / "eval-fault.json")
+    capsys.readouterr()
+    r3 = evaluate(digits["model"], digits["uris"], _ds(digits, "test"), _ds(digits, "ood"),
+                  EvalConfig(num_actors=2, max_failures=1, fault_marker=marker, **cfg))
+    assert os.path.exists(marker), "the fault was not injected"
+    assert "an actor died" in capsys.readouterr().out
+    _assert_close(_strip(r2), _strip(r3))
     for m in r1:  # the merged accumulators themselves (sums, counts, histograms)
         a1 = storage.read_json(f"{out1}/eval/{m}/accumulators.json")
         a2 = storage.read_json(f"{out2}/eval/{m}/accumulators.json")

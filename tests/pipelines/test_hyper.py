@@ -45,6 +45,8 @@ def test_bad_settings_are_one_line_errors():
         SearchConfig(accuracy_floor=1.5)
     with pytest.raises(ValueError, match="configs"):
         SearchConfig(configs=((1.0, math.nan),))
+    with pytest.raises(ValueError, match="max_failures must be an int >= 0"):
+        SearchConfig(max_failures=-1)
 
 
 def test_choose_rules():
