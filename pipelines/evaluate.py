@@ -50,7 +50,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -141,7 +141,9 @@ class _RuntimeFields:
     depend on which attempt they come from (every sample is a function of ``(seed, t)``).
     An exception raised by the actors' code is not retried. fault_marker: test-only; the
     first actor to finish a batch while this file (a URI) does not exist writes it and
-    exits its process, so that the next attempt runs clean.
+    exits its process, so that the next attempt runs clean. log_every_s: actor 0 logs the
+    progress (images, images/s, ETA when ``expected_rows`` gives the split's size:
+    ``(in-domain or validation rows, OOD rows)``) this often.
     """
 
     num_actors: int = 2
@@ -154,12 +156,16 @@ class _RuntimeFields:
     dtype: str = "float32"
     max_failures: int = 2
     fault_marker: str | None = None
+    log_every_s: float = 30.0
+    expected_rows: tuple[int | None, int | None] = (None, None)
 
     def _check_runtime(self) -> None:
         for n in ("num_actors", "batch_size", "chunk_size"):
             _pos_int(n, getattr(self, n))
         if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) or self.max_failures < 0:
             raise ValueError(f"max_failures must be an int >= 0, got {self.max_failures!r}")
+        if not self.log_every_s > 0:
+            raise ValueError(f"log_every_s must be > 0, got {self.log_every_s!r}")
         if not (self.cpus_per_actor >= 0 and math.isfinite(self.cpus_per_actor)):
             raise ValueError(f"cpus_per_actor must be >= 0, got {self.cpus_per_actor!r}")
         if not (self.gpus_per_actor >= 0 and math.isfinite(self.gpus_per_actor)):
@@ -436,6 +442,7 @@ def evaluate_shard(
     in_batches: Iterable[Any],
     ood_batches: Iterable[Any] | None,
     cfg: EvalConfig,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[dict[str, EvalAccumulator], dict[str, Any]]:
     """Evaluate ``"map"`` and every posterior on one shard, in this process.
 
@@ -443,7 +450,8 @@ def evaluate_shard(
     (invalid rows already removed). Returns ``(accumulators, info)``; ``info`` holds
     ``seconds`` per method (predictions + metric updates), ``failed`` (method -> reason,
     e.g. non-finite predictions; that method's accumulator is dropped), ``examples``
-    and ``ood_examples``.
+    and ``ood_examples``. ``progress(split, n)``: called after each chunk, every method
+    done, with ``split`` 0 (in-domain) or 1 (OOD) and the chunk's example count.
     """
     cache_bytes = int(cfg.sample_cache_mb * 2**20)
     predictors: dict[str, Any] = {MAP: None}
@@ -475,6 +483,8 @@ def evaluate_shard(
                     a = a.update(p_all, torch.cat(chunk.ys))
                 acc[m] = a
                 seconds[m] += time.perf_counter() - t0
+            if progress is not None:
+                progress(int(ood), chunk.count)
 
     with torch.no_grad():
         run(in_batches, ood=False)
@@ -501,6 +511,38 @@ def _valid_batches(shard: Any, batch_size: int):
     return gen(), lambda: state["skipped"]
 
 
+class ActorProgress:
+    """Progress log of a round of actors, written by actor 0 only: every ``cfg.log_every_s``
+    seconds one line with the images done (estimated for all actors as actor 0's count
+    times ``num_actors``: the shards are split dynamically), images/s and the ETA when
+    ``cfg.expected_rows`` gives the split's size. ``__call__(split, n)`` counts ``n``
+    images of ``split`` (0: in-domain or validation, 1: OOD)."""
+
+    def __init__(self, what: str, index: int, cfg: _RuntimeFields, splits: Sequence[str] = ("test", "ood"),
+                 totals: Sequence[int | None] | None = None):
+        self.what, self.on, self.k = what, index == 0, cfg.num_actors
+        self.every, self.names = cfg.log_every_s, splits
+        self.totals = tuple(cfg.expected_rows if totals is None else totals)
+        self.done = [0, 0]
+        self.t0 = [None, None]
+        self.last = time.perf_counter()
+
+    def __call__(self, split: int, n: int) -> None:
+        now = time.perf_counter()
+        if self.t0[split] is None:
+            self.t0[split] = now
+        self.done[split] += n
+        if not self.on or now - self.last < self.every:
+            return
+        self.last = now
+        est = self.done[split] * self.k
+        rate = est / max(now - self.t0[split], 1e-9)
+        total = self.totals[split] if split < len(self.totals) else None
+        eta = "?" if not total else f"{max(total - est, 0) / max(rate, 1e-9):.0f}s"
+        print(f"[{self.what}] {self.names[split]}: ~{est}/{total or '?'} images, {rate:.1f} img/s, ETA {eta}",
+              flush=True)
+
+
 class EvalWorker:
     """Ray actor body (wrapped with ``ray.remote`` by :func:`evaluate`): loads the model
     and the posteriors once in ``__init__``; ``run(in_shard, ood_shard)`` evaluates one
@@ -518,13 +560,14 @@ class EvalWorker:
         self.posteriors = load_posteriors(posterior_uris, hyper)
         self.load_seconds = time.perf_counter() - t0
 
-    def run(self, in_shard: Any, ood_shard: Any = None) -> dict[str, Any]:
+    def run(self, in_shard: Any, ood_shard: Any = None, actor_index: int = 0) -> dict[str, Any]:
         t0 = time.perf_counter()
         in_it, in_skipped = _valid_batches(in_shard, self.cfg.batch_size)
         if self.cfg.fault_marker is not None:
             in_it = _exit_once_after_first(in_it, self.cfg.fault_marker)
         ood_it, ood_skipped = (None, None) if ood_shard is None else _valid_batches(ood_shard, self.cfg.batch_size)
-        acc, info = evaluate_shard(self.model, self.posteriors, in_it, ood_it, self.cfg)
+        acc, info = evaluate_shard(self.model, self.posteriors, in_it, ood_it, self.cfg,
+                                   progress=ActorProgress("evaluate", actor_index, self.cfg))
         return {
             "accumulators": {m: a.to_json() for m, a in acc.items()},
             "seconds": info["seconds"],
@@ -569,7 +612,8 @@ def run_actors(actor_cls: type, init_args: tuple, datasets: Sequence[Any], cfg: 
         actors = [remote_cls.remote(*init_args) for _ in range(n)]
         try:
             splits = [None if ds is None else ds.streaming_split(n, equal=False) for ds in datasets]
-            refs = [a.run.remote(*[None if s is None else s[i] for s in splits]) for i, a in enumerate(actors)]
+            refs = [a.run.remote(*[None if s is None else s[i] for s in splits], actor_index=i)
+                    for i, a in enumerate(actors)]
             return ray.get(refs)
         except RayActorError as e:
             if attempt == cfg.max_failures:

@@ -38,7 +38,7 @@ import io
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -49,6 +49,7 @@ from laplace_core.metrics import NLL, Accuracy, Brier, Calibration, DEFAULT_ECE_
 from . import storage
 from .evaluate import (
     MAP,
+    ActorProgress,
     EvalWorker,
     _RuntimeFields,
     _finite_or_reason,
@@ -236,12 +237,15 @@ def search_shard(
     batches: Iterable[Any],
     cfg: SearchConfig,
     configs: Sequence[HyperConfig] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Score every configuration of every posterior (and the MAP reference) on one shard.
 
     Returns ``{"acc": {method: {config_id: SearchAccumulator}}, "map": SearchAccumulator,
     "failed": {method: {config_id: reason}}, "seconds": {method: {config_id: s}},
     "examples": n}``. Accumulators of failed configurations are dropped.
+    ``progress(0, n)``: called after each (method, configuration) of each chunk of ``n``
+    examples (the work unit is one example under one configuration).
     """
     from laplace_core.posterior import with_hyper
 
@@ -282,6 +286,8 @@ def search_shard(
                         failed[m][cid] = f"invalid predictions: {e}"
                         continue
                     seconds[m][cid] += time.perf_counter() - t0
+                    if progress is not None:
+                        progress(0, chunk.count)
     for m in posteriors:
         for cid in failed[m]:
             acc[m].pop(cid, None)
@@ -296,10 +302,15 @@ class SearchWorker(EvalWorker):
                  endpoint_url: str | None = None):
         super().__init__(model, posterior_uris, None, cfg, endpoint_url)
 
-    def run(self, shard: Any) -> dict[str, Any]:  # type: ignore[override]
+    def run(self, shard: Any, actor_index: int = 0) -> dict[str, Any]:  # type: ignore[override]
         t0 = time.perf_counter()
         it, skipped = _valid_batches(shard, self.cfg.batch_size)
-        r = search_shard(self.model, self.posteriors, it, self.cfg)
+        configs = sample_configs(self.cfg)
+        rows = self.cfg.expected_rows[0]
+        units = None if rows is None else rows * len(self.posteriors) * len(configs)  # example x configuration
+        prog = ActorProgress("search", actor_index, self.cfg, splits=("validation examples x configurations",),
+                             totals=(units,))
+        r = search_shard(self.model, self.posteriors, it, self.cfg, configs, progress=prog)
         return {
             "acc": {m: {str(cid): a.to_json() for cid, a in d.items()} for m, d in r["acc"].items()},
             "map": r["map"].to_json(),

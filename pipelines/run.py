@@ -393,7 +393,8 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     # ---- (N, tau) search on the held-out split
     ev = cfg.evaluate
     runtime = {"num_actors": ev.num_actors, "batch_size": ev.batch_size}
-    search_cfg = SearchConfig.from_spec(cfg.search, pred_type=ev.pred_type, max_failures=ev.max_failures, **runtime)
+    search_cfg = SearchConfig.from_spec(cfg.search, pred_type=ev.pred_type, max_failures=ev.max_failures,
+                                        expected_rows=(len(search_idx), None), **runtime)
     search_fp = {**post_fp, "search": to_dict(cfg.search), "val": search_idx.fingerprint, "runtime": runtime,
                  "pred_type": ev.pred_type}
 
@@ -410,7 +411,7 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
         _write_search_table(output, methods, ep)
 
     # ---- evaluation on the test split and the OOD set
-    eval_cfg = EvalConfig.from_spec(ev)
+    eval_cfg = EvalConfig.from_spec(ev, expected_rows=(len(test_idx), None if ood_idx is None else len(ood_idx)))
     ev_fp = {k: v for k, v in to_dict(ev).items() if k != "max_failures"}  # retries do not change results
     eval_fp = {**search_fp, "evaluate": ev_fp, "test": test_idx.fingerprint,
                "ood": None if ood_idx is None else ood_idx.fingerprint, "hyper": hyper}

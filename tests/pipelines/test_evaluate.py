@@ -252,3 +252,27 @@ def test_eval_accumulator_json_round_trip_and_merge():
     _assert_close(whole.compute(), back.compute())
     h = -(torch.special.xlogy(q, q).sum(-1)) / math.log(5)
     assert back.compute()["ood_entropy_mean"] == pytest.approx(float(h.mean()), rel=1e-14)
+
+
+def test_actor_progress_lines(capsys, monkeypatch):
+    """Actor 0 logs images (its count x num_actors), images/s and the ETA from
+    ``expected_rows``; other actors log nothing; unknown totals give '?'."""
+    from pipelines import evaluate as ev
+
+    clock = iter([0.0, 0.0, 10.0, 10.0, 20.0])
+    monkeypatch.setattr(ev.time, "perf_counter", lambda: next(clock))
+    cfg = EvalConfig(num_actors=2, log_every_s=5.0, expected_rows=(400, None))
+    p0 = ev.ActorProgress("evaluate", 0, cfg)  # clock 0.0
+    p0(0, 50)  # now 0.0: too early
+    p0(0, 50)  # now 10.0: 2 x 100 images in 10 s -> 20 img/s, (400 - 200) / 20 = 10 s left
+    p0(1, 30)  # OOD starts at 10.0; now 10.0: too early
+    p0(1, 30)  # now 20.0: 2 x 60 in 10 s; no OOD total
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["[evaluate] test: ~200/400 images, 20.0 img/s, ETA 10s",
+                   "[evaluate] ood: ~120/? images, 12.0 img/s, ETA ?"], out
+    clock = iter([0.0, 100.0])
+    p1 = ev.ActorProgress("evaluate", 1, cfg)
+    p1(0, 10)
+    assert capsys.readouterr().out == ""
+    with pytest.raises(ValueError, match="log_every_s must be > 0"):
+        EvalConfig(log_every_s=0.0)
