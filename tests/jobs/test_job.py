@@ -47,13 +47,17 @@ def _env() -> dict[str, str]:
 def ray_head():
     """`ray start --head --block` on loopback with free ports; killed by PID afterwards."""
     tmp = Path(tempfile.mkdtemp(prefix="rh", dir="/tmp"))  # short: Ray's socket paths have a length limit
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash, agent_http, agent_grpc, runtime_env = (_free_port() for _ in range(5))
     ray_bin = str(Path(sys.executable).parent / "ray")
     log = open(tmp / "head.log", "w")
+    # every port free, the agents' too: their defaults (52365, ...) are taken when another
+    # Ray instance runs on this machine (e.g. the local one of tests/pipelines in the same
+    # pytest session), and then the head's job agent never comes up
     proc = subprocess.Popen(
         [ray_bin, "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2", f"--temp-dir={tmp}",
-         "--disable-usage-stats", "--include-dashboard=true"],
+         f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
+         f"--runtime-env-agent-port={runtime_env}", "--disable-usage-stats", "--include-dashboard=true"],
         env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     address = f"http://127.0.0.1:{dash}"
