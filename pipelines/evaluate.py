@@ -515,13 +515,14 @@ class ActorProgress:
     """Progress log of a round of actors, written by actor 0 only: every ``cfg.log_every_s``
     seconds one line with the images done (estimated for all actors as actor 0's count
     times ``num_actors``: the shards are split dynamically), images/s and the ETA when
-    ``cfg.expected_rows`` gives the split's size. ``__call__(split, n)`` counts ``n``
-    images of ``split`` (0: in-domain or validation, 1: OOD)."""
+    ``cfg.expected_rows`` (or ``totals``) gives the split's size. ``__call__(split, n)``
+    counts ``n`` units (images, or for the search examples x configurations) of ``split``
+    (0: in-domain or validation, 1: OOD)."""
 
     def __init__(self, what: str, index: int, cfg: _RuntimeFields, splits: Sequence[str] = ("test", "ood"),
-                 totals: Sequence[int | None] | None = None):
+                 totals: Sequence[int | None] | None = None, unit: str = "images"):
         self.what, self.on, self.k = what, index == 0, cfg.num_actors
-        self.every, self.names = cfg.log_every_s, splits
+        self.every, self.names, self.unit = cfg.log_every_s, splits, unit
         self.totals = tuple(cfg.expected_rows if totals is None else totals)
         self.done = [0, 0]
         self.t0 = [None, None]
@@ -539,7 +540,7 @@ class ActorProgress:
         rate = est / max(now - self.t0[split], 1e-9)
         total = self.totals[split] if split < len(self.totals) else None
         eta = "?" if not total else f"{max(total - est, 0) / max(rate, 1e-9):.0f}s"
-        print(f"[{self.what}] {self.names[split]}: ~{est}/{total or '?'} images, {rate:.1f} img/s, ETA {eta}",
+        print(f"[{self.what}] {self.names[split]}: ~{est}/{total or '?'} {self.unit}, {rate:.1f}/s, ETA {eta}",
               flush=True)
 
 

@@ -308,8 +308,8 @@ class SearchWorker(EvalWorker):
         configs = sample_configs(self.cfg)
         rows = self.cfg.expected_rows[0]
         units = None if rows is None else rows * len(self.posteriors) * len(configs)  # example x configuration
-        prog = ActorProgress("search", actor_index, self.cfg, splits=("validation examples x configurations",),
-                             totals=(units,))
+        prog = ActorProgress("search", actor_index, self.cfg, splits=("validation",), totals=(units,),
+                             unit="examples x configurations")
         r = search_shard(self.model, self.posteriors, it, self.cfg, configs, progress=prog)
         return {
             "acc": {m: {str(cid): a.to_json() for cid, a in d.items()} for m, d in r["acc"].items()},

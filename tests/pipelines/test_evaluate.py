@@ -268,8 +268,8 @@ def test_actor_progress_lines(capsys, monkeypatch):
     p0(1, 30)  # OOD starts at 10.0; now 10.0: too early
     p0(1, 30)  # now 20.0: 2 x 60 in 10 s; no OOD total
     out = capsys.readouterr().out.strip().splitlines()
-    assert out == ["[evaluate] test: ~200/400 images, 20.0 img/s, ETA 10s",
-                   "[evaluate] ood: ~120/? images, 12.0 img/s, ETA ?"], out
+    assert out == ["[evaluate] test: ~200/400 images, 20.0/s, ETA 10s",
+                   "[evaluate] ood: ~120/? images, 12.0/s, ETA ?"], out
     clock = iter([0.0, 100.0])
     p1 = ev.ActorProgress("evaluate", 1, cfg)
     p1(0, 10)
