@@ -1,7 +1,8 @@
 """pipelines.malloc: the settings take effect (a freed batch's buffers stay in the process for
 the next batch instead of going back to the kernel), can be switched off, and reject bad values.
-Measured by RSS, not by page-fault counts: with transparent huge pages those vary from run to run. Each check that calls ``mallopt`` runs in a fresh
-subprocess so this test process's allocator is left as it was."""
+Measured by RSS, not by page-fault counts: with transparent huge pages those vary from run to
+run. Each check that calls ``mallopt`` runs in a fresh subprocess so this test process's
+allocator is left as it was."""
 from __future__ import annotations
 
 import json
