@@ -558,7 +558,10 @@ class EvalWorker:
         self.cfg = cfg
         self.model = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device,
                                      endpoint_url=endpoint_url)
-        self.posteriors = load_posteriors(posterior_uris, hyper)
+        dev = torch.device(cfg.resolved_device)
+        # draws happen where the model runs (the posterior's device, laplace_core.predictive)
+        self.posteriors = {m: p if dev.type == "cpu" else p.to(dev)
+                           for m, p in load_posteriors(posterior_uris, hyper).items()}
         self.load_seconds = time.perf_counter() - t0
 
     def run(self, in_shard: Any, ood_shard: Any = None, actor_index: int = 0) -> dict[str, Any]:

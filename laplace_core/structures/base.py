@@ -205,6 +205,17 @@ class Posterior:
             info=dict(meta.get("info", {})),
         )
 
+    def to(self, device: torch.device | str) -> "Posterior":
+        """The same posterior with every tensor on ``device`` (dtypes kept), rebuilt
+        through :meth:`state_dict` / :meth:`from_state_dict`, so every structure
+        (including whole-network ones such as ``subnet``) moves the same way. Draws
+        then happen on ``device``: ``torch.randn`` with a CUDA generator gives other
+        numbers than with a CPU one, so samples depend on the device (not their law)."""
+        device = torch.device(device)
+        sd = self.state_dict()
+        moved = {k: t.to(device=device) for k, t in sd["tensors"].items()}
+        return type(self).from_state_dict({"meta": sd["meta"], "tensors": moved})
+
     def save(self, uri: str) -> None:
         from ..io import save_tensors
 

@@ -188,6 +188,21 @@ def test_num_stored_table3(stats):
 
 
 @pytest.mark.parametrize("method,rank", CASES)
+def test_to_device_keeps_every_tensor_and_setting(stats, method, rank):
+    """``Posterior.to``: same class, hyperparameters and tensors (here CPU -> CPU and float64 kept;
+    CUDA in tests/core/test_device.py). The draws from equal generator states are equal."""
+    post = build_posterior(stats, method, rank=rank, n_data=10.0, prior_precision=2.0)
+    moved = post.to("cpu")
+    assert type(moved) is type(post) and moved is not post
+    assert (moved.method, moved.n_data, moved.prior_precision, moved.rank) == (method, 10.0, 2.0, rank)
+    a, b = post.state_dict()["tensors"], moved.state_dict()["tensors"]
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    da = post.sample(2, torch.Generator().manual_seed(4))
+    db = moved.sample(2, torch.Generator().manual_seed(4))
+    assert all(torch.equal(da[k], db[k]) for k in da)
+
+
+@pytest.mark.parametrize("method,rank", CASES)
 def test_with_hyper_equals_fresh_build(stats, method, rank):
     base = build_posterior(stats, method, rank=rank, n_data=10.0, prior_precision=2.0)
     moved = with_hyper(base, 77.0, 0.25)
