@@ -132,6 +132,8 @@ class EvalSpec:
     pred_type: str = "nn"
     seed: int = 0
     max_failures: int = 2  # the actors' round starts again this often when an actor dies (search and evaluation)
+    cpus_per_actor: float = 0.5  # Ray CPUs per search/evaluation actor (its torch threads: max(1, round(cpus)))
+    gpus_per_actor: float | None = None  # None: min(1, cluster GPUs / num_actors), 0 without GPUs; > 0 runs on CUDA
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,10 @@ class RunConfig:
             raise ConfigError(f"unknown pred_type {self.evaluate.pred_type!r}; valid: {', '.join(PRED_TYPES)}")
         if self.evaluate.ece_mode not in ("equal_width", "equal_mass"):
             raise ConfigError(f"unknown ece_mode {self.evaluate.ece_mode!r}; valid: equal_width, equal_mass")
+        if not self.evaluate.cpus_per_actor >= 0:
+            raise ConfigError("evaluate.cpus_per_actor must be >= 0")
+        if self.evaluate.gpus_per_actor is not None and not self.evaluate.gpus_per_actor >= 0:
+            raise ConfigError("evaluate.gpus_per_actor must be >= 0 (or null: one share of the cluster's GPUs)")
         if self.curvature.num_workers < 1:
             raise ConfigError("curvature.num_workers must be >= 1")
         if self.posterior.rank is not None and self.posterior.rank < 1:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import storage
-from .config import STAGES, ModelSpec, RunConfig, to_dict
+from .config import STAGES, EvalSpec, ModelSpec, RunConfig, to_dict
 
 __all__ = ["RunResult", "preflight", "run", "stage_marker_uri"]
 
@@ -268,6 +268,19 @@ def _posterior_uris(output: str, methods) -> dict[str, str]:
     return {m: posterior_uri(output, m) for m in methods}
 
 
+def _actor_resources(ev: EvalSpec) -> dict[str, float]:
+    """Ray resources of each search/evaluation actor: ``evaluate.cpus_per_actor`` and
+    ``evaluate.gpus_per_actor``, or when that is null an even share of the cluster's GPUs
+    (``min(1, GPUs / num_actors)``; 0 on a cluster without GPUs). Needs Ray initialised."""
+    gpus = ev.gpus_per_actor
+    if gpus is None:
+        import ray
+
+        total = float(ray.cluster_resources().get("GPU", 0.0))
+        gpus = min(1.0, total / ev.num_actors) if total > 0 else 0.0
+    return {"cpus_per_actor": float(ev.cpus_per_actor), "gpus_per_actor": float(gpus)}
+
+
 def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
                ensure_ray: Callable[[], None]) -> dict[str, Any]:
     """All stages for one model; returns the run summary (also written as run.json)."""
@@ -393,14 +406,19 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     # ---- (N, tau) search on the held-out split
     ev = cfg.evaluate
     runtime = {"num_actors": ev.num_actors, "batch_size": ev.batch_size}
-    search_cfg = SearchConfig.from_spec(cfg.search, pred_type=ev.pred_type, max_failures=ev.max_failures,
-                                        expected_rows=(len(search_idx), None), **runtime)
+    actors = {"cpus_per_actor": ev.cpus_per_actor, "gpus_per_actor": ev.gpus_per_actor}  # resolved once Ray is up
+
+    def search_config() -> SearchConfig:
+        return SearchConfig.from_spec(cfg.search, pred_type=ev.pred_type, max_failures=ev.max_failures,
+                                      expected_rows=(len(search_idx), None), **runtime, **_actor_resources(ev))
     search_fp = {**post_fp, "search": to_dict(cfg.search), "val": search_idx.fingerprint, "runtime": runtime,
                  "pred_type": ev.pred_type}
 
     def do_search() -> dict[str, Any]:
+        search_cfg = search_config()
         res = search(spec, uris, build_dataset(search_idx, val_cfg), search_cfg, output=output, endpoint_url=ep)
-        return {"chosen": res.chosen, "notes": res.notes, "map": res.map, "info": res.info,
+        return {"chosen": res.chosen, "notes": res.notes, "map": res.map,
+                "info": {**res.info, "device": search_cfg.resolved_device},
                 "failed": sum(1 for r in res.rows if r["status"] != "ok"),
                 "table": storage.join(output, "eval", "search.parquet")}
 
@@ -411,16 +429,19 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
         _write_search_table(output, methods, ep)
 
     # ---- evaluation on the test split and the OOD set
-    eval_cfg = EvalConfig.from_spec(ev, expected_rows=(len(test_idx), None if ood_idx is None else len(ood_idx)))
-    ev_fp = {k: v for k, v in to_dict(ev).items() if k != "max_failures"}  # retries do not change results
+    # retries and actor resources do not change results (samples depend on (seed, t) and the
+    # device's generator; a stage computed on CPU stays valid on GPU and is reused)
+    ev_fp = {k: v for k, v in to_dict(ev).items() if k not in ("max_failures", *actors)}
     eval_fp = {**search_fp, "evaluate": ev_fp, "test": test_idx.fingerprint,
                "ood": None if ood_idx is None else ood_idx.fingerprint, "hyper": hyper}
 
     def do_evaluate() -> dict[str, Any]:
+        eval_cfg = EvalConfig.from_spec(ev, expected_rows=(len(test_idx), None if ood_idx is None else len(ood_idx)),
+                                        **_actor_resources(ev))
         ood_ds = None if ood_idx is None else build_dataset(ood_idx, ood_cfg)
         res = evaluate(spec, uris, build_dataset(test_idx, test_cfg), ood_ds, eval_cfg, output=output,
                        hyper=hyper, endpoint_url=ep)
-        return {"methods": {m: _headline(r) for m, r in res.items()}}
+        return {"methods": {m: _headline(r) for m, r in res.items()}, "device": eval_cfg.resolved_device}
 
     evl = st.run("evaluate", eval_fp, do_evaluate)
 
@@ -538,7 +559,9 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
                                                "allreduce_bytes", "computed_partitions", "reused_partitions",
                                                "excluded", "skipped_batches")}
         | ({"subnet": curv["subnet"]} if "subnet" in curv else {}),
-        "search": {"chosen": srch.get("chosen"), "notes": srch.get("notes")},
+        "search": {"chosen": srch.get("chosen"), "notes": srch.get("notes"),
+                   "device": (srch.get("info") or {}).get("device")},
+        "evaluate": {"device": evl.get("device")},
         "results": evl.get("methods"),
         "output": output,
     }

@@ -130,6 +130,9 @@ def test_submitted_job_writes_every_artifact(submitted):
     assert "inf" in (out / "report.md").read_text()
     # the curvature pass really ran on 2 Ray Train workers
     assert run["curvature"]["num_workers"] == 2 and run["curvature"]["count"] > 0
+    # no GPU on this head: gpus_per_actor null resolves to 0, the actors ran on the CPU
+    assert run["curvature"]["use_gpu"] is False
+    assert run["search"]["device"] == run["evaluate"]["device"] == "cpu"
 
 
 def test_second_submission_skips_every_stage(submitted):

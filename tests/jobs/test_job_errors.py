@@ -58,6 +58,22 @@ def test_unknown_key_in_override():
                     "num_workers")
 
 
+def test_negative_actor_resources():
+    _one_line_error(_run("--preset", "smoke", "--set", "evaluate.gpus_per_actor=-1"), "evaluate.gpus_per_actor",
+                    ">= 0")
+    _one_line_error(_run("--preset", "smoke", "--set", "evaluate.cpus_per_actor=-0.5"), "evaluate.cpus_per_actor")
+
+
+def test_actor_resources_as_given_or_a_share_of_the_gpus():
+    """Explicit ``evaluate.gpus_per_actor`` is used as is (no Ray needed); null asks the
+    cluster (0 on CPU clusters: the jobs' tests; on the 1-GPU smoke run, 2 actors got 0.5 each)."""
+    from pipelines.config import EvalSpec
+    from pipelines.run import _actor_resources
+
+    assert _actor_resources(EvalSpec(gpus_per_actor=0.25, cpus_per_actor=2)) == {"cpus_per_actor": 2.0,
+                                                                                "gpus_per_actor": 0.25}
+
+
 def test_unknown_model_lists_valid_ones():
     _one_line_error(_run("--preset", "smoke", "--model", "resnet5O"), "unknown model", "resnet50", "densenet121")
 
