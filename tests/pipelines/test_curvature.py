@@ -139,6 +139,25 @@ def test_two_workers_equal_single_process(setup, local_run):
     assert _close(load_eigenbasis(os.path.join(out, "stats", "eigenbasis"))[k].U_A, res.basis[k].U_A, 0.0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_one_gpu_worker_with_nccl_equals_single_process(setup, ray_session):
+    """``use_gpu=True``: Ray Train gives the worker the GPU and an NCCL process group; the
+    float64 sums computed there (both passes, eigenbasis on the GPU) equal one CPU process's."""
+    from pipelines import storage
+
+    out = str(setup["tmp"] / "out_gpu")
+    res = run_curvature(setup["spec"], setup["parts"], _cfg(num_workers=1, use_gpu=True), out,
+                        data_config=setup["dcfg"])
+    assert res.use_gpu
+    rep = storage.read_json(os.path.join(out, "stats", "worker_report.json"))
+    assert rep["device"].startswith("cuda") and rep["backend"] == "nccl", rep
+    ref, _ = _reference_with_efb(setup, res.basis)
+    _assert_stats_equal(res.stats, ref, "1 GPU worker vs 1 CPU process")
+    for k, ls in ref.layers.items():
+        b = res.basis[k]
+        assert _close(b.U_A @ torch.diag(b.S_A) @ b.U_A.T, ls.A / ref.count, 1e-9), k
+
+
 def test_skip_counts(setup, local_run):
     res, _ = local_run
     tree = setup["tree"]

@@ -159,6 +159,42 @@ def test_one_and_two_actors_and_a_killed_actor_agree_and_match_a_direct_computat
         assert r2[m]["ood_entropy_mean"] == pytest.approx(float(ent.clamp(0, 1).mean()), rel=TOL)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_actors_sharing_a_gpu_match_a_direct_cuda_computation(ray_session, digits):
+    """2 actors with half a GPU each (``gpus_per_actor=0.5``: model, posteriors and draws on
+    CUDA) give the metrics of one process running the same predictors on the GPU, and the
+    search runs there too. Draws come from a CUDA generator, so they differ from the CPU
+    run's; the comparison is with the same device's draws."""
+    from pipelines.models import load_model
+
+    gpu_tol = 1e-9  # float64 on the GPU: the actors' batches of 32 reduce in another order than one batch
+    cfg = dict(mc_samples=3, seed=11, batch_size=32, dtype="float64", torch_threads=1, cpus_per_actor=0.5,
+               gpus_per_actor=0.5)
+    r = evaluate(digits["model"], digits["uris"], _ds(digits, "test"), _ds(digits, "ood"),
+                 EvalConfig(num_actors=2, **cfg))
+    assert all(v["status"] == "ok" for v in r.values()), {m: v.get("reason") for m, v in r.items()}
+    model = load_model("demo_cnn", digits["model"]["weights"], 10).to(torch.float64).cuda()
+    x, y, _ = _local_xy(digits, "test")
+    x_ood, _, _ = _local_xy(digits, "ood")
+    x, x_ood = x.to(torch.float64).cuda(), x_ood.to(torch.float64).cuda()
+    for m in r:
+        if m == MAP:
+            with torch.no_grad():
+                p, p_ood = torch.softmax(model(x), -1), torch.softmax(model(x_ood), -1)
+        else:
+            pred = MCPredictor(model, lc.load_posterior(digits["uris"][m]).to("cuda"), n_samples=3, seed=11)
+            p, p_ood = pred.predict(x), pred.predict(x_ood)
+        assert p.is_cuda
+        direct = MetricSuite.create().update(p, y).update_ood(p_ood).compute()
+        _assert_close(direct, {k: r[m][k] for k in direct}, m, gpu_tol)
+
+    scfg = SearchConfig(configs=[(2.0, 3.0), (4.0, 3.5)], mc_samples=2, seed=0, batch_size=64, num_actors=2,
+                        torch_threads=1, gpus_per_actor=0.5)
+    found = search(digits["model"], digits["uris"], _ds(digits, "val"), scfg)
+    assert all(row["status"] == "ok" for row in found.rows), found.rows
+    assert all(found.chosen[m] is not None for m in METHODS), found.notes
+
+
 def test_glm_predictive_in_evaluation_matches_glm_predictor(digits):
     """pred_type="glm": the evaluation path (fixed-size batches, accumulators) gives the
     metrics of laplace_core.glm.GLMPredictor (MC-GLM, Banerjee Alg. 4) run directly."""
