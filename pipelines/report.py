@@ -897,7 +897,7 @@ def render_html(run_summary: Mapping[str, Any], metrics_by_method: Mapping[str, 
     mbm = _check_metrics(metrics_by_method, allow_empty=bool(failed))
     rows = search_rows(search_table)
     header, trows, notes, methods = _method_rows(mbm, run_summary)
-    notes += [f"Evaluation failed, not in the table: {f}" for f in failed]
+    notes += [f"Evaluation failed, not in the table: {f}" for f in failed] + _search_notes(rows)
     body = [f"<h1>{_esc(_title(run_summary))}</h1>", f'<p class="meta">{_esc(_meta_line(run_summary))}</p>']
     body.append('<section id="run"><h2>Run</h2>')
     body.append("<h3>Model</h3>" + _html_kv(_kv(run_summary.get("model"))))
@@ -957,7 +957,7 @@ def render_markdown(run_summary: Mapping[str, Any], metrics_by_method: Mapping[s
     mbm = _check_metrics(metrics_by_method, allow_empty=bool(failed))
     rows = search_rows(search_table)
     header, trows, notes, _ = _method_rows(mbm, run_summary)
-    notes += [f"Evaluation failed, not in the table: {f}" for f in failed]
+    notes += [f"Evaluation failed, not in the table: {f}" for f in failed] + _search_notes(rows)
     out = [f"# {_md(_title(run_summary))}", "", f"_{_md(_meta_line(run_summary))}_", "", "## Run", "", "### Model", "",
            _md_kv(_kv(run_summary.get("model")))]
     if run_summary.get("data") is not None:
@@ -989,6 +989,21 @@ def _relative_link(output: str, uri: str) -> str:
     return uri[len(prefix):] if uri.startswith(prefix) else uri
 
 
+def _scored(rows: list[dict]) -> bool:
+    """Whether any search row carries an objective value (failed configurations have none)."""
+    return any(r.get(c) is not None for r in rows for c in SEARCH_OBJECTIVES)
+
+
+def _search_notes(rows: list[dict]) -> list[str]:
+    """One note when the search ran but no configuration could be scored (no search figure then)."""
+    if not rows or _scored(rows):
+        return []
+    reasons = [str(r.get("reason")) for r in rows if r.get("reason")]
+    why = f" (first reason: {reasons[0]})" if reasons else ""
+    return [f"Search: none of the {len(rows)} (method, configuration) pairs could be scored{why}; "
+            "no search figure. Widen or move the (N, τ) ranges (search.log10_n, search.log10_tau)."]
+
+
 def _render_standard(mbm: Mapping[str, Mapping[str, Any]], summary: Mapping[str, Any], rows: list[dict],
                      skip: Iterable[str] = ()) -> dict[str, bytes]:
     out: dict[str, bytes] = {}
@@ -997,7 +1012,7 @@ def _render_standard(mbm: Mapping[str, Mapping[str, Any]], summary: Mapping[str,
         out["reliability"] = render_reliability(mbm)
     if "entropy" not in skip:
         out["entropy"] = render_entropy(mbm)
-    if "hyper" not in skip and rows:
+    if "hyper" not in skip and rows and _scored(rows):
         chosen = summary.get("chosen") if isinstance(summary.get("chosen"), Mapping) else None
         out["hyper"] = render_hyper(rows, chosen)
     return out

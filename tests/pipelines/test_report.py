@@ -347,6 +347,24 @@ def test_failed_evaluations_are_listed_not_fatal(tmp_path):
         report.write_report(str(tmp_path / "empty"), {"model": "tiny"}, {})
 
 
+def test_search_without_a_scored_configuration_is_a_note_not_a_crash(tmp_path):
+    """Every (N, τ) pair failed (e.g. non-finite predictions on a random-init ResNet-50, seen
+    on a GPU run): the report is written without the search figure and says why."""
+    metrics = make_metrics(("map", "diag"), ood=False)
+    rows = [{"config_id": i, "method": "diag", "log10_n": 1.0, "log10_tau": -3.0, "n_data": 10.0,
+             "prior_precision": 1e-3, "nll": None, "ece": None, "accuracy": None, "brier": None, "count": 0,
+             "status": "failed", "reason": "non-finite predictions", "seconds": 0.0} for i in range(2)]
+    paths = report.write_report(str(tmp_path / "r"), {"model": "tiny"}, metrics, rows)
+    assert "hyper" not in paths and {"reliability", "entropy"} <= set(paths)
+    note = ("Search: none of the 2 (method, configuration) pairs could be scored "
+            "(first reason: non-finite predictions); no search figure.")
+    assert note in Path(paths["html"]).read_text(encoding="utf-8")
+    assert note in Path(paths["md"]).read_text(encoding="utf-8")
+    rows[0].update(nll=0.5, ece=0.1, accuracy=0.9, brier=0.2, count=10, status="ok", reason=None)
+    paths = report.write_report(str(tmp_path / "r2"), {"model": "tiny"}, metrics, rows)
+    assert "hyper" in paths and "Search: none" not in Path(paths["md"]).read_text(encoding="utf-8")
+
+
 def test_load_eval_metrics_and_search_table(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
