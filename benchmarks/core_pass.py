@@ -1,6 +1,6 @@
 """Cost of the curvature passes against a plain forward + backward (CPU, float32).
 
-    python benchmarks/core_pass.py [--model resnet18] [--size 64] [--batch 32] [--reps 5]
+    python benchmarks/core_pass.py [--model resnet18] [--size 64] [--batch 32] [--reps 5] [--device cuda]
 
 Prints, for torchvision ``resnet18`` (random init, eval mode) at ``size x size`` with
 batches of ``batch`` images:
@@ -20,7 +20,9 @@ model before yielding each batch), so load from other processes hits both alike;
 pass batch is timed from its yield to the pass's progress callback, i.e. steady-state
 per-batch cost without the one-off allocation of the sums. The first pair of every
 pass is a warm-up and dropped; the reported ratio is the median over the pairs. Runs
-with torch's default thread count, which is printed.
+with torch's default thread count, which is printed. ``--device cuda``: the same on the GPU
+(float32 model, default TF32 settings printed), every timestamp taken after
+``torch.cuda.synchronize()``.
 
 Extra ratios (e.g. posterior sampling INF vs KFAC) plug in through
 :func:`register_ratio`: a function receiving the :class:`Context` and returning a
@@ -128,23 +130,28 @@ def main(argv=None) -> dict:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--reps", type=int, default=5, help="measured batches per pass (plus one warm-up)")
     p.add_argument("--classes", type=int, default=1000)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--random-basis", action="store_true",
                    help="random orthogonal eigenbasis (EFB timing does not depend on its values; skips the float64 eigh)")
     args = p.parse_args(argv)
 
     import torchvision
 
+    dev = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
-    model = getattr(torchvision.models, args.model)(num_classes=args.classes).eval()
+    model = getattr(torchvision.models, args.model)(num_classes=args.classes).eval().to(dev)
     ref = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(args.batch, 3, args.size, args.size, generator=gen)
-    y = torch.randint(0, args.classes, (args.batch,), generator=gen)
+    x = torch.randn(args.batch, 3, args.size, args.size, generator=gen).to(dev)
+    y = torch.randint(0, args.classes, (args.batch,), generator=gen).to(dev)
 
     def fb() -> float:
         ref.zero_grad(set_to_none=True)
+        sync()
         t0 = time.perf_counter()
         F.cross_entropy(ref(x), y, reduction="sum").backward()
+        sync()
         return time.perf_counter() - t0
 
     def interleaved(run_pass) -> list[tuple[float, float]]:
@@ -154,22 +161,30 @@ def main(argv=None) -> dict:
         def batches():
             for _ in range(args.reps + 1):
                 fbs.append(fb())
+                sync()
                 starts.append(time.perf_counter())
                 yield x, y
 
-        run_pass(batches(), lambda n: ends.append(time.perf_counter()))
+        def done(n):
+            sync()
+            ends.append(time.perf_counter())
+
+        run_pass(batches(), done)
         pairs = [(f, e - s) for f, s, e in zip(fbs, starts, ends)]
         return pairs[1:]  # drop the warm-up pair
 
+    where = (f"device={torch.cuda.get_device_name(dev)} tf32(matmul={torch.backends.cuda.matmul.allow_tf32}, "
+             f"cudnn={torch.backends.cudnn.allow_tf32})" if dev.type == "cuda" else f"threads={torch.get_num_threads()}")
     print(f"model={args.model} input={args.batch}x3x{args.size}x{args.size} dtype=float32 "
-          f"threads={torch.get_num_threads()} torch={torch.__version__}", flush=True)
+          f"{where} torch={torch.__version__}", flush=True)
     floors = multiply_floors(model, x)
     fb()  # warm-up
 
     kept = {}
 
     def kfac_pass(batches, progress):
-        kept["stats"] = collect_statistics(model, batches, generator=torch.Generator().manual_seed(1), progress=progress)
+        kept["stats"] = collect_statistics(model, batches, generator=torch.Generator(device=dev).manual_seed(1),
+                                           progress=progress)
 
     kfac_pairs = interleaved(kfac_pass)
     print(f"kfac+diag pass measured ({len(kfac_pairs)} pairs)", flush=True)
@@ -177,15 +192,19 @@ def main(argv=None) -> dict:
         basis = {}
         for name, info in kept["stats"].infos.items():
             m, n = info.shape
-            qa = torch.linalg.qr(torch.randn(n, n, generator=gen))[0]
-            qg = torch.linalg.qr(torch.randn(m, m, generator=gen))[0]
-            basis[name] = LayerBasis(qa, torch.ones(n), qg, torch.ones(m))
+            qa = torch.linalg.qr(torch.randn(n, n, generator=gen))[0].to(dev)
+            qg = torch.linalg.qr(torch.randn(m, m, generator=gen))[0].to(dev)
+            basis[name] = LayerBasis(qa, torch.ones(n, device=dev), qg, torch.ones(m, device=dev))
     else:
+        sync()
+        t0 = time.perf_counter()
         basis = eigenbasis(kept["stats"])
+        sync()
+        print(f"eigenbasis: {time.perf_counter() - t0:.1f} s (float64 eigh of every factor on {dev})", flush=True)
     print("eigenbasis ready", flush=True)
 
     def efb_pass(batches, progress):
-        collect_efb(model, batches, basis, generator=torch.Generator().manual_seed(2), progress=progress)
+        collect_efb(model, batches, basis, generator=torch.Generator(device=dev).manual_seed(2), progress=progress)
 
     efb_pairs = interleaved(efb_pass)
 
@@ -195,7 +214,8 @@ def main(argv=None) -> dict:
         results[name] = ratio
         target = ISSUE_FLOOR[name] * TARGET_SLACK
         print(f"{name:>10} / fb: {ratio:5.2f}x   (fb {pystats.median(f for f, _ in pairs):.3f}s, "
-              f"pass {pystats.median(b for _, b in pairs):.3f}s per batch; issue floor {ISSUE_FLOOR[name]}x, "
+              f"pass {pystats.median(b for _, b in pairs):.3f}s per batch = "
+              f"{args.batch / pystats.median(b for _, b in pairs):.0f} img/s; issue floor {ISSUE_FLOOR[name]}x, "
               f"target <= {target:.1f}x: {'OK' if ratio <= target else 'MISSED'}; "
               f"this implementation's multiply floor {floors[name]:.2f}x)")
 
@@ -224,11 +244,13 @@ def _sample_ratio(ctx: Context) -> dict[str, float]:
     basis = ctx.basis if ctx.basis is not None else eigenbasis(ctx.stats)
     efb, n = collect_efb(ctx.model, [(ctx.x, ctx.y)], basis, fisher="empirical")
     stats = ctx.stats.with_efb(efb, n)
-    g = torch.Generator().manual_seed(0)
+    dev = ctx.x.device
+    g = torch.Generator(device=dev).manual_seed(0)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     kfac = build_posterior(stats, "kfac", prior_precision=1.0, basis=basis, dtype=torch.float32)
     inf = build_posterior(stats, "inf", rank=100, prior_precision=1.0, basis=basis, dtype=torch.float32)
-    t_kfac = ctx.timeit(lambda: kfac.sample(1, g), reps=5)
-    t_inf = ctx.timeit(lambda: inf.sample(1, g), reps=5)
+    t_kfac = ctx.timeit(lambda: (kfac.sample(1, g), sync()), reps=5)
+    t_inf = ctx.timeit(lambda: (inf.sample(1, g), sync()), reps=5)
     print(f"sample: KFAC {t_kfac * 1e3:.1f} ms, INF(rank 100) {t_inf * 1e3:.1f} ms per draw of all layers")
     return {"inf_sample/kfac_sample": t_inf / t_kfac}
 

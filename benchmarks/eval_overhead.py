@@ -12,6 +12,7 @@ on random images (the timing does not depend on the data); the set is random ima
 
     python benchmarks/eval_overhead.py                       # resnet18 at 64x64
     python benchmarks/eval_overhead.py --model demo_cnn --size 32
+    python benchmarks/eval_overhead.py --model resnet50 --size 224 --num-classes 1000 --device cuda
 """
 from __future__ import annotations
 
@@ -47,22 +48,25 @@ def main(argv=None) -> int:
     ap.add_argument("--stats-images", type=int, default=16, help="images for the curvature pass")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--repeats", type=int, default=3, help="best of this many (interleaved) timings")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (model, posteriors and draws there)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = [m for m in args.methods.split(",") if m]
 
+    dev = torch.device(args.device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(0)
-    model = load_model(args.model, None, args.num_classes)
-    xs = torch.randn(args.stats_images, 3, args.size, args.size, generator=g)
+    model = load_model(args.model, None, args.num_classes).to(dev)
+    xs = torch.randn(args.stats_images, 3, args.size, args.size, generator=g).to(dev)
     t0 = time.perf_counter()
     batches = [(xs[i:i + 8], None) for i in range(0, len(xs), 8)]
-    stats = lc.collect_statistics(model, batches, fisher="mc", generator=torch.Generator().manual_seed(1))
+    stats = lc.collect_statistics(model, batches, fisher="mc", generator=torch.Generator(dev).manual_seed(1))
     _log(f"curvature pass {time.perf_counter() - t0:.1f} s")
     basis = lc.eigenbasis(stats)
     _log(f"eigenbasis {time.perf_counter() - t0:.1f} s")
     if any(m in ("efb", "inf") for m in methods):
-        stats = lc.collect_statistics(model, batches, fisher="mc", generator=torch.Generator().manual_seed(1),
+        stats = lc.collect_statistics(model, batches, fisher="mc", generator=torch.Generator(dev).manual_seed(1),
                                       basis=basis)
         _log(f"EFB pass {time.perf_counter() - t0:.1f} s")
     # τ large enough that the weights stay sensible; the timing does not depend on (N, τ)
@@ -74,15 +78,18 @@ def main(argv=None) -> int:
     y = torch.randint(0, args.num_classes, (args.n_images,), generator=g)
     data = [(x[i:i + args.batch_size], y[i:i + args.batch_size]) for i in range(0, args.n_images, args.batch_size)]
     # one chunk = the whole set: each θ_t is drawn once (as an actor does for a chunk)
-    cfg = EvalConfig(mc_samples=args.mc_samples, batch_size=args.batch_size, chunk_size=args.n_images, seed=0)
+    cfg = EvalConfig(mc_samples=args.mc_samples, batch_size=args.batch_size, chunk_size=args.n_images, seed=0,
+                     device=args.device)
 
     def plain() -> float:
-        fixed = [torch.cat([b, b.new_zeros(args.batch_size - b.shape[0], *b.shape[1:])]) for b, _ in data]
+        fixed = [torch.cat([b, b.new_zeros(args.batch_size - b.shape[0], *b.shape[1:])]).to(dev) for b, _ in data]
+        sync()
         t = time.perf_counter()
         with torch.no_grad():
             for _ in range(args.mc_samples):
                 for b in fixed:
                     model(b)
+        sync()
         return time.perf_counter() - t
 
     def mc(method: str) -> float:
@@ -108,7 +115,8 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model {args.model} ({n_params / 1e6:.2f}M params, {args.num_classes} classes), input 3x{args.size}x{args.size}, "
           f"{args.n_images} images in batches of {args.batch_size}, K_mc = {args.mc_samples}, "
-          f"torch threads {torch.get_num_threads()}, CPU; INF rank {args.rank}; setup {setup_s:.1f} s")
+          f"torch threads {torch.get_num_threads()}, "
+          f"{torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'CPU'}; INF rank {args.rank}; setup {setup_s:.1f} s")
     print(f"{'method':<8} {'MC eval s':>10} {'plain s':>8} {'ratio':>7} {'stored':>12}")
     print(f"{'plain':<8} {'-':>10} {base:>8.2f} {1.0:>7.3f} {'-':>12}")
     for m, s, r, ns, b in rows:
