@@ -69,6 +69,16 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "python benchmarks/peers.py --model resnet18 --size 64 --batch 32 --batches 4": ("parse", "benchmark"),
     "python benchmarks/scaling.py --images 12288 --size 64 --partitions 2 --workers 1 2":
         ("parse", "benchmark"),
+    "python benchmarks/core_pass.py --model resnet50 --size 224 --batch 64 --device cuda":
+        ("parse", "benchmark; needs a CUDA device"),
+    "python benchmarks/eval_overhead.py --model resnet50 --size 224 --num-classes 1000 --n-images 256 "
+    "--batch-size 64 --repeats 2 --device cuda": ("parse", "benchmark; needs a CUDA device"),
+    "python benchmarks/synth_imagenet.py /tmp/inet --classes 10 --per-class 800 --val-per-class 40":
+        ("parse", "writes 8,400 JPEGs for the GPU throughput run"),
+    "python jobs/imagenet_inf.py --preset imagenet-resnet50 --data /tmp/inet --weights /tmp/r50.pt --set "
+    "curvature.num_workers=1 --set data.partition_size=4000 --set data.val_limit=200 --set data.test_limit=200 "
+    "--set search.num_configs=2 --set search.mc_samples=2 --set evaluate.mc_samples=4 --set evaluate.num_actors=2":
+        ("parse", "the GPU throughput run: needs a CUDA device and the synthetic tree"),
     "<python API block>": ("here", "test_python_api_block_runs"),
 }
 
