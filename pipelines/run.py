@@ -406,16 +406,12 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     # ---- (N, tau) search on the held-out split
     ev = cfg.evaluate
     runtime = {"num_actors": ev.num_actors, "batch_size": ev.batch_size}
-    actors = {"cpus_per_actor": ev.cpus_per_actor, "gpus_per_actor": ev.gpus_per_actor}  # resolved once Ray is up
-
-    def search_config() -> SearchConfig:
-        return SearchConfig.from_spec(cfg.search, pred_type=ev.pred_type, max_failures=ev.max_failures,
-                                      expected_rows=(len(search_idx), None), **runtime, **_actor_resources(ev))
     search_fp = {**post_fp, "search": to_dict(cfg.search), "val": search_idx.fingerprint, "runtime": runtime,
                  "pred_type": ev.pred_type}
 
     def do_search() -> dict[str, Any]:
-        search_cfg = search_config()
+        search_cfg = SearchConfig.from_spec(cfg.search, pred_type=ev.pred_type, max_failures=ev.max_failures,
+                                            expected_rows=(len(search_idx), None), **runtime, **_actor_resources(ev))
         res = search(spec, uris, build_dataset(search_idx, val_cfg), search_cfg, output=output, endpoint_url=ep)
         return {"chosen": res.chosen, "notes": res.notes, "map": res.map,
                 "info": {**res.info, "device": search_cfg.resolved_device},
@@ -431,7 +427,7 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     # ---- evaluation on the test split and the OOD set
     # retries and actor resources do not change results (samples depend on (seed, t) and the
     # device's generator; a stage computed on CPU stays valid on GPU and is reused)
-    ev_fp = {k: v for k, v in to_dict(ev).items() if k not in ("max_failures", *actors)}
+    ev_fp = {k: v for k, v in to_dict(ev).items() if k not in ("max_failures", "cpus_per_actor", "gpus_per_actor")}
     eval_fp = {**search_fp, "evaluate": ev_fp, "test": test_idx.fingerprint,
                "ood": None if ood_idx is None else ood_idx.fingerprint, "hyper": hyper}
 

@@ -282,6 +282,16 @@ def test_files_referenced_from_docs_and_manifests_exist():
             assert (REPO / ref).is_file(), f"{path.name} references {ref}, which does not exist"
 
 
+def _gpus_needed(cfg) -> int:
+    """GPUs a preset asks Ray for at once: the Train workers (``curvature.use_gpu``), or the
+    search/evaluation actors with an explicit ``evaluate.gpus_per_actor`` (null takes what is there)."""
+    import math
+
+    train = cfg.curvature.num_workers if cfg.curvature.use_gpu else 0
+    actors = math.ceil(cfg.evaluate.num_actors * (cfg.evaluate.gpus_per_actor or 0))
+    return max(train, actors)
+
+
 def test_gpu_worker_groups_fit_the_presets():
     """Ray Train waits forever for GPUs that the worker group can never provide."""
     for where, spec in rayjob_specs():
@@ -298,7 +308,7 @@ def test_gpu_worker_groups_fit_the_presets():
                     f"{where}: {g['groupName']} pods have {cpus} CPUs for {per_pod} Train worker(s) of "
                     f"{cfg.curvature.cpus_per_worker} CPUs; Ray Data needs CPUs left over")
             gpus += per_pod * g["maxReplicas"]
-        need = max(cfg.curvature.num_workers, cfg.evaluate.num_actors) if cfg.curvature.use_gpu else 0
+        need = _gpus_needed(cfg)
         assert gpus >= need, f"{where}: worker groups offer {gpus} GPUs, preset {cfg.preset} needs {need}"
         head = spec["rayClusterSpec"]["headGroupSpec"]
         assert str(head["rayStartParams"].get("num-cpus")) == "0", f"{where}: the head must not take tasks"
@@ -312,7 +322,7 @@ def test_launcher_gpu_capacity_fits_the_presets():
     need = 0
     for preset in ("imagenet-resnet50", "audit"):
         rc = config_from_args(get_args_parser().parse_args(["--preset", preset, "--data", "s3://YOUR-BUCKET/x"]))
-        need = max(need, rc.curvature.num_workers, rc.evaluate.num_actors)
+        need = max(need, _gpus_needed(rc))
         for name, nt in cfg["available_node_types"].items():
             gpu = nt["resources"].get("GPU", 0)
             if gpu:
