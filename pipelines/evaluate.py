@@ -600,6 +600,25 @@ def _actor_options(cfg: _RuntimeFields) -> dict[str, Any]:
     return {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor}
 
 
+def _wait_for_actors(ready: Sequence[Any], cfg: _RuntimeFields, what: str) -> None:
+    """Return once every actor is placed and constructed (or has died: ``run`` then raises).
+    ``ready``: each actor's ``__ray_ready__`` ref, queued before any other call. While some
+    wait for resources, print every ``cfg.log_every_s`` seconds what each asks for and what
+    the cluster has: an actor that asks for a GPU on a cluster without one (and no autoscaler
+    to add one) would otherwise wait silently forever."""
+    import ray
+
+    pending = list(ready)
+    t0 = time.perf_counter()
+    while pending:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=cfg.log_every_s)
+        if pending:
+            have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+            print(f"[{what}] {len(pending)} of {len(ready)} actor(s) not started after "
+                  f"{time.perf_counter() - t0:.0f} s: each asks for {_actor_options(cfg)}, the cluster has {have} "
+                  "(on a cluster without GPUs, set evaluate.gpus_per_actor=0)", flush=True)
+
+
 def run_actors(actor_cls: type, init_args: tuple, datasets: Sequence[Any], cfg: _RuntimeFields) -> list[dict[str, Any]]:
     """Start ``cfg.num_actors`` actors of ``actor_cls(*init_args)``, give actor ``i`` the
     ``i``-th ``streaming_split(num_actors, equal=False)`` iterator of every dataset in
@@ -614,10 +633,13 @@ def run_actors(actor_cls: type, init_args: tuple, datasets: Sequence[Any], cfg: 
     remote_cls = ray.remote(actor_cls).options(**_actor_options(cfg))
     for attempt in range(cfg.max_failures + 1):
         actors = [remote_cls.remote(*init_args) for _ in range(n)]
+        # queued before ``run`` (an actor runs its calls in order): resolves once it is constructed
+        ready = [a.__ray_ready__.remote() for a in actors]
         try:
             splits = [None if ds is None else ds.streaming_split(n, equal=False) for ds in datasets]
             refs = [a.run.remote(*[None if s is None else s[i] for s in splits], actor_index=i)
                     for i, a in enumerate(actors)]
+            _wait_for_actors(ready, cfg, actor_cls.__name__)
             return ray.get(refs)
         except RayActorError as e:
             if attempt == cfg.max_failures:

@@ -99,7 +99,7 @@ def _job_args(inputs: dict[str, Path], out: Path) -> list[str]:
         "data.partition_size=100", "data.image_size=16", "data.resize_size=16",
         "posterior.rank=5",
         "search.num_configs=2", "search.mc_samples=2", "search.log10_n=[2.0, 3.0]", "search.log10_tau=[0.0, 2.0]",
-        "evaluate.mc_samples=3", "evaluate.num_actors=1", "evaluate.batch_size=32",
+        "evaluate.mc_samples=3", "evaluate.num_actors=1", "evaluate.batch_size=32", "evaluate.gpus_per_actor=0",
     ]
     args = ["--preset", "audit", "--data", str(inputs["data"]), "--ood", str(inputs["ood"]), "--output", str(out)]
     for s in sets:

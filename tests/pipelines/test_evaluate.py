@@ -256,6 +256,32 @@ def test_acceptance_digits_search_then_evaluate(ray_session, digits):
         assert res[m]["accuracy"] >= res[MAP]["accuracy"] - 0.05, (m, res[m]["accuracy"], res[MAP]["accuracy"])
 
 
+class _Idle:
+    pass
+
+
+def test_actors_waiting_for_resources_are_reported(ray_session, capsys):
+    """An actor that asks for more GPUs than the cluster has waits; every ``log_every_s`` the
+    driver says what it asks for and what the cluster has, and the wait ends when it dies."""
+    import threading
+
+    from pipelines.evaluate import _actor_options, _wait_for_actors
+
+    cfg = EvalConfig(num_actors=1, gpus_per_actor=1000.0, cpus_per_actor=0.0, log_every_s=0.5)
+    actor = ray_session.remote(_Idle).options(**_actor_options(cfg)).remote()
+    waiter = threading.Thread(target=_wait_for_actors, args=([actor.__ray_ready__.remote()], cfg, "EvalWorker"),
+                              daemon=True)
+    waiter.start()
+    waiter.join(2.0)
+    assert waiter.is_alive(), "the actor cannot be placed: the wait must go on"
+    ray_session.kill(actor)
+    waiter.join(30.0)
+    assert not waiter.is_alive()
+    out = capsys.readouterr().out
+    assert "[EvalWorker] 1 of 1 actor(s) not started after" in out
+    assert "'num_gpus': 1000.0" in out and "set evaluate.gpus_per_actor=0" in out
+
+
 def test_iter_chunks_gives_fixed_size_batches_in_order():
     from pipelines.evaluate import iter_chunks
 
