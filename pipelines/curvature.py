@@ -920,17 +920,30 @@ def _lossless_data_config():
     return LosslessSplit()
 
 
+def gpu_shortfall(need: float, have: float) -> str | None:
+    """One warning line when the Train workers ask for more GPUs (``need``) than the cluster
+    has now (``have``): they then wait for an autoscaler to add GPU nodes, or forever."""
+    if need <= have:
+        return None
+    return (f"[curvature] the Train workers ask for {need:g} GPU(s), the cluster has {have:g} now: they wait "
+            "until an autoscaler adds GPU nodes (on a cluster without GPUs, set curvature.use_gpu=false)")
+
+
 def _make_trainer(loop, loop_config: dict, cfg: CurvatureConfig, use_gpu: bool, name: str, output_uri: str,
                   datasets: dict):
     """The ``TorchTrainer`` every pass runs on: ``cfg.num_workers`` workers (GPU + NCCL
     when ``use_gpu``, else gloo), ``FailureConfig(cfg.max_failures)``, the lossless data
     config; Ray Train's own files go next to a local output, or to a temp dir for S3."""
+    import ray
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
     resources = {"CPU": cfg.cpus_per_worker}
     if use_gpu:
         resources["GPU"] = cfg.gpus_per_worker
+        note = gpu_shortfall(cfg.num_workers * cfg.gpus_per_worker, float(ray.cluster_resources().get("GPU", 0.0)))
+        if note:
+            print(note, flush=True)
     if storage.is_remote(output_uri):
         storage_path = os.path.join(tempfile.gettempdir(), "infoform_ray_train")
     else:

@@ -293,6 +293,15 @@ def test_buckets():
     assert _buckets(ts, 10**9) == [list(range(len(ts)))]
 
 
+def test_gpu_shortfall_line():
+    from pipelines.curvature import gpu_shortfall
+
+    assert gpu_shortfall(16, 16.0) is None and gpu_shortfall(1, 8.0) is None
+    line = gpu_shortfall(16, 0.0)
+    assert "ask for 16 GPU(s), the cluster has 0 now" in line and "curvature.use_gpu=false" in line
+    assert "\n" not in line
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="unknown fisher"):
         CurvatureConfig(fisher="exact")
