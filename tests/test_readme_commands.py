@@ -77,7 +77,8 @@ EXERCISED: dict[str, tuple[str, str]] = {
         ("parse", "writes 8,400 JPEGs for the GPU throughput run"),
     "python jobs/imagenet_inf.py --preset imagenet-resnet50 --data /tmp/inet --weights /tmp/r50.pt --set "
     "curvature.num_workers=1 --set data.partition_size=4000 --set data.val_limit=200 --set data.test_limit=200 "
-    "--set search.num_configs=2 --set search.mc_samples=2 --set evaluate.mc_samples=4 --set evaluate.num_actors=2":
+    "--set search.num_configs=2 --set search.mc_samples=2 --set evaluate.mc_samples=4 --set evaluate.num_actors=2 "
+    "--set evaluate.gpus_per_actor=0.5":
         ("parse", "the GPU throughput run: needs a CUDA device and the synthetic tree"),
     "<python API block>": ("here", "test_python_api_block_runs"),
 }
