@@ -45,6 +45,7 @@ at larger ``--batches``); ``--flops`` prints :func:`flop_table`.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics as pystats
@@ -188,8 +189,13 @@ def _task(a) -> dict:
         loss = torch.nn.CrossEntropyLoss(reduction="sum")
         with ph("kfac"):
             KFACLinearOperator(model, loss, params, batches, **kw).compute_kronecker_factors()
+        # BackPACK's extend() hooks the modules it is given: on the benchmark's own model those
+        # hooks break curvlinops EKFAC's pass that follows ("BackwardHookFunction is a view and is
+        # being modified inplace", resnet18's in-place ReLUs), so BackPACK gets a copy
+        diag_model = copy.deepcopy(model)
         with ph("diag"):
-            out["diag_source"], _ = _peer_diag(model, batches)
+            out["diag_source"], _ = _peer_diag(diag_model, batches)
+        del diag_model
         t0 = time.perf_counter()
         try:
             with ph("ekfac"):

@@ -10,9 +10,13 @@ type only: sample ``t`` is ``posterior.sample(1, g_t)`` with a fresh
 ``torch.Generator`` seeded by :func:`sample_seed` (a BLAKE2b hash of
 ``(seed, t)``, stable across processes and Python versions). Every actor, every
 batch and every shard therefore sees the same ``θ_t``, whatever the batch order.
-Weights are set with :func:`laplace_core.layers.perturbed` (``W + δ`` in place, the
-MAP values restored exactly from saved copies). The model runs in ``eval()`` mode under
-``torch.no_grad()``; the modules' training flags are restored afterwards.
+Each draw is applied by :func:`laplace_core.sample_apply.applied`: added to the weights
+(``W + δ`` in place, the MAP values restored exactly from saved copies), or, for the
+factored draws of KFAC / EFB / exact-prior KFAC on layers that see fewer input columns
+than they have outputs, added to the layer's output as ``δ x~`` without forming ``δ``
+(the same numbers up to rounding; ``sample_space`` picks, default the cheaper). The model
+runs in ``eval()`` mode under ``torch.no_grad()``; the modules' training flags are
+restored afterwards.
 
 Memory is flat in ``K``: one sample's deltas and one saved MAP copy (each the size of
 the curvature layers' weights) plus one ``[B, C]`` float64 running sum. Trade-off for large data:
@@ -29,19 +33,21 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from .layers import find_layers, get_matrix, perturbed
-from .structures.base import Posterior
+from .layers import find_layers, get_matrix
+from .sample_apply import SAMPLE_SPACES, applied
+from .structures.base import Posterior, ScaleFactors
 
 __all__ = [
     "LIKELIHOODS",
     "sample_seed",
     "sample_generator",
     "draw_sample",
+    "draw_sample_factored",
     "map_predict",
     "mc_predict",
     "MCPredictor",
@@ -86,6 +92,14 @@ def draw_sample(posterior: Posterior, seed: int, t: int) -> dict[str, torch.Tens
     return {k: v[0] for k, v in posterior.sample(1, g).items()}
 
 
+def draw_sample_factored(posterior: Posterior, seed: int, t: int) -> dict[str, Any]:
+    """Sample ``t`` as :func:`draw_sample`, with the layers that have one as
+    :class:`~laplace_core.structures.base.ScaleFactors` (core ``(1, m, n)``;
+    ``factors.matrix()[0]`` is ``draw_sample``'s delta bit for bit), the others as deltas."""
+    g = sample_generator(seed, t, _posterior_device(posterior))
+    return {k: v if isinstance(v, ScaleFactors) else v[0] for k, v in posterior.sample_factored(1, g).items()}
+
+
 @contextlib.contextmanager
 def _eval_mode(model: nn.Module) -> Iterator[None]:
     """``model.eval()`` inside, every module's training flag restored on exit."""
@@ -117,12 +131,14 @@ def check_layers(modules: Mapping[str, nn.Module], posterior: Posterior) -> None
 
 
 class SampleCache:
-    """Sample ``t`` of a posterior (``draw_sample(posterior, seed, t)``), kept in memory for
-    reuse when all ``n_samples`` deltas fit ``cache_bytes``; otherwise redrawn on demand
-    (memory flat in ``K``). Shared by the weight-sampling and GLM predictors."""
+    """Sample ``t`` of a posterior (``draw_sample(posterior, seed, t)``, or
+    ``draw_sample_factored`` with ``factored``), kept in memory for reuse when all
+    ``n_samples`` draws fit ``cache_bytes``; otherwise redrawn on demand (memory flat in
+    ``K``). Shared by the weight-sampling and GLM predictors."""
 
-    def __init__(self, posterior: Posterior, seed: int, n_samples: int, cache_bytes: int = 0):
+    def __init__(self, posterior: Posterior, seed: int, n_samples: int, cache_bytes: int = 0, factored: bool = False):
         self.posterior, self.seed, self.n_samples = posterior, seed, n_samples
+        self._draw = draw_sample_factored if factored else draw_sample
         per_sample = sum(
             lp.shape[0] * lp.shape[1] * next(iter(lp.tensors().values())).element_size()
             for lp in posterior.layers.values()
@@ -130,12 +146,12 @@ class SampleCache:
         self.enabled = per_sample * n_samples <= cache_bytes
         self._cached: dict[int, dict[str, torch.Tensor]] = {}
 
-    def get(self, t: int) -> dict[str, torch.Tensor]:
+    def get(self, t: int) -> dict[str, Any]:
         if not 0 <= t < self.n_samples:
             raise ValueError(f"sample index {t} out of range [0, {self.n_samples})")
         if t in self._cached:
             return self._cached[t]
-        d = draw_sample(self.posterior, self.seed, t)
+        d = self._draw(self.posterior, self.seed, t)
         if self.enabled:
             self._cached[t] = d
         return d
@@ -148,8 +164,10 @@ class MCPredictor:
     :func:`laplace_core.layers.find_layers`). Every posterior layer must exist there
     with a ``W~`` of the same shape. ``cache_bytes``: keep the ``n_samples`` deltas
     in memory after first use when they need at most this many bytes (default 0:
-    redraw per call). Probabilities are summed over samples in float64 and
-    returned in the model's output dtype.
+    redraw per call). ``sample_space``: where factored draws go
+    (:data:`laplace_core.sample_apply.SAMPLE_SPACES`; ``"auto"``, the default, takes the
+    cheaper of weights and inputs per layer and call). Probabilities are summed over
+    samples in float64 and returned in the model's output dtype.
     """
 
     def __init__(
@@ -162,9 +180,13 @@ class MCPredictor:
         *,
         modules: Mapping[str, nn.Module] | None = None,
         cache_bytes: int = 0,
+        sample_space: str = "auto",
     ):
         if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 1:
             raise ValueError(f"n_samples must be an int >= 1, got {n_samples!r}")
+        if sample_space not in SAMPLE_SPACES:
+            raise ValueError(f"unknown sample_space {sample_space!r}; valid: {', '.join(SAMPLE_SPACES)}")
+        self.sample_space = sample_space
         sample_seed(seed, 0)  # validates seed
         self.link = _link(likelihood)
         self.model = model
@@ -174,11 +196,16 @@ class MCPredictor:
         self.likelihood = likelihood
         self.modules = dict(find_layers(model)[0] if modules is None else modules)
         check_layers(self.modules, posterior)
-        self._samples = SampleCache(posterior, seed, n_samples, cache_bytes)
+        self._samples = SampleCache(posterior, seed, n_samples, cache_bytes, factored=sample_space != "weights")
+        self.used: dict[str, str] = {}
+        """``name -> "weights" / "inputs"``: where each factored layer's draw went on its last call."""
 
     def sample(self, t: int) -> dict[str, torch.Tensor]:
         """Deltas of sample ``t`` (see :func:`draw_sample`), from the cache when enabled."""
-        return self._samples.get(t)
+        return {k: v.matrix()[0] if isinstance(v, ScaleFactors) else v for k, v in self._samples.get(t).items()}
+
+    def _applied(self, t: int):
+        return applied(self.modules, self._samples.get(t), self.sample_space, self.used)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.link(self.model(x))
@@ -188,7 +215,7 @@ class MCPredictor:
         total = None
         with torch.no_grad(), _eval_mode(self.model):
             for t in range(self.n_samples):
-                with perturbed(self.modules, self.sample(t)):
+                with self._applied(t):
                     p = self._forward(x)
                 total = p.to(torch.float64) if total is None else total + p.to(torch.float64)
         return (total / self.n_samples).to(p.dtype)
@@ -203,7 +230,7 @@ class MCPredictor:
         dtypes: list[torch.dtype] = []
         with torch.no_grad(), _eval_mode(self.model):
             for t in range(self.n_samples):
-                with perturbed(self.modules, self.sample(t)):
+                with self._applied(t):
                     j = -1
                     for j, x in enumerate(batches):
                         p = self._forward(x)
@@ -228,6 +255,8 @@ def mc_predict(
     seed: int = 0,
     modules: Mapping[str, nn.Module] | None = None,
     likelihood: str = "classification",
+    sample_space: str = "auto",
 ) -> torch.Tensor:
     """MC predictive probabilities ``[B, C]`` for ``x`` (see :class:`MCPredictor`)."""
-    return MCPredictor(model, posterior, n_samples, seed, likelihood, modules=modules).predict(x)
+    return MCPredictor(model, posterior, n_samples, seed, likelihood, modules=modules,
+                       sample_space=sample_space).predict(x)

@@ -10,6 +10,10 @@ Per layer (:class:`LayerPosterior`):
 * ``precision_matvec(V)`` -> ``P V`` (``V`` is ``m x n``; the product is read as
   ``unvec(P vec(V))``).
 * ``scale_matvec(Z)`` -> ``F Z`` with ``F F^T = P^{-1}``; ``sample`` only draws ``Z``.
+* ``scale_factors(Z)`` -> ``(L, C, R)`` with ``F Z = L C R^T`` for the structures whose
+  ``F Z`` ends in two basis products (KFAC, EFB, exact-prior KFAC); ``None`` for the
+  others. A predictor can then apply ``F Z`` to a layer's inputs instead of its weights
+  (``laplace_core.sample_apply``) without forming the ``m x n`` delta.
 * ``to_dense()`` -> ``P`` as an ``(mn) x (mn)`` matrix in ``vec`` (column-stacking)
   order, for small layers in tests only.
 * ``num_stored()`` -> numbers stored (Table 3 counting).
@@ -23,11 +27,26 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Iterator, Mapping, NamedTuple
 
 import torch
 
-__all__ = ["LayerPosterior", "Posterior", "vec", "unvec"]
+__all__ = ["LayerPosterior", "Posterior", "ScaleFactors", "vec", "unvec"]
+
+
+class ScaleFactors(NamedTuple):
+    """``F z = left @ core @ right^T``: ``left`` (m, m), ``core`` (k, m, n) (one per draw),
+    ``right`` (n, n). ``left`` and ``right`` are the structure's own basis tensors (shared,
+    never modified); ``core`` is new for every ``z``."""
+
+    left: torch.Tensor
+    core: torch.Tensor
+    right: torch.Tensor
+
+    def matrix(self) -> torch.Tensor:
+        """``left @ core @ right^T`` (k, m, n): the same operations, in the same order, as
+        the structure's ``scale_matvec``, so the same numbers bit for bit."""
+        return self.left @ self.core @ self.right.T
 
 
 def vec(x: torch.Tensor) -> torch.Tensor:
@@ -57,6 +76,11 @@ class LayerPosterior(abc.ABC):
     @abc.abstractmethod
     def scale_matvec(self, z: torch.Tensor) -> torch.Tensor:
         """``F z`` with ``F F^T = P^{-1}``, ``z`` of shape ``(m, n)`` or ``(k, m, n)``."""
+
+    def scale_factors(self, z: torch.Tensor) -> "ScaleFactors | None":
+        """``F z`` in factored form ``L C R^T`` (:class:`ScaleFactors`), ``z`` of shape
+        ``(k, m, n)``; ``None`` (the default) when the structure has no such form."""
+        return None
 
     @abc.abstractmethod
     def to_dense(self) -> torch.Tensor:
@@ -132,12 +156,24 @@ class Posterior:
         Draws ``z ~ N(0, I)`` layer by layer in model order from ``generator`` and
         returns ``F z``; the same generator state gives the same samples.
         """
-        out = {}
+        return {k: lp.scale_matvec(z) for k, lp, z in self._normals(n, generator)}
+
+    def sample_factored(self, n: int, generator: torch.Generator | None = None) -> dict[str, Any]:
+        """The draws of :meth:`sample` from the same generator state (the same ``z``, in
+        the same order), each layer as its :class:`ScaleFactors` where the structure has
+        them (``factors.matrix()`` equals ``sample``'s delta bit for bit), else as the
+        ``(n, m, n_in)`` delta."""
+        out: dict[str, Any] = {}
+        for k, lp, z in self._normals(n, generator):
+            f = lp.scale_factors(z)
+            out[k] = lp.scale_matvec(z) if f is None else f
+        return out
+
+    def _normals(self, n: int, generator: torch.Generator | None) -> Iterator[tuple[str, LayerPosterior, torch.Tensor]]:
+        """``(name, layer, z)`` with ``z ~ N(0, I)`` ``(n, m, n_in)``, layer by layer in model order."""
         for k, lp in self.layers.items():
             ref = self._ref_tensor(lp)
-            z = torch.randn((n, *lp.shape), generator=generator, dtype=ref.dtype, device=ref.device)
-            out[k] = lp.scale_matvec(z)
-        return out
+            yield k, lp, torch.randn((n, *lp.shape), generator=generator, dtype=ref.dtype, device=ref.device)
 
     def to_dense(self, layer: str) -> torch.Tensor:
         return self.layers[layer].to_dense()

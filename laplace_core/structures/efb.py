@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from .base import LayerPosterior
+from .base import LayerPosterior, ScaleFactors
 from .diag import check_hyper, check_input, require_positive
 
 __all__ = ["EigenDiagLayer", "EFBLayer", "KronExactLayer"]
@@ -60,8 +60,12 @@ class EigenDiagLayer(LayerPosterior):
         return self.U_G @ (self.eig * (self.U_G.T @ v @ self.U_A)) @ self.U_A.T
 
     def scale_matvec(self, z: torch.Tensor) -> torch.Tensor:
+        return self.scale_factors(z).matrix()
+
+    def scale_factors(self, z: torch.Tensor) -> ScaleFactors:
+        """``F z = U_G [(N Λ + τ)^{-1/2} ∘ z] U_A^T``: ``(U_G, (N Λ + τ)^{-1/2} ∘ z, U_A)``."""
         check_input(z, self.shape)
-        return self.U_G @ (torch.rsqrt(self.eig) * z) @ self.U_A.T
+        return ScaleFactors(self.U_G, torch.rsqrt(self.eig) * z, self.U_A)
 
     def covariance_matvec(self, v: torch.Tensor) -> torch.Tensor:
         """``P^{-1} V = U_G [(U_G^T V U_A) / (N Λ + τ)] U_A^T``."""

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from .base import LayerPosterior
+from .base import LayerPosterior, ScaleFactors
 from .diag import check_hyper, check_input, require_positive
 
 __all__ = ["KronLayer"]
@@ -72,9 +72,12 @@ class KronLayer(LayerPosterior):
         return self.U_G @ x @ self.U_A.T
 
     def scale_matvec(self, z: torch.Tensor) -> torch.Tensor:
+        return self.scale_factors(z).matrix()
+
+    def scale_factors(self, z: torch.Tensor) -> ScaleFactors:
+        """``F z = U_G [g^{-1/2} z a^{-1/2}] U_A^T``: ``(U_G, g^{-1/2} z a^{-1/2}, U_A)``."""
         check_input(z, self.shape)
-        x = torch.rsqrt(self.g)[:, None] * z * torch.rsqrt(self.a)[None, :]
-        return self.U_G @ x @ self.U_A.T
+        return ScaleFactors(self.U_G, torch.rsqrt(self.g)[:, None] * z * torch.rsqrt(self.a)[None, :], self.U_A)
 
     def covariance_matvec(self, v: torch.Tensor) -> torch.Tensor:
         """``P^{-1} vec(V) = vec(G'^{-1} V A'^{-1})`` through the eigenbases."""

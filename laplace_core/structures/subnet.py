@@ -259,6 +259,10 @@ class SubnetPosterior(Posterior):
         z = torch.randn((n, self.size), generator=generator, dtype=self._chol.dtype, device=self._chol.device)
         return self.scatter(self._solve_upper(z))
 
+    def sample_factored(self, n: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """No per-layer factored form (the covariance couples layers): the deltas of :meth:`sample`."""
+        return self.sample(n, generator)
+
     def to_dense(self, layer: str | None = None) -> torch.Tensor:
         """``P_S`` (``S x S``, subnetwork order). ``layer`` must be None (the matrix spans all layers)."""
         if layer is not None:
