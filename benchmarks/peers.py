@@ -259,12 +259,15 @@ def flop_table(a) -> dict:
     cheaper EFB order of :func:`laplace_core.collect.efb_contraction_order`; the same counts as
     ``benchmarks/core_pass.py``). Whole fit: ``eigh`` of every factor at ≈ 9(n³ + m³)
     (symmetric QR with vectors, Golub & Van Loan; MKL's divide and conquer does less). Draws:
-    ours ``2mn(m+n)`` per KFAC draw (two GEMMs), laplace-torch ``4mn(m+n)`` (``Q1^T W Q2``
-    then ``Q1 (.) Q2^T``, the exact prior in the eigenbasis)."""
+    ours ``2mn(m+n)`` per KFAC draw (two GEMMs) when formed, laplace-torch ``4mn(m+n)``
+    (``Q1^T W Q2`` then ``Q1 (.) Q2^T``, the exact prior in the eigenbasis); as our MC
+    predictive applies it (``laplace_core.sample_apply``: per layer the cheaper of forming the
+    delta and applying it to the ``B t`` input columns), ``kfac_draw_gflop_ours_applied``."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from laplace_core.collect import efb_contraction_order
+    from laplace_core.sample_apply import draw_costs
     from core_pass import layer_positions  # benchmarks/ is sys.path[0] when run as a script
     from laplace_core.layers import find_layers
 
@@ -279,7 +282,7 @@ def flop_table(a) -> dict:
     fb = fc.get_total_flops()
     infos = find_layers(model)[1]
     T = layer_positions(model, x)  # the same T as benchmarks/core_pass.py counts with
-    p1 = p2 = eig = kd = 0
+    p1 = p2 = eig = kd = ka = 0
     for name, info in infos.items():
         m, n, t = info.out_features, info.in_features, T[name]
         p1 += 2 * B * (n * n * t + m * m * t + m * n * t)
@@ -287,11 +290,13 @@ def flop_table(a) -> dict:
         p2 += 2 * B * (m * n * t + m * m * n + m * n * n if order == "form" else n * n * t + m * m * t + m * n * t)
         eig += 9 * (n ** 3 + m ** 3)
         kd += 2 * m * n * (m + n)
+        ka += 2 * min(draw_costs(m, n, n - info.has_bias, B * t))
     g = 1e9
     out = {"batch": B, "forward_gflop": fwd / g, "forward_backward_gflop": fb / g,
            "pass1_extra_gflop": p1 / g, "pass2_extra_gflop": p2 / g,
            "pass1_floor_x_fb": (fb + p1) / fb, "pass2_floor_x_fb": (fb + p2) / fb,
-           "eigh_gflop_once": eig / g, "kfac_draw_gflop_ours": kd / g, "kfac_draw_gflop_laplace": 2 * kd / g}
+           "eigh_gflop_once": eig / g, "kfac_draw_gflop_ours": kd / g, "kfac_draw_gflop_ours_applied": ka / g,
+           "kfac_draw_gflop_laplace": 2 * kd / g}
     return out
 
 
