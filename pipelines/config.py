@@ -24,6 +24,7 @@ __all__ = [
     "CurvatureSpec",
     "PosteriorSpec",
     "SearchSpec",
+    "MethodRange",
     "EvalSpec",
     "RunConfig",
     "STAGES",
@@ -112,6 +113,18 @@ class PosteriorSpec:
 
 
 @dataclass(frozen=True)
+class MethodRange:
+    """One method's own search ranges (``search.method_ranges`` entry); null keeps the common
+    ``search.log10_n`` / ``search.log10_tau``. Ritter's KFAC prior, ``(√N A/M + √τ I) ⊗
+    (√N G/M + √τ I)``, regularises differently from ``N F/M + τ I`` at the same ``(N, τ)``,
+    so its best ``τ`` can lie elsewhere."""
+
+    method: str
+    log10_n: tuple[float, float] | None = None
+    log10_tau: tuple[float, float] | None = None
+
+
+@dataclass(frozen=True)
 class SearchSpec:
     num_configs: int = 100
     log10_n: tuple[float, float] = (0.0, 8.0)
@@ -120,6 +133,7 @@ class SearchSpec:
     accuracy_floor: float | None = None
     mc_samples: int = 10
     seed: int = 0
+    method_ranges: tuple[MethodRange, ...] = ()  # e.g. [{method: kfac, log10_tau: [-2, 6]}]
 
 
 @dataclass(frozen=True)
@@ -160,6 +174,7 @@ class RunConfig:
                 raise ConfigError(f"unknown stage {s!r}; valid: {', '.join(STAGES)}")
         if self.curvature.fisher not in FISHER_TYPES:
             raise ConfigError(f"unknown fisher {self.curvature.fisher!r}; valid: {', '.join(FISHER_TYPES)}")
+        self._validate_method_ranges()
         if self.search.objective not in OBJECTIVES:
             raise ConfigError(f"unknown search objective {self.search.objective!r}; valid: {', '.join(OBJECTIVES)}")
         if self.evaluate.pred_type not in PRED_TYPES:
@@ -181,6 +196,19 @@ class RunConfig:
         if not self.data.demo and not self.data.root:
             raise ConfigError("data.root is required (or use --preset demo)")
         return self
+
+    def _validate_method_ranges(self) -> None:
+        seen = set()
+        for r in self.search.method_ranges:
+            if r.method not in METHOD_NAMES:
+                raise ConfigError(f"search.method_ranges: unknown method {r.method!r}; valid: {', '.join(METHOD_NAMES)}")
+            if r.method in seen:
+                raise ConfigError(f"search.method_ranges: {r.method!r} appears twice")
+            seen.add(r.method)
+            for name in ("log10_n", "log10_tau"):
+                lo_hi = getattr(r, name)
+                if lo_hi is not None and not lo_hi[0] <= lo_hi[1]:
+                    raise ConfigError(f"search.method_ranges[{r.method}].{name}: low must be <= high, got {list(lo_hi)}")
 
     def _validate_subnet(self) -> None:
         p = self.posterior

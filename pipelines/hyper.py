@@ -2,8 +2,10 @@
 
 ``P = N F/M + τ I``: the search draws ``cfg.num_configs`` pairs ``(log10 N, log10 τ)``
 uniformly from ``cfg.log10_n`` x ``cfg.log10_tau`` with ``numpy.random.default_rng(seed)``
-(100 configurations by default, as in Lee et al. 2020), the same pairs for every method,
-and scores each on a held-out, labelled **validation** split of the in-domain data with
+(100 configurations by default, as in Lee et al. 2020), the same pairs for every method
+unless ``cfg.method_ranges`` gives a method ranges of its own (its pairs are then the
+same uniform draws mapped onto its ranges: configuration ``i`` of every method shares its
+random numbers), and scores each on a held-out, labelled **validation** split of the in-domain data with
 the MC predictive (``cfg.mc_samples``, default 10; the same ``θ_t`` noise ``(seed, t)``
 for every configuration, i.e. common random numbers, which makes the comparison less
 noisy).
@@ -118,7 +120,9 @@ class HyperConfig:
 class SearchConfig(_RuntimeFields):
     """Random-search settings. num_configs / log10_n / log10_tau / seed: the configurations
     (:func:`sample_configs`); configs: explicit ``(log10_n, log10_tau)`` pairs instead (then
-    num_configs/ranges are ignored). objective: "nll" or "ece"; accuracy_floor: minimum
+    num_configs/ranges are ignored). method_ranges: ``(method, log10_n, log10_tau)`` entries
+    (or ``pipelines.config.MethodRange`` objects) overriding the ranges for that method; a
+    ``None`` range keeps the common one. objective: "nll" or "ece"; accuracy_floor: minimum
     validation accuracy for "ece" (None: no floor). mc_samples: ``K`` per configuration
     (default 10). ece_bins / ece_mode: the ECE used. Runtime fields: see
     ``pipelines.evaluate._RuntimeFields`` (chunk_size defaults to 4096 here)."""
@@ -135,6 +139,7 @@ class SearchConfig(_RuntimeFields):
     configs: tuple[tuple[float, float], ...] | None = None
     chunk_size: int = 4096
     pred_type: str = "nn"
+    method_ranges: tuple[tuple[str, tuple[float, float], tuple[float, float]], ...] = ()
 
     def __post_init__(self) -> None:
         self._check_runtime()
@@ -145,6 +150,7 @@ class SearchConfig(_RuntimeFields):
                 raise ValueError(f"{n} must be a positive int, got {v!r}")
         object.__setattr__(self, "log10_n", _range("log10_n", self.log10_n))
         object.__setattr__(self, "log10_tau", _range("log10_tau", self.log10_tau))
+        object.__setattr__(self, "method_ranges", self._method_ranges())
         if self.objective not in OBJECTIVES:
             raise ValueError(f"unknown search objective {self.objective!r}; valid: {', '.join(OBJECTIVES)}")
         if self.ece_mode not in ECE_STRATEGIES:
@@ -167,24 +173,55 @@ class SearchConfig(_RuntimeFields):
                 raise ValueError("configs must not be empty (or None to sample)")
             object.__setattr__(self, "configs", tuple(pairs))
 
+    def _method_ranges(self) -> tuple[tuple[str, tuple[float, float], tuple[float, float]], ...]:
+        """``method_ranges`` normalised: one ``(method, log10_n, log10_tau)`` per method,
+        ``None`` ranges filled with the common ones."""
+        out, seen = [], set()
+        for e in self.method_ranges:
+            if hasattr(e, "method"):  # pipelines.config.MethodRange
+                e = (e.method, e.log10_n, e.log10_tau)
+            try:
+                method, rn, rt = e
+            except (TypeError, ValueError):
+                raise ValueError(f"method_ranges entries must be (method, log10_n, log10_tau), got {e!r}") from None
+            if not isinstance(method, str) or not method:
+                raise ValueError(f"method_ranges entry {e!r}: the method must be a name")
+            if method in seen:
+                raise ValueError(f"method_ranges names {method!r} twice")
+            seen.add(method)
+            out.append((method,
+                        self.log10_n if rn is None else _range(f"method_ranges[{method}].log10_n", rn),
+                        self.log10_tau if rt is None else _range(f"method_ranges[{method}].log10_tau", rt)))
+        return tuple(out)
+
+    def ranges(self, method: str | None = None) -> tuple[tuple[float, float], tuple[float, float]]:
+        """``(log10_n, log10_tau)`` searched for ``method`` (the common ranges for ``None``)."""
+        for m, rn, rt in self.method_ranges:
+            if m == method:
+                return rn, rt
+        return self.log10_n, self.log10_tau
+
     @classmethod
     def from_spec(cls, spec: Any, **overrides: Any) -> "SearchConfig":
         """From ``pipelines.config.SearchSpec`` plus keyword overrides (runtime fields)."""
-        names = ("num_configs", "log10_n", "log10_tau", "objective", "accuracy_floor", "mc_samples", "seed")
+        names = ("num_configs", "log10_n", "log10_tau", "objective", "accuracy_floor", "mc_samples", "seed",
+                 "method_ranges")
         kw = {n: getattr(spec, n) for n in names if hasattr(spec, n)}
         kw.update(overrides)
         return cls(**kw)
 
 
-def sample_configs(cfg: SearchConfig) -> tuple[HyperConfig, ...]:
-    """The configurations of a search: ``cfg.configs`` when given, else ``num_configs`` pairs,
+def sample_configs(cfg: SearchConfig, method: str | None = None) -> tuple[HyperConfig, ...]:
+    """The configurations of a search (of ``method``, whose ranges may be its own:
+    :meth:`SearchConfig.ranges`): ``cfg.configs`` when given, else ``num_configs`` pairs,
     ``log10 N ~ U(log10_n)`` then ``log10 τ ~ U(log10_tau)`` per draw from
-    ``numpy.random.default_rng(seed)`` (same seed -> same list, on every machine)."""
+    ``numpy.random.default_rng(seed)`` (same seed -> same list, on every machine; the same
+    uniform numbers for every method)."""
     if cfg.configs is not None:
         return tuple(HyperConfig(i, a, b) for i, (a, b) in enumerate(cfg.configs))
     rng = np.random.default_rng(cfg.seed)
     u = rng.random((cfg.num_configs, 2))
-    (n0, n1), (t0, t1) = cfg.log10_n, cfg.log10_tau
+    (n0, n1), (t0, t1) = cfg.ranges(method)
     return tuple(
         HyperConfig(i, float(n0 + (n1 - n0) * u[i, 0]), float(t0 + (t1 - t0) * u[i, 1]))
         for i in range(cfg.num_configs)
@@ -249,11 +286,11 @@ def search_shard(
     """
     from laplace_core.posterior import with_hyper
 
-    configs = tuple(configs) if configs is not None else sample_configs(cfg)
-    acc: dict[str, dict[int, SearchAccumulator]] = {m: {c.config_id: SearchAccumulator.create(cfg) for c in configs}
-                                                    for m in posteriors}
+    by_method = {m: tuple(configs) if configs is not None else sample_configs(cfg, m) for m in posteriors}
+    acc: dict[str, dict[int, SearchAccumulator]] = {
+        m: {c.config_id: SearchAccumulator.create(cfg) for c in by_method[m]} for m in posteriors}
     failed: dict[str, dict[int, str]] = {m: {} for m in posteriors}
-    seconds: dict[str, dict[int, float]] = {m: {c.config_id: 0.0 for c in configs} for m in posteriors}
+    seconds: dict[str, dict[int, float]] = {m: {c.config_id: 0.0 for c in by_method[m]} for m in posteriors}
     map_acc = SearchAccumulator.create(cfg)
     n = 0
     with torch.no_grad():
@@ -264,7 +301,7 @@ def search_shard(
             p = torch.cat(_predict_chunk(model, None, chunk))
             map_acc = map_acc.update(p, y)
             for m, post in posteriors.items():
-                for c in configs:
+                for c in by_method[m]:
                     cid = c.config_id
                     if cid in failed[m]:
                         continue
@@ -305,12 +342,12 @@ class SearchWorker(EvalWorker):
     def run(self, shard: Any, actor_index: int = 0) -> dict[str, Any]:  # type: ignore[override]
         t0 = time.perf_counter()
         it, skipped = _valid_batches(shard, self.cfg.batch_size)
-        configs = sample_configs(self.cfg)
         rows = self.cfg.expected_rows[0]
-        units = None if rows is None else rows * len(self.posteriors) * len(configs)  # example x configuration
+        n_configs = sum(len(sample_configs(self.cfg, m)) for m in self.posteriors)
+        units = None if rows is None else rows * n_configs  # example x configuration
         prog = ActorProgress("search", actor_index, self.cfg, splits=("validation",), totals=(units,),
                              unit="examples x configurations")
-        r = search_shard(self.model, self.posteriors, it, self.cfg, configs, progress=prog)
+        r = search_shard(self.model, self.posteriors, it, self.cfg, progress=prog)
         return {
             "acc": {m: {str(cid): a.to_json() for cid, a in d.items()} for m, d in r["acc"].items()},
             "map": r["map"].to_json(),
@@ -399,7 +436,6 @@ def search(
     uris = dict(posterior_uris)
     if MAP in uris:
         raise ValueError(f"{MAP!r} has no hyperparameters; pass posterior methods only")
-    configs = sample_configs(cfg)
     t0 = time.perf_counter()
     results = run_actors(SearchWorker, (ref, uris, cfg, endpoint_url), [val_ds], cfg)
     wall = time.perf_counter() - t0
@@ -412,7 +448,7 @@ def search(
     notes: dict[str, str] = {}
     for m in uris:
         mrows = []
-        for c in configs:
+        for c in sample_configs(cfg, m):
             key = str(c.config_id)
             reasons = [r["failed"][m][key] for r in results if key in r["failed"][m]]
             row: dict[str, Any] = {"config_id": c.config_id, "method": m, "log10_n": c.log10_n,
@@ -436,9 +472,11 @@ def search(
     info = {
         "objective": cfg.objective,
         "accuracy_floor": cfg.accuracy_floor,
-        "num_configs": len(configs),
+        "num_configs": len(sample_configs(cfg)),
         "log10_n": list(cfg.log10_n),
         "log10_tau": list(cfg.log10_tau),
+        "method_ranges": {m: {"log10_n": list(rn), "log10_tau": list(rt)}
+                          for m, rn, rt in cfg.method_ranges if m in uris and cfg.configs is None},
         "explicit_configs": cfg.configs is not None,
         "mc_samples": cfg.mc_samples,
         "seed": cfg.seed,

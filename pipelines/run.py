@@ -406,7 +406,10 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     # ---- (N, tau) search on the held-out split
     ev = cfg.evaluate
     runtime = {"num_actors": ev.num_actors, "batch_size": ev.batch_size}
-    search_fp = {**post_fp, "search": to_dict(cfg.search), "val": search_idx.fingerprint, "runtime": runtime,
+    search_settings = to_dict(cfg.search)
+    if not search_settings["method_ranges"]:
+        del search_settings["method_ranges"]  # the fingerprint of runs from before method_ranges existed
+    search_fp = {**post_fp, "search": search_settings, "val": search_idx.fingerprint, "runtime": runtime,
                  "pred_type": ev.pred_type}
 
     def do_search() -> dict[str, Any]:

@@ -49,6 +49,74 @@ def test_bad_settings_are_one_line_errors():
         SearchConfig(max_failures=-1)
 
 
+def test_method_ranges_map_the_same_draws_onto_a_method_s_own_ranges():
+    cfg = SearchConfig(num_configs=50, log10_n=(1.0, 5.0), log10_tau=(-3.0, 2.0), seed=7,
+                       method_ranges=(("kfac", None, (0.0, 6.0)), ("efb", (2.0, 3.0), (-1.0, -1.0))))
+    common = sample_configs(cfg)
+    assert common == sample_configs(cfg, "diag") == sample_configs(SearchConfig(
+        num_configs=50, log10_n=(1.0, 5.0), log10_tau=(-3.0, 2.0), seed=7))  # no override: as before
+    u = np.random.default_rng(7).random((50, 2))
+    kfac, efb = sample_configs(cfg, "kfac"), sample_configs(cfg, "efb")
+    assert [c.config_id for c in kfac] == [c.config_id for c in common]
+    assert [c.log10_n for c in kfac] == [c.log10_n for c in common]  # None keeps the common range
+    assert [c.log10_tau for c in kfac] == pytest.approx(list(6.0 * u[:, 1]), abs=0, rel=1e-15)
+    assert [c.log10_n for c in efb] == pytest.approx(list(2.0 + u[:, 0]), abs=0, rel=1e-15)
+    assert {c.log10_tau for c in efb} == {-1.0}
+    assert cfg.ranges("kfac") == ((1.0, 5.0), (0.0, 6.0)) and cfg.ranges("inf") == ((1.0, 5.0), (-3.0, 2.0))
+    # explicit configurations override every range
+    ex = SearchConfig(configs=((1.0, 2.0),), method_ranges=(("kfac", (5.0, 6.0), None),))
+    assert sample_configs(ex, "kfac") == sample_configs(ex)
+    with pytest.raises(ValueError, match="names 'kfac' twice"):
+        SearchConfig(method_ranges=(("kfac", None, None), ("kfac", None, (0.0, 1.0))))
+    with pytest.raises(ValueError, match=r"method_ranges\[kfac\].log10_tau must be finite with low <= high"):
+        SearchConfig(method_ranges=(("kfac", None, (3.0, 1.0)),))
+    with pytest.raises(ValueError, match="entries must be"):
+        SearchConfig(method_ranges=("kfac",))
+
+
+def test_search_shard_scores_each_method_at_its_own_configurations(tiny):
+    """Without Ray: ``search_shard`` under ``method_ranges`` gives every method the accumulators
+    of a search over exactly that method's configurations."""
+    from laplace_core.io import load_posterior
+    from pipelines.hyper import search_shard
+    from pipelines.models import tiny_cnn
+    from safetensors.torch import load_file
+
+    model = tiny_cnn(3).eval()
+    model.load_state_dict(load_file(tiny["model"]["weights"]))
+    posts = {m: load_posterior(tiny["uris"][m]) for m in ("diag", "kfac")}
+    x = torch.stack([torch.as_tensor(r["image"]) for r in tiny["rows"]])
+    y = torch.tensor([r["label"] for r in tiny["rows"]])
+    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, N_EXAMPLES, 16)]
+    cfg = _cfg(num_configs=3, log10_n=(1.0, 2.0), log10_tau=(0.0, 1.0), method_ranges=(("kfac", None, (3.0, 4.0)),))
+    both = search_shard(model, posts, batches, cfg)
+    for m in posts:
+        alone = search_shard(model, {m: posts[m]}, batches, cfg, configs=sample_configs(cfg, m))
+        assert both["acc"][m].keys() == alone["acc"][m].keys() == {0, 1, 2}
+        for cid, a in alone["acc"][m].items():
+            assert both["acc"][m][cid].compute() == a.compute(), (m, cid)
+    # and the two methods' configurations really differ (kfac at τ >= 10^3)
+    assert all(c.log10_tau >= 3.0 for c in sample_configs(cfg, "kfac"))
+    assert all(c.log10_tau <= 1.0 for c in sample_configs(cfg, "diag"))
+
+
+def test_method_ranges_in_the_run_config():
+    from pipelines.config import ConfigError, load_config
+
+    cfg = load_config("smoke", ["search.method_ranges=[{method: kfac, log10_tau: [-2, 6]}]"])
+    (r,) = cfg.search.method_ranges
+    assert (r.method, r.log10_n, r.log10_tau) == ("kfac", None, (-2.0, 6.0))
+    s = SearchConfig.from_spec(cfg.search)
+    assert s.ranges("kfac") == (cfg.search.log10_n, (-2.0, 6.0)) and s.ranges("diag") == (
+        cfg.search.log10_n, cfg.search.log10_tau)
+    with pytest.raises(ConfigError, match="search.method_ranges: unknown method 'kfc'; valid: diag"):
+        load_config("smoke", ["search.method_ranges=[{method: kfc}]"])
+    with pytest.raises(ConfigError, match="'kfac' appears twice"):
+        load_config("smoke", ["search.method_ranges=[{method: kfac}, {method: kfac}]"])
+    with pytest.raises(ConfigError, match=r"method_ranges\[inf\].log10_n: low must be <= high"):
+        load_config("smoke", ["search.method_ranges=[{method: inf, log10_n: [4, 1]}]"])
+
+
 def test_choose_rules():
     rows = [
         {"config_id": 0, "status": "ok", "nll": 0.5, "ece": 0.01, "accuracy": 0.6},
