@@ -38,6 +38,8 @@ previous checkpoint removed only after the new one is committed). A restarted wo
 (``FailureConfig``) or a re-submitted job with the same fingerprint starts from the latest
 checkpoint and computes only the other partitions; each worker still holds one ``S x S``
 matrix (rank 0's carries the running sum, the others' are zeroed after each all-reduce).
+A checkpoint that does not load or fails its SHA-256 check is reported in one line and
+passed over (:func:`load_checkpoint`): its partitions are computed again.
 """
 from __future__ import annotations
 
@@ -87,6 +89,7 @@ __all__ = [
     "subnet_uri",
     "subnet_partial_uri",
     "latest_checkpoint",
+    "load_checkpoint",
     "select_masks",
     "save_subnet_fisher",
     "load_subnet_fisher",
@@ -244,24 +247,53 @@ def load_subnet_fisher(uri: str) -> tuple[torch.Tensor, int, dict[str, torch.Ten
 
 
 # =========================================================================== worker side
-def latest_checkpoint(base_uri: str, fingerprint: str, endpoint_url: str | None = None
-                      ) -> tuple[str, dict[str, Any]] | None:
-    """``(uri, meta)`` of the checkpoint under ``base_uri`` (:func:`subnet_partial_uri`) with
-    the most finished partitions whose manifest is committed and whose fingerprint is
-    ``fingerprint``; ``None`` when there is none. Checkpoints of another fingerprint (a
-    different model, data or selection) are never used."""
-    best = None
+def _checkpoints(base_uri: str, fingerprint: str, endpoint_url: str | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """``(uri, meta)`` of every committed checkpoint under ``base_uri`` with ``fingerprint``,
+    most finished partitions first. A manifest that cannot be read is reported in one line
+    and skipped."""
+    found = []
     for name in storage.listdir(base_uri, endpoint_url):
         if not name.startswith("ckpt-") or not name[5:].isdigit():
             continue
         uri = storage.join(base_uri, name)
         if not storage.exists(_manifest(uri), endpoint_url):
             continue  # cut short before its commit point
-        meta = storage.read_json(_manifest(uri), endpoint_url).get("meta", {})
-        if meta.get("format") == PARTIAL_FORMAT and meta.get("fingerprint") == fingerprint:
-            if best is None or len(meta["done"]) > len(best[1]["done"]):
-                best = (uri, meta)
-    return best
+        try:
+            meta = storage.read_json(_manifest(uri), endpoint_url).get("meta", {})
+            done = len(meta["done"]) if meta.get("format") == PARTIAL_FORMAT else -1
+        except (ValueError, OSError, KeyError, TypeError, AttributeError) as e:
+            print(f"[subnet] checkpoint {uri} has an unreadable manifest ({type(e).__name__}); not used", flush=True)
+            continue
+        if done >= 0 and meta.get("fingerprint") == fingerprint:
+            found.append((done, uri, meta))
+    found.sort(key=lambda f: -f[0])
+    return [(uri, meta) for _, uri, meta in found]
+
+
+def latest_checkpoint(base_uri: str, fingerprint: str, endpoint_url: str | None = None
+                      ) -> tuple[str, dict[str, Any]] | None:
+    """``(uri, meta)`` of the checkpoint under ``base_uri`` (:func:`subnet_partial_uri`) with
+    the most finished partitions whose manifest is committed and whose fingerprint is
+    ``fingerprint``; ``None`` when there is none. Checkpoints of another fingerprint (a
+    different model, data or selection) are never used."""
+    found = _checkpoints(base_uri, fingerprint, endpoint_url)
+    return found[0] if found else None
+
+
+def load_checkpoint(base_uri: str, fingerprint: str, endpoint_url: str | None = None
+                    ) -> tuple[str, dict[str, Any], torch.Tensor] | None:
+    """``(uri, meta, fisher_sum)`` of the most advanced checkpoint that loads and passes its
+    SHA-256 check (:func:`laplace_core.io.load_tensors`). A corrupted or truncated one is
+    reported in one line and passed over, so its partitions are computed again instead of
+    failing the pass; ``None`` when no checkpoint is usable."""
+    for uri, meta in _checkpoints(base_uri, fingerprint, endpoint_url):
+        try:
+            tensors, _ = load_tensors(uri)
+            return uri, meta, tensors["fisher_sum"]
+        except (ValueError, OSError, KeyError) as e:
+            print(f"[subnet] checkpoint {uri} is unusable ({str(e).splitlines()[0][:200]}); "
+                  f"its partitions are computed again", flush=True)
+    return None
 
 
 class _Totals:
@@ -344,14 +376,13 @@ def _subnet_loop(config: dict) -> None:
     model = model.to(device=device, dtype=model_dtype).eval()
     S = int(meta["subnet_size"])
 
-    found = latest_checkpoint(partial, meta["fingerprint"], ep) if rank == 0 else None
+    found = load_checkpoint(partial, meta["fingerprint"], ep) if rank == 0 else None
     state = _broadcast_object(None if found is None else found[1], rank)
     totals = _Totals(state)
     F = torch.zeros(S, S, dtype=dtype, device=device)
     if rank == 0 and found is not None:
-        tensors, _ = load_tensors(found[0])
-        F.copy_(tensors.pop("fisher_sum"))
-        del tensors
+        F.copy_(found[2])
+        found = found[:2]
     reused = [p for p in job.pass1 if p in set(totals.done)]
     todo = [p for p in job.pass1 if p not in set(totals.done)]
     if rank == 0 and reused:

@@ -36,6 +36,7 @@ from pipelines.subnet_pass import (
     GGN_MAX_CLASSES,
     SubnetConfig,
     latest_checkpoint,
+    load_checkpoint,
     load_subnet_fisher,
     resolve_subnet_fisher,
     run_subnet_pass,
@@ -233,6 +234,36 @@ def test_killed_worker_resumes_from_the_checkpoint(setup, ray_session, s3_bucket
     assert count == n_ref == res.count and _close(F, F_ref)
     assert res.rows == sum(len(p) for p in setup["parts"]) and res.skipped["count"] > 0
     assert storage.listdir(subnet_partial_uri(out), endpoint) == []
+
+
+def test_a_corrupt_checkpoint_is_passed_over_not_fatal(tmp_path, capsys):
+    """Pure helper (no Ray): ``load_checkpoint`` returns the most advanced checkpoint that loads
+    and passes its SHA-256 check; a truncated tensors file or a garbled manifest is reported
+    in one line and skipped (its partitions are computed again), none usable -> None."""
+    from laplace_core.io import save_tensors
+
+    base = str(tmp_path / "partial")
+
+    def write(k):
+        save_tensors(f"{base}/ckpt-{k:06d}", {"fisher_sum": torch.eye(2, dtype=torch.float64) * k},
+                     {"format": "infoform.subnet_fisher_partial", "fingerprint": "fp", "done": list(range(k)),
+                      "count": k, "rows": {}, "invalid": {}, "skipped": {"count": 0, "examples": []}})
+
+    for k in (1, 2, 3):
+        write(k)
+    with open(f"{base}/ckpt-000003/manifest.json", "w") as f:
+        f.write('{"format": "infoform.artifact", "meta": {"done": [0, 1')  # cut mid-write
+    tensors_file = next(p for p in os.listdir(f"{base}/ckpt-000002") if p != "manifest.json")
+    with open(f"{base}/ckpt-000002/{tensors_file}", "r+b") as f:
+        f.truncate(20)
+    uri, meta, F = load_checkpoint(base, "fp")
+    assert uri.endswith("ckpt-000001") and meta["done"] == [0] and torch.equal(F, torch.eye(2, dtype=torch.float64))
+    out = capsys.readouterr().out
+    assert "ckpt-000003 has an unreadable manifest" in out
+    assert "ckpt-000002 is unusable" in out and "computed again" in out and "Traceback" not in out
+    os.remove(f"{base}/ckpt-000001/{tensors_file}")
+    assert load_checkpoint(base, "fp") is None
+    assert load_checkpoint(str(tmp_path / "none"), "fp") is None
 
 
 def test_latest_checkpoint_takes_the_most_advanced_committed_one(tmp_path):
