@@ -59,6 +59,18 @@ def _rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
+def _both_ways(model, post, x, t, space="inputs"):
+    """``(reference, output, used)``: draw ``t`` added to the weights (``perturbed``), and
+    applied by ``applied(..., space)``."""
+    modules = find_layers(model)[0]
+    with torch.no_grad(), perturbed(modules, draw_sample(post, 0, t)):
+        ref = model(x)
+    used: dict[str, str] = {}
+    with torch.no_grad(), applied(modules, draw_sample_factored(post, 0, t), space, used):
+        out = model(x)
+    return ref, out, used
+
+
 def test_costs_pick_inputs_where_columns_are_few():
     # resnet18 layer4 conv at 64x64, batch 32: 2x2 positions, 128 columns, m = 512, n = 9 * 512 + 1
     w, i = draw_costs(512, 4609, 4608, 128)
@@ -89,17 +101,12 @@ def test_factored_draw_is_the_sample_bit_for_bit(conv_problem, method):
 def test_inputs_equal_weights_on_convolutions(conv_problem, method):
     model, x, posts = conv_problem
     post = posts[method]
-    modules = find_layers(model)[0]
     for t in range(3):
-        with torch.no_grad(), perturbed(modules, draw_sample(post, 0, t)):
-            ref = model(x)
-        used: dict[str, str] = {}
-        with torch.no_grad(), applied(modules, draw_sample_factored(post, 0, t), "inputs", used):
-            out = model(x)
-        assert used == {k: "inputs" for k in modules}
+        ref, out, used = _both_ways(model, post, x, t)
+        assert used == {k: "inputs" for k in post.layers}
         assert _rel(out, ref) < EXACT, (method, t, _rel(out, ref))
-        with torch.no_grad(), applied(modules, draw_sample_factored(post, 0, t), "weights", used):
-            assert torch.equal(model(x), ref)  # weights: the old path, bit for bit
+        ref, out, used = _both_ways(model, post, x, t, "weights")
+        assert torch.equal(out, ref) and used == {}  # weights: the old path, bit for bit
 
 
 @pytest.mark.parametrize("method", FACTORED)
@@ -140,20 +147,11 @@ def test_linear_on_three_dimensional_inputs_and_float32_model():
     stats = collect_statistics(model, [(x.reshape(-1, 4), y.reshape(-1, 3))], likelihood="regression",
                                generator=torch.Generator().manual_seed(6))
     post = build_posterior(stats, "kfac", n_data=20.0, prior_precision=1.0)
-    modules = find_layers(model)[0]
-    with torch.no_grad(), perturbed(modules, draw_sample(post, 0, 0)):
-        ref = model(x)
-    used: dict[str, str] = {}
-    with torch.no_grad(), applied(modules, draw_sample_factored(post, 0, 0), "inputs", used):
-        out = model(x)
+    ref, out, used = _both_ways(model, post, x, 0)
     assert used == {"0": "inputs", "2": "inputs"} and out.shape == (10, 5, 3)
     assert _rel(out, ref) < EXACT
     # float32 model, float64 posterior: the delta is computed in float64 and cast, as for weights
-    m32 = model.to(torch.float32)
-    with torch.no_grad(), perturbed(modules, draw_sample(post, 0, 0)):
-        ref32 = m32(x.float())
-    with torch.no_grad(), applied(modules, draw_sample_factored(post, 0, 0), "inputs"):
-        out32 = m32(x.float())
+    ref32, out32, _ = _both_ways(model.to(torch.float32), post, x.float(), 0)
     assert out32.dtype == torch.float32 and _rel(out32.double(), ref32.double()) < 1e-5
 
 
@@ -162,13 +160,7 @@ def test_layers_input_space_cannot_handle_fall_back_to_weights():
     model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(),
                           nn.Conv2d(3, 3, 3, padding="same"), nn.Flatten(), nn.Linear(3 * 16, 4)).to(F64).eval()
     x = torch.randn(12, 2, 4, 4, generator=torch.Generator().manual_seed(9), dtype=F64)
-    post = _posterior(model, x, "kfac")
-    modules = find_layers(model)[0]
-    with torch.no_grad(), perturbed(modules, draw_sample(post, 0, 1)):
-        ref = model(x)
-    used: dict[str, str] = {}
-    with torch.no_grad(), applied(modules, draw_sample_factored(post, 0, 1), "inputs", used):
-        out = model(x)
+    ref, out, used = _both_ways(model, _posterior(model, x, "kfac"), x, 1)
     assert used == {"0": "inputs", "2": "weights", "4": "inputs"}  # padding="same": not unfolded
     assert _rel(out, ref) < EXACT
 
