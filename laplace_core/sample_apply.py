@@ -109,7 +109,8 @@ def applied(
     :class:`ScaleFactors` with a ``(1, m, n)`` or ``(m, n)`` core (weights or inputs, per
     ``space`` and each call's input shape). ``used`` (optional) receives ``name -> "weights"
     / "inputs"`` for the factored layers' last call. The MAP weights are restored exactly
-    on exit, and after every weight-space call of a factored layer."""
+    on exit, and after every weight-space call of a factored layer; a factored delta is
+    formed at most once per block, however many batches run inside it."""
     if space not in SAMPLE_SPACES:
         raise ValueError(f"unknown sample space {space!r}; valid: {', '.join(SAMPLE_SPACES)}")
     plain = {k: v for k, v in draw.items() if not isinstance(v, ScaleFactors)}
@@ -119,6 +120,7 @@ def applied(
         factored = {}
     handles = []
     live: dict[str, Any] = {}  # name -> the open weight-space context, or the input columns
+    formed: dict[str, torch.Tensor] = {}  # name -> delta, formed once per block for every call that needs it
 
     def make_hooks(name: str, f: ScaleFactors):
         mod = modules[name]
@@ -133,7 +135,9 @@ def applied(
                 live[name] = (x, positions)
                 mode = "inputs"
             else:
-                ctx = perturbed({name: module}, {name: f.matrix().reshape(m, n)})
+                if name not in formed:
+                    formed[name] = f.matrix().reshape(m, n)
+                ctx = perturbed({name: module}, {name: formed[name]})
                 ctx.__enter__()
                 live[name] = ctx
                 mode = "weights"

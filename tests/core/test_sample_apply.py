@@ -130,6 +130,23 @@ def test_mc_predictor_spaces_agree_and_auto_follows_the_costs(conv_problem, meth
     assert _rel(torch.cat(pb), p["weights"]) < EXACT
 
 
+def test_a_delta_is_formed_once_per_sample_across_batches(conv_problem, monkeypatch):
+    """``predict_batches`` (samples outer, batches inner): a layer that goes to the weights
+    forms its delta once per sample, not once per batch."""
+    model, x, posts = conv_problem
+    calls = []
+    matrix = ScaleFactors.matrix
+    monkeypatch.setattr(ScaleFactors, "matrix", lambda self: calls.append(1) or matrix(self))
+    pred = MCPredictor(model, posts["kfac"], n_samples=3, seed=2, sample_space="auto")
+    out = pred.predict_batches([x[:4], x[4:8], x[8:]])
+    n_weights = sum(v == "weights" for v in pred.used.values())
+    assert 0 < n_weights < len(posts["kfac"].layers) and len(calls) == 3 * n_weights
+    monkeypatch.setattr(ScaleFactors, "matrix", matrix)
+    ref = MCPredictor(model, posts["kfac"], n_samples=3, seed=2, sample_space="weights").predict_batches(
+        [x[:4], x[4:8], x[8:]])
+    assert all(_rel(a, b) < EXACT for a, b in zip(out, ref))
+
+
 def test_structures_without_factors_go_to_the_weights(conv_problem):
     model, x, posts = conv_problem
     for method in ("inf", "diag"):
