@@ -14,7 +14,9 @@ manifest last, so a reader never sees a manifest whose tensors are missing; an
 interrupted re-save leaves a checksum mismatch, which is reported, never a silent
 mix. Loading never unpickles: JSON and ``safetensors.torch.load`` on bytes.
 Remote credentials come from the environment (standard AWS chain for s3) and are
-never logged.
+never logged. Everything else about reaching a store (an S3-compatible endpoint, addressing
+style, region) is passed explicitly as ``storage_options``: fsspec's keyword arguments for
+the URI's filesystem, ignored for local paths. Nothing here reads or writes ``os.environ``.
 """
 from __future__ import annotations
 
@@ -38,10 +40,12 @@ TENSORS_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
 
 
-def _fs(uri: str):
+def _fs(uri: str, storage_options: Mapping[str, Any] | None = None):
     if not isinstance(uri, (str, os.PathLike)) or not str(uri):
         raise ValueError(f"artifact uri must be a non-empty path or URL, got {uri!r}")
-    fs, path = fsspec.core.url_to_fs(str(uri))
+    uri = str(uri)
+    remote = "://" in uri and not uri.startswith("file://")
+    fs, path = fsspec.core.url_to_fs(uri, **(dict(storage_options or {}) if remote else {}))
     return fs, path.rstrip("/") or path
 
 
@@ -88,9 +92,10 @@ def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_tensors(uri: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any]) -> None:
+def save_tensors(uri: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+                 storage_options: Mapping[str, Any] | None = None) -> None:
     """Write ``tensors`` and the JSON-able ``meta`` as an artifact directory at ``uri``."""
-    fs, base = _fs(uri)
+    fs, base = _fs(uri, storage_options)
     try:
         meta_json = json.loads(json.dumps(meta, allow_nan=False))
     except (TypeError, ValueError) as e:
@@ -119,10 +124,10 @@ def _read(fs, path: str, uri: str, what: str) -> bytes:
         raise FileNotFoundError(f"{uri}: {what} not found ({path})") from None
 
 
-def load_tensors(uri: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def load_tensors(uri: str, storage_options: Mapping[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(tensors, meta)`` of the artifact at ``uri``, after checking format, version,
     byte size and sha256. Tensors are on the CPU."""
-    fs, base = _fs(uri)
+    fs, base = _fs(uri, storage_options)
     raw = _read(fs, _join(fs, base, MANIFEST_FILE), uri, MANIFEST_FILE)
     try:
         manifest = json.loads(raw.decode("utf-8"))
@@ -158,11 +163,11 @@ def load_tensors(uri: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return tensors, manifest["meta"]
 
 
-def load_posterior(uri: str):
+def load_posterior(uri: str, storage_options: Mapping[str, Any] | None = None):
     """Load a :class:`~laplace_core.structures.base.Posterior` saved with ``Posterior.save``."""
     from .structures.base import Posterior
 
-    tensors, meta = load_tensors(uri)
+    tensors, meta = load_tensors(uri, storage_options)
     if not isinstance(meta, dict) or meta.get("format") != "infoform.posterior":
         raise ValueError(f"{uri}: artifact is not a posterior (meta format {meta.get('format') if isinstance(meta, dict) else None!r})")
     if meta.get("version") != 1:

@@ -232,17 +232,18 @@ class CurvatureStatistics:
             excluded=dict(meta.get("excluded", {})),
         )
 
-    def save(self, uri: str) -> None:
-        """Write safetensors + JSON manifest (see :mod:`laplace_core.io`)."""
+    def save(self, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        """Write safetensors + JSON manifest (see :mod:`laplace_core.io`); ``storage_options``
+        are fsspec's keyword arguments for a remote ``uri``."""
         from .io import save_tensors
 
-        save_tensors(uri, self.flat_tensors(), self.meta())
+        save_tensors(uri, self.flat_tensors(), self.meta(), storage_options)
 
     @classmethod
-    def load(cls, uri: str) -> "CurvatureStatistics":
+    def load(cls, uri: str, storage_options: Mapping[str, Any] | None = None) -> "CurvatureStatistics":
         from .io import load_tensors
 
-        tensors, meta = load_tensors(uri)
+        tensors, meta = load_tensors(uri, storage_options)
         return cls.from_flat(meta, tensors)
 
     def summary(self) -> str:

@@ -21,6 +21,7 @@ __all__ = [
     "ConfigError",
     "ModelSpec",
     "DataSpec",
+    "StorageSpec",
     "CurvatureSpec",
     "PosteriorSpec",
     "SearchSpec",
@@ -82,7 +83,19 @@ class DataSpec:
     test_limit: int | None = None
     ood_limit: int | None = None
     partition_size: int = 20_000
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    """How every process reaches the store behind ``s3://`` URIs (data, OOD, weights, output):
+    ``endpoint_url`` for S3-compatible stores (MinIO, Ceph, R2, ...; ``--endpoint-url``; when
+    unset, ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` of the submitting process), and
+    ``options``, any further s3fs keyword arguments (e.g. ``{config_kwargs: {s3:
+    {addressing_style: path}}}``). Resolved once on the driver and passed explicitly to every
+    Train worker, Ray Data task and actor. Credentials never go here: the AWS chain supplies them."""
+
     endpoint_url: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -158,6 +171,7 @@ class RunConfig:
     model: ModelSpec = field(default_factory=ModelSpec)
     models: tuple[ModelSpec, ...] = ()
     data: DataSpec = field(default_factory=DataSpec)
+    storage: StorageSpec = field(default_factory=StorageSpec)
     curvature: CurvatureSpec = field(default_factory=CurvatureSpec)
     posterior: PosteriorSpec = field(default_factory=PosteriorSpec)
     search: SearchSpec = field(default_factory=SearchSpec)
@@ -195,7 +209,18 @@ class RunConfig:
             raise ConfigError("curvature.efb_fraction must be in (0, 1]")
         if not self.data.demo and not self.data.root:
             raise ConfigError("data.root is required (or use --preset demo)")
+        try:
+            self.storage_options()
+        except ValueError as e:
+            raise ConfigError(f"storage: {e}") from None
         return self
+
+    def storage_options(self):
+        """The store settings every process uses (:class:`pipelines.storage.StorageOptions`),
+        the endpoint filled in from this process's environment when the config names none."""
+        from .storage import StorageOptions
+
+        return StorageOptions(self.storage.endpoint_url, dict(self.storage.options)).resolved()
 
     def _validate_method_ranges(self) -> None:
         seen = set()
@@ -267,6 +292,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if len(value) != len(args):
             raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}")
         return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: expected a mapping with string keys, got {value!r}")
+        return dict(value)
     if _is_dataclass_type(tp):
         if isinstance(value, tp):
             return value

@@ -42,7 +42,6 @@ eigenbasis), so a run resumes at partition granularity, also across jobs.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -272,7 +271,7 @@ def efb_partition_ids(
 
 
 # =========================================================================== eigenbasis I/O
-def save_eigenbasis(uri: str, basis: Eigenbasis, count: int) -> None:
+def save_eigenbasis(uri: str, basis: Eigenbasis, count: int, endpoint_url: storage.Store = None) -> None:
     """``<uri>/`` artifact with ``<layer>/{U_A,S_A,U_G,S_G}`` and the clamp counts."""
     meta = {
         "format": "infoform.eigenbasis",
@@ -281,11 +280,11 @@ def save_eigenbasis(uri: str, basis: Eigenbasis, count: int) -> None:
         "clamped": {k: int(v) for k, v in basis.clamped.items()},
         "count": int(count),
     }
-    save_tensors(uri, basis.flat_tensors(), meta)
+    save_tensors(uri, basis.flat_tensors(), meta, storage.fsspec_options(uri, endpoint_url))
 
 
-def load_eigenbasis(uri: str) -> Eigenbasis:
-    tensors, meta = load_tensors(uri)
+def load_eigenbasis(uri: str, endpoint_url: storage.Store = None) -> Eigenbasis:
+    tensors, meta = load_tensors(uri, storage.fsspec_options(uri, endpoint_url))
     if meta.get("format") != "infoform.eigenbasis":
         raise ValueError(f"{uri}: not an eigenbasis artifact (format {meta.get('format')!r})")
     return Eigenbasis.from_flat(tensors, list(meta["names"]), meta.get("clamped", {}))
@@ -576,7 +575,7 @@ def _load_partition(pass_no: int, job: _Job, pid: int, names: Sequence[str]):
     from .data import SkipReport
 
     uri = partition_uri(job.output_uri, pass_no, pid)
-    tensors, meta = load_tensors(uri)
+    tensors, meta = load_tensors(uri, storage.fsspec_options(uri, job.endpoint_url))
     if pass_no == 1:
         st = CurvatureStatistics.from_flat(meta, tensors)
         if list(st.layers) != list(names):
@@ -736,7 +735,7 @@ def _run_pass(plan: _PassPlan, model, infos, excluded, basis: Eigenbasis | None,
                 payload = ({f"{k}/efb": vals[i] for i, k in enumerate(names)}, meta)
 
             def write(uri=uri, payload=payload, pid=pid, rows=rows_read, invalid=rows_invalid):
-                save_tensors(uri, *payload)
+                save_tensors(uri, *payload, storage.fsspec_options(uri, job.endpoint_url))
                 print(f"[curvature] pass {pass_no}: partition {pid} done ({rows} rows, {invalid} invalid)", flush=True)
 
             t0 = time.perf_counter()
@@ -813,8 +812,7 @@ def _distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, d
 
 
 def _worker_setup(job: _Job) -> tuple[int, int, torch.device]:
-    """``(rank, world_size, device)`` of this Ray Train worker; also points S3 at the
-    job's endpoint, sets the torch thread count and the process's malloc settings
+    """``(rank, world_size, device)`` of this Ray Train worker; also sets the torch thread count and the process's malloc settings
     (:mod:`pipelines.malloc`). Shared by every pass's loop."""
     import ray.train
 
@@ -822,8 +820,6 @@ def _worker_setup(job: _Job) -> tuple[int, int, torch.device]:
 
     tune_malloc()
     ctx = ray.train.get_context()
-    if job.endpoint_url:
-        os.environ["AWS_ENDPOINT_URL_S3"] = job.endpoint_url
     if job.cfg.torch_threads:
         torch.set_num_threads(int(job.cfg.torch_threads))
     if job.use_gpu:
@@ -866,13 +862,13 @@ def _train_loop(config: dict) -> None:
         have = _broadcast_object(storage.exists(_manifest(buri), job.endpoint_url) if rank == 0 else None, rank)
         t0 = time.perf_counter()
         if have:
-            basis = load_eigenbasis(buri)
+            basis = load_eigenbasis(buri, job.endpoint_url)
             rec["eigenbasis"] = "loaded"
         else:
             basis = _distributed_eigenbasis(stats, rank, world, device, rec)
             rec["eigenbasis"] = "computed"
             if rank == 0:
-                save_eigenbasis(buri, basis, stats.count)
+                save_eigenbasis(buri, basis, stats.count, job.endpoint_url)
             dist.barrier()
         rec["eigen_s"] = time.perf_counter() - t0
 
@@ -884,7 +880,7 @@ def _train_loop(config: dict) -> None:
 
     if rank == 0:
         t0 = time.perf_counter()
-        stats.save(_reduced_uri(job.output_uri))
+        stats.save(_reduced_uri(job.output_uri), storage.fsspec_options(job.output_uri, job.endpoint_url))
         rec["write_reduced_s"] = time.perf_counter() - t0
     rec["total_s"] = time.perf_counter() - t_all
     recs = [None] * world
@@ -1006,24 +1002,6 @@ def _partition_dataset(p, data_config, endpoint_url):
     return build_dataset(p, data_config)
 
 
-@contextlib.contextmanager
-def _endpoint_env(endpoint_url: str | None):
-    """Temporarily export ``AWS_ENDPOINT_URL_S3`` so that :mod:`laplace_core.io` (plain
-    fsspec URLs, no endpoint argument) reaches the same S3-compatible store."""
-    if not endpoint_url:
-        yield
-        return
-    old = os.environ.get("AWS_ENDPOINT_URL_S3")
-    os.environ["AWS_ENDPOINT_URL_S3"] = endpoint_url
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("AWS_ENDPOINT_URL_S3", None)
-        else:
-            os.environ["AWS_ENDPOINT_URL_S3"] = old
-
-
 def _index_partitions(partitions: Sequence[Any]) -> tuple[list[int], dict[int, Any], dict[int, int | None]]:
     """``(ids, partition by id, rows by id)``; ids must be unique (they name the artifacts)."""
     ids = [_partition_id(p, i) for i, p in enumerate(partitions)]
@@ -1062,7 +1040,7 @@ def run_curvature(
         raise ValueError("run_curvature needs at least one data partition")
     if not ray.is_initialized():
         ray.init()
-    endpoint_url = storage.resolve_endpoint(endpoint_url) if storage.is_remote(output_uri) else endpoint_url
+    endpoint_url = storage.resolve_options(endpoint_url)  # resolved here, travels to every worker as is
     model = _model_ref(model_spec)
     ids, by_id, rows = _index_partitions(partitions)
     efb_ids = efb_partition_ids(ids, rows, cfg.efb_fraction, cfg.efb_max_examples) if cfg.needs_efb else ()
@@ -1087,14 +1065,13 @@ def run_curvature(
     trainer.fit()
     fit_s = time.perf_counter() - t0
 
-    with _endpoint_env(endpoint_url if storage.is_remote(output_uri) else None):
-        stats = CurvatureStatistics.load(_reduced_uri(output_uri))
-        basis = load_eigenbasis(_basis_uri(output_uri)) if cfg.needs_basis else None
-        report = storage.read_json(storage.join(output_uri, "stats", "worker_report.json"), endpoint_url)
-        t0 = time.perf_counter()
-        posteriors = build_and_save(stats, basis, cfg.methods, cfg.rank, output_uri,
-                                    n_data=cfg.n_data, prior_precision=cfg.prior_precision) if cfg.methods else {}
-        post_s = time.perf_counter() - t0
+    stats = CurvatureStatistics.load(_reduced_uri(output_uri), storage.fsspec_options(output_uri, endpoint_url))
+    basis = load_eigenbasis(_basis_uri(output_uri), endpoint_url) if cfg.needs_basis else None
+    report = storage.read_json(storage.join(output_uri, "stats", "worker_report.json"), endpoint_url)
+    t0 = time.perf_counter()
+    posteriors = build_and_save(stats, basis, cfg.methods, cfg.rank, output_uri, n_data=cfg.n_data,
+                                prior_precision=cfg.prior_precision, endpoint_url=endpoint_url) if cfg.methods else {}
+    post_s = time.perf_counter() - t0
 
     computed = {"pass1": tuple(p for p in ids if p not in done1), "pass2": tuple(p for p in efb_ids if p not in done2)}
     reused = {"pass1": tuple(done1), "pass2": tuple(done2)}

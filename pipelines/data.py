@@ -843,7 +843,7 @@ def _decode_kwargs(source: _Entries, cfg: DataConfig) -> dict[str, Any]:
     return {
         "root": source.root,
         "format": source.format,
-        "endpoint_url": storage.resolve_endpoint(cfg.endpoint_url) if storage.is_remote(source.root) else None,
+        "endpoint_url": storage.resolve_options(cfg.endpoint_url) if storage.is_remote(source.root) else None,
         "image_size": cfg.image_size,
         "resize_size": cfg.resize_size,
         "mean": tuple(cfg.mean),

@@ -396,7 +396,8 @@ def load_eval_model(ref: Mapping[str, Any], *, dtype: torch.dtype, device: str,
     return model.to(device=device, dtype=dtype).eval()
 
 
-def load_posteriors(uris: Mapping[str, str], hyper: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:
+def load_posteriors(uris: Mapping[str, str], hyper: Mapping[str, Sequence[float]] | None = None,
+                    endpoint_url: storage.Store = None) -> dict[str, Any]:
     """``method -> Posterior`` from artifact URIs; ``hyper[method] = (N, τ)`` re-targets a
     posterior with ``laplace_core.posterior.with_hyper`` (no eigendecomposition redone)."""
     from laplace_core.io import load_posterior
@@ -406,7 +407,7 @@ def load_posteriors(uris: Mapping[str, str], hyper: Mapping[str, Sequence[float]
     for method, uri in uris.items():
         if method == MAP:
             raise ValueError(f"{MAP!r} is the baseline and always evaluated; do not pass a posterior under that name")
-        post = load_posterior(uri)
+        post = load_posterior(uri, storage.fsspec_options(uri, endpoint_url))
         if hyper and method in hyper and hyper[method] is not None:
             n_data, tau = hyper[method]
             post = with_hyper(post, n_data, tau)
@@ -561,7 +562,7 @@ class EvalWorker:
         dev = torch.device(cfg.resolved_device)
         # draws happen where the model runs (the posterior's device, laplace_core.predictive)
         self.posteriors = {m: p if dev.type == "cpu" else p.to(dev)
-                           for m, p in load_posteriors(posterior_uris, hyper).items()}
+                           for m, p in load_posteriors(posterior_uris, hyper, endpoint_url).items()}
         self.load_seconds = time.perf_counter() - t0
 
     def run(self, in_shard: Any, ood_shard: Any = None, actor_index: int = 0) -> dict[str, Any]:

@@ -64,7 +64,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     put("data.root", args.data)
     put("data.ood", args.ood)
     put("data.labels_csv", args.labels_csv)
-    put("data.endpoint_url", args.endpoint_url)
+    put("storage.endpoint_url", args.endpoint_url)
     put("data.limit", args.limit)
     if args.data is not None:
         flags.append("data.demo=false")

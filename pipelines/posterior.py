@@ -18,7 +18,7 @@ from laplace_core.eigenbasis import Eigenbasis
 from laplace_core.posterior import build_posterior, resolve_method
 from laplace_core.statistics import CurvatureStatistics
 
-from .storage import join
+from .storage import Store, fsspec_options, join
 
 __all__ = ["EFB_METHODS", "BASIS_METHODS", "posterior_uri", "build_and_save"]
 
@@ -42,6 +42,7 @@ def build_and_save(
     *,
     n_data: float | None = None,
     prior_precision: float = 1.0,
+    endpoint_url: Store = None,
 ) -> dict[str, dict[str, Any]]:
     """Build every method of ``methods`` and save it under ``<output_uri>/posterior/<method>/``.
 
@@ -61,7 +62,7 @@ def build_and_save(
         if name == "subnet":  # the S x S Fisher of the subnet pass (pipelines.subnet_pass)
             from .subnet_pass import load_subnet_fisher, subnet_uri
 
-            F_sum, count, masks, _ = load_subnet_fisher(subnet_uri(output_uri))
+            F_sum, count, masks, _ = load_subnet_fisher(subnet_uri(output_uri), endpoint_url)
             subnet_fisher = (F_sum, count, masks)
         post = build_posterior(
             stats,
@@ -74,7 +75,7 @@ def build_and_save(
         )
         t1 = time.perf_counter()
         uri = posterior_uri(output_uri, name)
-        post.save(uri)
+        post.save(uri, fsspec_options(uri, endpoint_url))
         t2 = time.perf_counter()
         out[name] = {
             "num_stored": int(post.num_stored()),

@@ -55,8 +55,9 @@ def stage_marker_uri(output: str, stage: str) -> str:
     return storage.join(output, "stages", f"{stage}.json")
 
 
-def _endpoint(cfg: RunConfig) -> str | None:
-    return cfg.data.endpoint_url
+def _endpoint(cfg: RunConfig) -> storage.StorageOptions:
+    """The store settings (endpoint + s3fs options) handed explicitly to every stage."""
+    return cfg.storage_options()
 
 
 class _Stages:
@@ -194,7 +195,7 @@ def _data_config(cfg: RunConfig, plan: _DataPlan, split: str | None, *, limit=No
         resize_size=cfg.data.resize_size,
         limit=limit,
         per_class=per_class,
-        endpoint_url=cfg.data.endpoint_url,
+        endpoint_url=_endpoint(cfg),
         unlabeled=unlabeled,
     )
     if plan.mean is not None:
@@ -291,7 +292,7 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     from .report import write_report
 
     st = _Stages(cfg, output, ensure_ray)
-    ep = cfg.data.endpoint_url
+    ep = _endpoint(cfg)
     t_start = time.perf_counter()
     model_info: dict[str, Any] = {"name": spec.name, "weights": spec.weights}
     if plan.demo is not None and spec.name == "demo_cnn" and spec.weights is None:
@@ -363,9 +364,8 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
 
             sres = run_subnet_pass(spec, parts, curv_cfg, subnet_cfg, output, data_config=train_dcfg,
                                    endpoint_url=ep, stats=res.stats)
-            with _endpoint_env(ep):
-                posteriors.update(build_and_save(res.stats, None, ("subnet",), None, output, n_data=cfg.posterior.n_data,
-                                                 prior_precision=cfg.posterior.prior_precision))
+            posteriors.update(build_and_save(res.stats, None, ("subnet",), None, output, n_data=cfg.posterior.n_data,
+                                             prior_precision=cfg.posterior.prior_precision, endpoint_url=ep))
             subnet = dataclasses.asdict(sres)
         return {
             "count": res.stats.count, "efb_count": res.stats.efb_count, "excluded": res.stats.excluded,
@@ -388,11 +388,11 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
         from .curvature import _basis_uri, _reduced_uri, load_eigenbasis
         from .posterior import BASIS_METHODS, build_and_save
 
-        with _endpoint_env(ep):
-            stats = CurvatureStatistics.load(_reduced_uri(output))
-            basis = load_eigenbasis(_basis_uri(output)) if any(m in BASIS_METHODS for m in methods) else None
+        stats = CurvatureStatistics.load(_reduced_uri(output), storage.fsspec_options(output, ep))
+        basis = load_eigenbasis(_basis_uri(output), ep) if any(m in BASIS_METHODS for m in methods) else None
         return {"posteriors": build_and_save(stats, basis, methods, cfg.posterior.rank, output,
-                                             n_data=cfg.posterior.n_data, prior_precision=cfg.posterior.prior_precision)}
+                                             n_data=cfg.posterior.n_data, prior_precision=cfg.posterior.prior_precision,
+                                             endpoint_url=ep)}
 
     if curv is not None and "curvature" in cfg.stages and "posterior" not in cfg.force and \
             not storage.exists(stage_marker_uri(output, "posterior"), ep):
@@ -503,28 +503,6 @@ def _read_search(output: str, methods, ep):
     return read_search_table(uri, ep)
 
 
-class _endpoint_env:
-    """Expose the S3 endpoint to code that reads artifacts through plain fsspec."""
-
-    def __init__(self, endpoint: str | None):
-        self.endpoint = endpoint
-        self.old: str | None = None
-
-    def __enter__(self):
-        if self.endpoint:
-            self.old = os.environ.get("AWS_ENDPOINT_URL_S3")
-            os.environ["AWS_ENDPOINT_URL_S3"] = self.endpoint
-        return self
-
-    def __exit__(self, *exc):
-        if self.endpoint:
-            if self.old is None:
-                os.environ.pop("AWS_ENDPOINT_URL_S3", None)
-            else:
-                os.environ["AWS_ENDPOINT_URL_S3"] = self.old
-        return False
-
-
 def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: dict[str, Any], output: str):
     curv = results.get("curvature") or {}
     post = results.get("posterior") or {}
@@ -615,7 +593,7 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
         cfg = dataclasses.replace(cfg, output=output)
     plan = _prepare_demo(output) if cfg.data.demo else _DataPlan(
         root=cfg.data.root, ood=cfg.data.ood, mean=None, std=None, demo=None)
-    storage.write_json_atomic(storage.join(output, "config.json"), to_dict(cfg), cfg.data.endpoint_url)
+    storage.write_json_atomic(storage.join(output, "config.json"), to_dict(cfg), _endpoint(cfg))
     models = cfg.all_models()
     if len(models) == 1:
         summary = _run_model(cfg, models[0], output, plan, ensure_ray)
@@ -623,7 +601,7 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
         return RunResult(output=output, report_path=report, summary=summary)
     from .report import load_eval_metrics, write_audit_report
 
-    ep = cfg.data.endpoint_url
+    ep = _endpoint(cfg)
     per_model, tables, listing = {}, {}, {}
     for spec in models:
         sub = storage.join(output, "models", spec.name)

@@ -10,6 +10,13 @@ functions; only this module knows about filesystems.
   The endpoint is, in order: the ``endpoint_url`` argument,
   ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, AWS's default.
 
+Every function takes the store's settings explicitly as its ``endpoint_url`` argument: an
+endpoint string, or a :class:`StorageOptions` (endpoint plus any other s3fs
+``storage_options``, e.g. ``client_kwargs: {region_name: ...}`` or
+``config_kwargs: {s3: {addressing_style: path}}``). The job resolves it once on the driver
+(:func:`StorageOptions.resolved`) and hands the same object to every Train worker, Ray Data
+task and actor, so nothing depends on a process's environment or mutates it.
+
 Atomicity: ``write_bytes_atomic`` writes a local file as a temporary sibling,
 fsyncs it, then ``os.replace`` -> readers see the old or the new file, never a
 partial one. On S3 an object is one PUT (s3fs uses a multipart upload above
@@ -24,13 +31,18 @@ import json
 import os
 import posixpath
 import tempfile
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
 from urllib.parse import urlsplit
 
 import fsspec
 
 __all__ = [
     "SCHEMES",
+    "StorageOptions",
+    "Store",
+    "fsspec_options",
+    "resolve_options",
     "get_fs",
     "resolve_endpoint",
     "is_remote",
@@ -65,6 +77,52 @@ def _scheme(uri: str) -> str:
     return scheme
 
 
+@dataclass(frozen=True)
+class StorageOptions:
+    """How to reach an object store: the S3 endpoint and any further s3fs keyword arguments
+    (``options``, JSON-able). Plain data: it pickles to Ray workers and actors unchanged.
+    Credentials are never part of it (they come from the AWS chain of the process using it)."""
+
+    endpoint_url: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.endpoint_url is not None:
+            ep = urlsplit(str(self.endpoint_url))
+            if ep.scheme not in ("http", "https") or not ep.netloc:
+                raise ValueError(f"endpoint URL must look like http(s)://host[:port], got {self.endpoint_url!r}")
+        if not isinstance(self.options, Mapping):
+            raise ValueError(f"storage options must be a mapping of s3fs keyword arguments, got {type(self.options).__name__}")
+        for bad in ("key", "secret", "token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"):
+            if bad in self.options:
+                raise ValueError(f"storage option {bad!r}: credentials come from the AWS chain "
+                                 "(environment, shared config, instance role), never from the run's config")
+
+    def resolved(self) -> "StorageOptions":
+        """The same options with the endpoint filled in from ``AWS_ENDPOINT_URL_S3`` /
+        ``AWS_ENDPOINT_URL`` when none was given (call on the driver; the result travels)."""
+        return StorageOptions(resolve_endpoint(self.endpoint_url), dict(self.options))
+
+    def s3_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"use_listings_cache": False, **dict(self.options)}
+        if self.endpoint_url:
+            kwargs["endpoint_url"] = self.endpoint_url
+        return kwargs
+
+
+#: What every function here accepts as ``endpoint_url``: an endpoint, full options, or None.
+Store = Union[StorageOptions, str, None]
+
+
+def resolve_options(store: Store) -> StorageOptions:
+    """``store`` as :class:`StorageOptions`, the endpoint filled in from the environment when unset."""
+    if isinstance(store, StorageOptions):
+        return store if store.endpoint_url else StorageOptions(resolve_endpoint(None), store.options)
+    if store is None or isinstance(store, str):
+        return StorageOptions(resolve_endpoint(store))
+    raise ValueError(f"expected an endpoint URL or StorageOptions, got {type(store).__name__}")
+
+
 def resolve_endpoint(endpoint_url: str | None = None) -> str | None:
     """The S3 endpoint to use: argument, else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``."""
     for value in (endpoint_url, os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL")):
@@ -73,12 +131,18 @@ def resolve_endpoint(endpoint_url: str | None = None) -> str | None:
     return None
 
 
+def fsspec_options(uri: str, endpoint_url: Store = None) -> dict[str, Any]:
+    """``storage_options`` for fsspec-based readers of ``uri`` (e.g. :mod:`laplace_core.io`):
+    ``{}`` for local paths, the s3fs keyword arguments for ``s3://``."""
+    return resolve_options(endpoint_url).s3_kwargs() if is_remote(uri) else {}
+
+
 def is_remote(uri: str) -> bool:
     """True for object-store URIs (s3://)."""
     return SCHEMES[_scheme(uri)] != "local"
 
 
-def get_fs(uri: str, endpoint_url: str | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+def get_fs(uri: str, endpoint_url: Store = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """Filesystem and filesystem-native path for ``uri``.
 
     Local -> (LocalFileSystem, absolute posix path); s3 -> (S3FileSystem, "bucket/key").
@@ -93,11 +157,7 @@ def get_fs(uri: str, endpoint_url: str | None = None) -> tuple[fsspec.AbstractFi
     if not parts.netloc:
         raise ValueError(f"S3 URI without a bucket: {uri!r} (expected s3://bucket/key)")
     path = (parts.netloc + parts.path).rstrip("/")
-    endpoint = resolve_endpoint(endpoint_url)
-    kwargs: dict[str, Any] = {"use_listings_cache": False}
-    if endpoint:
-        kwargs["endpoint_url"] = endpoint
-    return fsspec.filesystem("s3", **kwargs), path
+    return fsspec.filesystem("s3", **resolve_options(endpoint_url).s3_kwargs()), path
 
 
 def join(uri: str, *parts: str) -> str:
@@ -113,19 +173,19 @@ def join(uri: str, *parts: str) -> str:
     return out
 
 
-def exists(uri: str, endpoint_url: str | None = None) -> bool:
+def exists(uri: str, endpoint_url: Store = None) -> bool:
     fs, path = get_fs(uri, endpoint_url)
     fs.invalidate_cache(path)
     return bool(fs.exists(path))
 
 
-def isdir(uri: str, endpoint_url: str | None = None) -> bool:
+def isdir(uri: str, endpoint_url: Store = None) -> bool:
     fs, path = get_fs(uri, endpoint_url)
     fs.invalidate_cache(path)
     return bool(fs.isdir(path))
 
 
-def read_bytes(uri: str, endpoint_url: str | None = None) -> bytes:
+def read_bytes(uri: str, endpoint_url: Store = None) -> bytes:
     """Whole object/file as bytes; FileNotFoundError names the URI."""
     fs, path = get_fs(uri, endpoint_url)
     try:
@@ -134,7 +194,7 @@ def read_bytes(uri: str, endpoint_url: str | None = None) -> bytes:
         raise FileNotFoundError(f"no such file: {uri}") from None
 
 
-def write_bytes_atomic(uri: str, data: bytes, endpoint_url: str | None = None) -> None:
+def write_bytes_atomic(uri: str, data: bytes, endpoint_url: Store = None) -> None:
     """Write ``data`` so that readers never see a partial file (see module docstring)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError(f"data must be bytes, got {type(data).__name__}")
@@ -160,13 +220,13 @@ def write_bytes_atomic(uri: str, data: bytes, endpoint_url: str | None = None) -
         raise
 
 
-def write_json_atomic(uri: str, obj: Any, endpoint_url: str | None = None) -> None:
+def write_json_atomic(uri: str, obj: Any, endpoint_url: Store = None) -> None:
     """``json.dumps(obj, indent=2, sort_keys=True)`` written atomically (UTF-8)."""
     text = json.dumps(obj, indent=2, sort_keys=True, allow_nan=False)
     write_bytes_atomic(uri, (text + "\n").encode("utf-8"), endpoint_url)
 
 
-def read_json(uri: str, endpoint_url: str | None = None) -> Any:
+def read_json(uri: str, endpoint_url: Store = None) -> Any:
     raw = read_bytes(uri, endpoint_url)
     try:
         return json.loads(raw.decode("utf-8"))
@@ -174,7 +234,7 @@ def read_json(uri: str, endpoint_url: str | None = None) -> Any:
         raise ValueError(f"not valid JSON: {uri}: {e}") from None
 
 
-def listdir(uri: str, endpoint_url: str | None = None) -> list[str]:
+def listdir(uri: str, endpoint_url: Store = None) -> list[str]:
     """Sorted names (not paths) of the entries directly under ``uri``; [] when it does not exist.
 
     On S3 a "directory" is a key prefix, so a missing prefix and an empty one look the same.
@@ -195,7 +255,7 @@ def listdir(uri: str, endpoint_url: str | None = None) -> list[str]:
     return sorted(names)
 
 
-def remove(uri: str, recursive: bool = False, endpoint_url: str | None = None) -> None:
+def remove(uri: str, recursive: bool = False, endpoint_url: Store = None) -> None:
     """Delete a file (or a tree with ``recursive=True``); missing -> no-op."""
     fs, path = get_fs(uri, endpoint_url)
     fs.invalidate_cache(path)
@@ -205,7 +265,7 @@ def remove(uri: str, recursive: bool = False, endpoint_url: str | None = None) -
     fs.invalidate_cache(path)
 
 
-def pyarrow_fs(uri: str, endpoint_url: str | None = None):
+def pyarrow_fs(uri: str, endpoint_url: Store = None):
     """``(pyarrow.fs.FileSystem, scheme-less path)`` for APIs that want pyarrow filesystems
     (e.g. Ray Train ``RunConfig(storage_filesystem=..., storage_path=path)``).
 
@@ -217,7 +277,7 @@ def pyarrow_fs(uri: str, endpoint_url: str | None = None):
     fs, path = get_fs(uri, endpoint_url)
     if not is_remote(uri):
         return pafs.LocalFileSystem(), path
-    endpoint = resolve_endpoint(endpoint_url)
+    endpoint = resolve_options(endpoint_url).endpoint_url
     kwargs: dict[str, Any] = {}
     if endpoint:
         ep = urlsplit(endpoint)

@@ -65,7 +65,6 @@ from .curvature import (
     _allreduce_sum,
     _broadcast_object,
     _Counter,
-    _endpoint_env,
     _iter_valid_batches,
     _Job,
     _make_trainer,
@@ -229,17 +228,19 @@ def _masks_digest(masks: Mapping[str, torch.Tensor]) -> str:
 
 
 def save_subnet_fisher(uri: str, fisher_sum: torch.Tensor, count: int, masks: Mapping[str, torch.Tensor],
-                       meta: Mapping[str, Any]) -> None:
+                       meta: Mapping[str, Any], endpoint_url: storage.Store = None) -> None:
     """``<uri>/`` artifact: ``fisher_sum`` (``S x S``), ``mask/<layer>`` (bool ``m x n``, model order)."""
     tensors = {"fisher_sum": fisher_sum.detach().cpu().contiguous()}
     for k, mk in masks.items():
         tensors[f"mask/{k}"] = mk.detach().cpu().contiguous()
-    save_tensors(uri, tensors, {**meta, "format": FORMAT, "version": 1, "count": int(count), "names": list(masks)})
+    save_tensors(uri, tensors, {**meta, "format": FORMAT, "version": 1, "count": int(count), "names": list(masks)},
+                 storage.fsspec_options(uri, endpoint_url))
 
 
-def load_subnet_fisher(uri: str) -> tuple[torch.Tensor, int, dict[str, torch.Tensor], dict[str, Any]]:
+def load_subnet_fisher(uri: str, endpoint_url: storage.Store = None
+                       ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor], dict[str, Any]]:
     """``(fisher_sum, count, masks, meta)`` from :func:`save_subnet_fisher` (masks in model order)."""
-    tensors, meta = load_tensors(uri)
+    tensors, meta = load_tensors(uri, storage.fsspec_options(uri, endpoint_url))
     if meta.get("format") != FORMAT:
         raise ValueError(f"{uri}: not a subnet Fisher artifact (format {meta.get('format')!r})")
     masks = {k: tensors[f"mask/{k}"].to(torch.bool) for k in meta["names"]}
@@ -288,7 +289,7 @@ def load_checkpoint(base_uri: str, fingerprint: str, endpoint_url: str | None = 
     failing the pass; ``None`` when no checkpoint is usable."""
     for uri, meta in _checkpoints(base_uri, fingerprint, endpoint_url):
         try:
-            tensors, _ = load_tensors(uri)
+            tensors, _ = load_tensors(uri, storage.fsspec_options(uri, endpoint_url))
             return uri, meta, tensors["fisher_sum"]
         except (ValueError, OSError, KeyError) as e:
             print(f"[subnet] checkpoint {uri} is unusable ({str(e).splitlines()[0][:200]}); "
@@ -424,7 +425,7 @@ def _subnet_loop(config: dict) -> None:
             uri = storage.join(partial, f"ckpt-{len(totals.done):06d}")
             save_tensors(uri, {"fisher_sum": F.detach().cpu().contiguous()},
                          {"format": PARTIAL_FORMAT, "fingerprint": meta["fingerprint"], "subnet_size": S,
-                          "written_at": time.time(), **totals.to_meta()})
+                          "written_at": time.time(), **totals.to_meta()}, storage.fsspec_options(uri, ep))
             for name in storage.listdir(partial, ep):  # the older ones, now that this one is committed
                 if name.startswith("ckpt-") and name != uri.rsplit("/", 1)[-1]:
                     storage.remove(storage.join(partial, name), recursive=True, endpoint_url=ep)
@@ -440,7 +441,7 @@ def _subnet_loop(config: dict) -> None:
             **meta, "rows": rows_n, "invalid_rows": invalid_n, "skipped": totals.skipped.to_dict(),
             "world_size": world, "collect_s": collect_s, **rec, "written_at": time.time(),
             "computed_partitions": todo, "reused_partitions": reused,
-        })
+        }, ep)
         storage.remove(partial, recursive=True, endpoint_url=ep)
         print(f"[subnet] S = {S}: Fisher over {totals.count} examples written ({rows_n} rows, "
               f"{invalid_n} invalid)", flush=True)
@@ -476,10 +477,9 @@ def run_subnet_pass(
         raise ValueError("run_subnet_pass needs a CurvatureConfig and a SubnetConfig")
     if not partitions:
         raise ValueError("run_subnet_pass needs at least one data partition")
-    endpoint_url = storage.resolve_endpoint(endpoint_url) if storage.is_remote(output_uri) else endpoint_url
-    with _endpoint_env(endpoint_url if storage.is_remote(output_uri) else None):
-        if stats is None:
-            stats = CurvatureStatistics.load(_reduced_uri(output_uri))
+    endpoint_url = storage.resolve_options(endpoint_url)  # resolved here, travels to every worker as is
+    if stats is None:
+        stats = CurvatureStatistics.load(_reduced_uri(output_uri), storage.fsspec_options(output_uri, endpoint_url))
     masks, S, D = select_masks(stats, scfg)
     model = _model_ref(model_spec)
     ids, by_id, rows = _index_partitions(partitions)
@@ -505,16 +505,15 @@ def run_subnet_pass(
     })
     meta["fingerprint"] = fp
     uri = subnet_uri(output_uri)
-    with _endpoint_env(endpoint_url if storage.is_remote(output_uri) else None):
-        old = storage.read_json(_manifest(uri), endpoint_url).get("meta", {}) \
-            if storage.exists(_manifest(uri), endpoint_url) else {}
-        if old.get("format") == FORMAT and old.get("fingerprint") == fp:
-            print(f"[subnet] {uri}: done earlier (same fingerprint), reused", flush=True)
-            return SubnetResult(uri=uri, subnet_size=S, d_total=D, count=int(old["count"]), fisher=scfg.fisher,
-                                computed=False,
-                                fit_s=0.0, allreduce_s=0.0, allreduce_bytes=0, rows=int(old.get("rows", 0)),
-                                skipped=old.get("skipped", {}), per_layer=meta["per_layer"],
-                                zero_fisher=meta["zero_fisher"])
+    old = storage.read_json(_manifest(uri), endpoint_url).get("meta", {}) \
+        if storage.exists(_manifest(uri), endpoint_url) else {}
+    if old.get("format") == FORMAT and old.get("fingerprint") == fp:
+        print(f"[subnet] {uri}: done earlier (same fingerprint), reused", flush=True)
+        return SubnetResult(uri=uri, subnet_size=S, d_total=D, count=int(old["count"]), fisher=scfg.fisher,
+                            computed=False,
+                            fit_s=0.0, allreduce_s=0.0, allreduce_bytes=0, rows=int(old.get("rows", 0)),
+                            skipped=old.get("skipped", {}), per_layer=meta["per_layer"],
+                            zero_fisher=meta["zero_fisher"])
 
     if not ray.is_initialized():
         ray.init()

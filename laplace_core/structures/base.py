@@ -252,8 +252,10 @@ class Posterior:
         moved = {k: t.to(device=device) for k, t in sd["tensors"].items()}
         return type(self).from_state_dict({"meta": sd["meta"], "tensors": moved})
 
-    def save(self, uri: str) -> None:
+    def save(self, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        """Write the posterior as a :mod:`laplace_core.io` artifact; ``storage_options`` are
+        fsspec's keyword arguments for a remote ``uri`` (ignored for local paths)."""
         from ..io import save_tensors
 
         sd = self.state_dict()
-        save_tensors(uri, sd["tensors"], sd["meta"])
+        save_tensors(uri, sd["tensors"], sd["meta"], storage_options)

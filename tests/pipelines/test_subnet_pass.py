@@ -214,12 +214,10 @@ def test_killed_worker_resumes_from_the_checkpoint(setup, ray_session, s3_bucket
     partition (``checkpoint_every_s=0``), computes only the second and gives the
     single-process result; the checkpoints are removed at the end."""
     from pipelines import storage
-    from pipelines.curvature import _endpoint_env
 
     bucket, endpoint = s3_bucket
     out = f"{bucket}/out_resume"
-    with _endpoint_env(endpoint):
-        setup["stats"].save(reduced_uri(out))
+    setup["stats"].save(reduced_uri(out), storage.fsspec_options(out, endpoint))
     marker = str(setup["tmp"] / "subnet-fault.json")
     ids = [p.id for p in setup["parts"]]
     cfg = _cfg(max_failures=1, fault_injection={"pass": 3, "partition": ids[1], "once_marker": marker})
@@ -228,8 +226,7 @@ def test_killed_worker_resumes_from_the_checkpoint(setup, ray_session, s3_bucket
                           endpoint_url=endpoint)
     assert os.path.exists(marker), "the fault was not injected"
     assert res.computed and res.reused_partitions == (ids[0],) and res.computed_partitions == (ids[1],)
-    with _endpoint_env(endpoint):
-        F, count, masks, meta = load_subnet_fisher(subnet_uri(out))
+    F, count, masks, meta = load_subnet_fisher(subnet_uri(out), endpoint)
     F_ref, n_ref = _reference(setup, masks)
     assert count == n_ref == res.count and _close(F, F_ref)
     assert res.rows == sum(len(p) for p in setup["parts"]) and res.skipped["count"] > 0
