@@ -65,6 +65,7 @@ from laplace_core.metrics import (
 )
 
 from . import storage
+from .errors import StageError, cause_line
 from .malloc import tune_malloc
 
 __all__ = [
@@ -552,11 +553,24 @@ class EvalWorker:
 
     def __init__(self, model: Mapping[str, Any], posterior_uris: Mapping[str, str],
                  hyper: Mapping[str, Sequence[float]] | None, cfg: EvalConfig,
-                 endpoint_url: str | None = None):
+                 endpoint_url: storage.Store = None):
+        # an exception here is kept, not raised: Ray would print its traceback from every
+        # actor; the driver asks ``started()`` and reports the first one in one line
+        self.cfg = cfg
+        self.init_error: str | None = None
+        try:
+            self._load(model, posterior_uris, hyper, cfg, endpoint_url)
+        except Exception as e:  # noqa: BLE001 - reported to the driver, which stops the stage
+            self.init_error = f"{type(e).__name__}: {e}"
+
+    def started(self) -> str | None:
+        """``None`` once the model and posteriors are loaded, else the error, in one line."""
+        return self.init_error
+
+    def _load(self, model, posterior_uris, hyper, cfg, endpoint_url) -> None:
         t0 = time.perf_counter()
         torch.set_num_threads(cfg.threads)
         tune_malloc()  # reuse the per-batch buffers instead of page-faulting them in again
-        self.cfg = cfg
         self.model = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device,
                                      endpoint_url=endpoint_url)
         dev = torch.device(cfg.resolved_device)
@@ -566,6 +580,8 @@ class EvalWorker:
         self.load_seconds = time.perf_counter() - t0
 
     def run(self, in_shard: Any, ood_shard: Any = None, actor_index: int = 0) -> dict[str, Any]:
+        if self.init_error is not None:  # the driver stops the stage on ``started()``
+            return {"init_error": self.init_error}
         t0 = time.perf_counter()
         in_it, in_skipped = _valid_batches(in_shard, self.cfg.batch_size)
         if self.cfg.fault_marker is not None:
@@ -626,22 +642,32 @@ def run_actors(actor_cls: type, init_args: tuple, datasets: Sequence[Any], cfg: 
     ``datasets`` (``None`` entries stay ``None``) and return their ``run`` results in actor
     order. Actors are killed afterwards. When an actor dies (``ray.exceptions.RayActorError``)
     the whole round starts again with new actors and new splits, at most ``cfg.max_failures``
-    times; an error raised by the actors' code propagates at once."""
+    times. An error raised by the actors' code (in ``__init__``, reported by ``started()``, or in
+    ``run``) stops the round at once as a :class:`pipelines.errors.StageError` carrying the
+    cause's own one-line message (which names the URI), not the remote tracebacks."""
     import ray
-    from ray.exceptions import RayActorError
+    from ray.exceptions import RayActorError, RayTaskError
 
     n = cfg.num_actors
+    name = actor_cls.__name__
     remote_cls = ray.remote(actor_cls).options(**_actor_options(cfg))
     for attempt in range(cfg.max_failures + 1):
         actors = [remote_cls.remote(*init_args) for _ in range(n)]
-        # queued before ``run`` (an actor runs its calls in order): resolves once it is constructed
-        ready = [a.__ray_ready__.remote() for a in actors]
+        # queued before ``run`` (an actor runs its calls in order): resolves once it is constructed;
+        # actors with a ``started()`` method report an error of their ``__init__`` through it
+        ready = [(a.started if hasattr(actor_cls, "started") else a.__ray_ready__).remote() for a in actors]
         try:
             splits = [None if ds is None else ds.streaming_split(n, equal=False) for ds in datasets]
             refs = [a.run.remote(*[None if s is None else s[i] for s in splits], actor_index=i)
                     for i, a in enumerate(actors)]
-            _wait_for_actors(ready, cfg, actor_cls.__name__)
-            return ray.get(refs)
+            _wait_for_actors(ready, cfg, name)
+            errors = [e for e in ray.get(ready) if isinstance(e, str)]
+            if errors:
+                raise StageError(f"{name}: {len(errors)} of {n} actor(s) could not start: {errors[0]}")
+            try:
+                return ray.get(refs)
+            except RayTaskError as e:  # the actors' own code raised: its message, not the remote traceback
+                raise StageError(f"{name} failed: {cause_line(e)}") from None
         except RayActorError as e:
             if attempt == cfg.max_failures:
                 raise

@@ -340,6 +340,8 @@ class SearchWorker(EvalWorker):
         super().__init__(model, posterior_uris, None, cfg, endpoint_url)
 
     def run(self, shard: Any, actor_index: int = 0) -> dict[str, Any]:  # type: ignore[override]
+        if self.init_error is not None:  # the driver stops the stage on ``started()``
+            return {"init_error": self.init_error}
         t0 = time.perf_counter()
         it, skipped = _valid_batches(shard, self.cfg.batch_size)
         rows = self.cfg.expected_rows[0]

@@ -101,9 +101,9 @@ def main(argv: list[str] | None = None, prog: str = "imagenet_inf.py") -> int:
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args)
-        from .run import preflight
+        from .preflight import preflight
 
-        preflight(cfg)  # paths, model names, weights: fail before any cluster work
+        preflight(cfg, check_output=not args.dry_run)  # models; data, OOD, weights, output: before any cluster work
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -117,8 +117,13 @@ def main(argv: list[str] | None = None, prog: str = "imagenet_inf.py") -> int:
     if cfg.data.demo:
         print(f"infoform: running the embedded demo (preset {cfg.preset}): digits in-distribution, "
               "rendered letters out-of-distribution, a small CNN trained on the spot")
+    from .errors import StageError
     from .run import run
 
-    result = run(cfg, init_ray=lambda: _init_ray(args.address))
+    try:
+        result = run(cfg, init_ray=lambda: _init_ray(args.address))
+    except StageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
     print(f"infoform: report at {result.report_path}")
     return 0

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from . import storage
 from .config import STAGES, EvalSpec, ModelSpec, RunConfig, to_dict
 
-__all__ = ["RunResult", "preflight", "run", "stage_marker_uri"]
+__all__ = ["RunResult", "run", "stage_marker_uri"]
 
 DEMO_NUM_CLASSES = 10
 
@@ -98,49 +98,6 @@ class _Stages:
         _log(f"stage {stage}: finished in {summary['seconds']:.1f} s")
         self.results[stage] = summary
         return summary
-
-
-# --------------------------------------------------------------------------- preflight
-def _is_weights_file(weights: str | None) -> bool:
-    from .models import _is_enum_name
-
-    return weights is not None and not _is_enum_name(weights)
-
-
-def preflight(cfg: RunConfig) -> None:
-    """Everything that can be checked before any cluster work: model names, weights
-    files, data and OOD roots. Raises ``ValueError``/``FileNotFoundError`` in one line."""
-    from .models import EXTRA_MODELS, model_names, resolve_weights_enum, _is_enum_name
-
-    valid = set(model_names())
-    for spec in cfg.all_models():
-        if spec.name not in valid:
-            fam = sorted(n for n in valid if n.startswith(("resnet", "densenet"))) + sorted(EXTRA_MODELS)
-            raise ValueError(f"unknown model {spec.name!r}; valid: {', '.join(fam)} (or any torchvision classifier)")
-        if spec.weights is not None:
-            if _is_enum_name(spec.weights):
-                resolve_weights_enum(spec.weights)
-            elif not storage.exists(spec.weights, _endpoint(cfg)):
-                raise FileNotFoundError(f"weights file not found: {spec.weights}")
-        elif spec.name != "demo_cnn":
-            raise ValueError(f"model {spec.name!r} needs --weights (a state-dict file or a torchvision weights name)")
-    if cfg.models and cfg.model != ModelSpec():
-        raise ValueError("both model (--model/--weights) and models: (an audit) are set; with models:, give each "
-                         "model's weights in the list, e.g. --set 'models=[{name: resnet18, weights: ...}]'")
-    names = [spec.name for spec in cfg.all_models()]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ValueError(f"models: {', '.join(twice)} listed more than once; an audit writes each model to "
-                         "<output>/models/<name>/, so model names must be unique")
-    if not cfg.data.demo:
-        root = cfg.data.root
-        if not storage.exists(root, _endpoint(cfg)):
-            raise FileNotFoundError(f"data root not found: {root}")
-        train = storage.join(root, cfg.data.train_split) if cfg.data.train_split else root
-        if "curvature" in cfg.stages and not storage.exists(train, _endpoint(cfg)):
-            raise FileNotFoundError(f"train split not found: {train}")
-        if cfg.data.ood and not storage.exists(cfg.data.ood, _endpoint(cfg)):
-            raise FileNotFoundError(f"OOD folder not found: {cfg.data.ood}")
 
 
 # --------------------------------------------------------------------------- data

@@ -1,12 +1,63 @@
-"""Shared pytest setup: local-only Ray settings and the repository root on sys.path."""
+"""Shared pytest setup: local-only Ray settings, fake AWS credentials, the repository root
+on sys.path, and one moto S3 server per session.
+
+- ``moto_s3``: a moto ``ThreadedMotoServer`` on 127.0.0.1 (free port); yields its endpoint
+  URL ``http://127.0.0.1:PORT``. Pass it as ``endpoint_url=`` (``pipelines.storage``,
+  ``DataConfig``), to the job as ``--endpoint-url``, or to s3fs as
+  ``client_kwargs={"endpoint_url": ...}``.
+- ``s3_bucket`` (function-scoped): creates a fresh, uniquely named bucket on ``moto_s3``
+  and yields ``(uri "s3://name", endpoint)``.
+
+Fake AWS credentials are set when this file is imported, before any client exists
+(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY = "testing", AWS_DEFAULT_REGION=us-east-1,
+AWS_EC2_METADATA_DISABLED=true; AWS_PROFILE, session tokens and any AWS_ENDPOINT_URL*
+removed), so no test can reach a real account and an endpoint reaches the code only where a
+test passes it.
+"""
+import logging
 import os
 import sys
+import uuid
 from pathlib import Path
+
+import pytest
 
 # Ray on one machine: bind to 127.0.0.1 and no token auth (../shared/ENVIRONMENT.md).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
+os.environ.update(
+    AWS_ACCESS_KEY_ID="testing",
+    AWS_SECRET_ACCESS_KEY="testing",
+    AWS_DEFAULT_REGION="us-east-1",
+    AWS_EC2_METADATA_DISABLED="true",
+)
+for _var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+    os.environ.pop(_var, None)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(moto_s3):
+    import boto3
+
+    name = f"t-{uuid.uuid4().hex[:16]}"
+    boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1").create_bucket(Bucket=name)
+    yield f"s3://{name}", moto_s3

@@ -108,3 +108,84 @@ def test_infoform_run_is_the_same_entry_point():
     res = subprocess.run([sys.executable, "-m", "pipelines", "run", "--preset", "nope"], capture_output=True,
                          text=True, timeout=300, cwd=ROOT)
     _one_line_error(res, "infoform run: error", "unknown preset")
+
+
+# --------------------------------------------------------------------------- S3 preflight
+@pytest.fixture(scope="module")
+def s3_layout(moto_s3, weights):
+    """A bucket with one training image and a weights object on moto's server (127.0.0.1)."""
+    import boto3
+
+    bucket = f"pre-{os.getpid()}"
+    s3 = boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1")
+    s3.create_bucket(Bucket=bucket)
+    s3.put_object(Bucket=bucket, Key="data/train/n01/a.jpg", Body=b"\xff\xd8\xff")
+    s3.put_object(Bucket=bucket, Key="r18.pt", Body=weights.read_bytes())
+    return f"s3://{bucket}", moto_s3
+
+
+def _s3_args(data: str, weights: str, endpoint: str, output: str) -> list[str]:
+    return ["--preset", "imagenet-resnet50", "--data", data, "--weights", weights, "--output", output,
+            "--endpoint-url", endpoint]
+
+
+def _closed_port_endpoint() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
+
+
+def _s3_cases(bucket: str, endpoint: str) -> dict[str, tuple[list[str], tuple[str, ...]]]:
+    wrong = _closed_port_endpoint()
+    return {
+        "wrong endpoint": (_s3_args(f"{bucket}/data", f"{bucket}/r18.pt", wrong, f"{bucket}/out"),
+                           ("cannot reach the S3 store", wrong, "--endpoint-url")),
+        "missing bucket": (_s3_args("s3://no-such-bucket-9f3a/data", f"{bucket}/r18.pt", endpoint, f"{bucket}/out"),
+                           ("bucket 'no-such-bucket-9f3a' does not exist", endpoint)),
+        "missing output bucket": (_s3_args(f"{bucket}/data", f"{bucket}/r18.pt", endpoint, "s3://no-out-bucket-1c2d/o"),
+                                  ("bucket 'no-out-bucket-1c2d' does not exist", "output")),
+        "missing weights object": (_s3_args(f"{bucket}/data", f"{bucket}/missing.pt", endpoint, f"{bucket}/out"),
+                                   ("weights file not found", f"{bucket}/missing.pt")),
+        "missing OOD prefix": (_s3_args(f"{bucket}/data", f"{bucket}/r18.pt", endpoint, f"{bucket}/out")
+                               + ["--ood", f"{bucket}/ood"], ("OOD folder not found", f"{bucket}/ood")),
+    }
+
+
+@pytest.mark.s3
+def test_s3_problems_are_one_line_before_ray(s3_layout):
+    """Wrong endpoint, missing bucket, missing weights object: exit 2, one line naming the
+    URI / endpoint, no Ray started. The endpoint comes
+    from the flag alone (no AWS_ENDPOINT_URL* in the environment)."""
+    bucket, endpoint = s3_layout
+    assert not any(k.startswith("AWS_ENDPOINT_URL") for k in os.environ)
+    cases = _s3_cases(bucket, endpoint)
+    for name in ("wrong endpoint", "missing bucket", "missing weights object"):  # the rest: in-process below
+        _one_line_error(_run(*cases[name][0]), *cases[name][1])
+
+
+@pytest.mark.s3
+def test_s3_preflight_answers_within_seconds(s3_layout):
+    """The same checks in-process (no interpreter start-up): each answers in under 10 s; a
+    wrong endpoint fails after one short attempt, not after s3fs's and botocore's back-off.
+    The good layout passes and leaves no probe object behind."""
+    import time
+
+    from pipelines.job import config_from_args, get_args_parser
+    from pipelines.preflight import PreflightError, preflight
+    from pipelines import storage
+
+    bucket, endpoint = s3_layout
+    for name, (args, needles) in _s3_cases(bucket, endpoint).items():
+        cfg = config_from_args(get_args_parser().parse_args(args))
+        t0 = time.perf_counter()
+        with pytest.raises(PreflightError) as err:
+            preflight(cfg)
+        took = time.perf_counter() - t0
+        assert took < 10.0, f"{name}: preflight took {took:.1f} s"
+        assert all(n in str(err.value) for n in needles), (name, str(err.value))
+    good = config_from_args(get_args_parser().parse_args(_s3_args(f"{bucket}/data", f"{bucket}/r18.pt", endpoint,
+                                                                  f"{bucket}/out")))
+    assert preflight(good)["endpoint"] == endpoint
+    assert storage.listdir(f"{bucket}/out", endpoint) == []

@@ -1,4 +1,5 @@
-"""Shared fixtures for pipeline tests: one local Ray per session, one moto S3 server per session.
+"""Shared fixtures for pipeline tests: one local Ray per session (the moto S3 fixtures
+``moto_s3`` / ``s3_bucket`` and the fake AWS credentials live in ``tests/conftest.py``).
 
 Fixtures (all session-scoped unless said otherwise):
 
@@ -30,7 +31,6 @@ import os
 import shutil
 import sys
 import tempfile
-import uuid
 
 import pytest
 
@@ -41,14 +41,6 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
-os.environ.update(
-    AWS_ACCESS_KEY_ID="testing",
-    AWS_SECRET_ACCESS_KEY="testing",
-    AWS_DEFAULT_REGION="us-east-1",
-    AWS_EC2_METADATA_DISABLED="true",
-)
-for _var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
-    os.environ.pop(_var, None)
 _pp = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 os.environ["PYTHONPATH"] = os.pathsep.join([_REPO, _HERE] + [p for p in _pp if p not in (_REPO, _HERE)])
 for _p in (_HERE, _REPO):
@@ -79,26 +71,3 @@ def ray_session():
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def moto_s3():
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def s3_bucket(moto_s3):
-    import boto3
-
-    name = f"t-{uuid.uuid4().hex[:16]}"
-    boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1").create_bucket(Bucket=name)
-    yield f"s3://{name}", moto_s3

@@ -256,6 +256,31 @@ def test_acceptance_digits_search_then_evaluate(ray_session, digits):
         assert res[m]["accuracy"] >= res[MAP]["accuracy"] - 0.05, (m, res[m]["accuracy"], res[MAP]["accuracy"])
 
 
+def test_an_actor_that_cannot_load_a_posterior_stops_the_stage_in_one_block(ray_session, digits, capsys):
+    """A posterior URI the actors cannot read (here a missing folder; in the field, an S3
+    endpoint that did not reach them): the stage ends at once with a ``StageError`` naming the
+    URI, on the first attempt (no retry of a deterministic failure), and no actor prints a
+    traceback."""
+    import time
+
+    from pipelines.errors import StageError
+
+    uris = {**digits["uris"], "inf": str(digits["root"] / "posterior" / "no-such-method")}
+    cfg = EvalConfig(num_actors=2, mc_samples=1, batch_size=32, torch_threads=1, cpus_per_actor=0.5, max_failures=2)
+    capsys.readouterr()
+    t0 = time.perf_counter()
+    with pytest.raises(StageError) as err:
+        evaluate(digits["model"], uris, _ds(digits, "test"), None, cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and "Traceback" not in msg, msg
+    assert "EvalWorker: 2 of 2 actor(s) could not start" in msg and "FileNotFoundError" in msg, msg
+    assert "no-such-method" in msg and "manifest.json not found" in msg, msg
+    time.sleep(1.0)  # the actors' output reaches the driver asynchronously
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err and "an actor died" not in out.out, out
+    print(f"stopped after {time.perf_counter() - t0:.1f} s: {msg}")
+
+
 class _Idle:
     pass
 

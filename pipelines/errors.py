@@ -1,0 +1,32 @@
+"""Errors the job reports to the user as one readable block instead of a traceback wall.
+
+:class:`StageError`: a stage failed for a reason the user can act on (an actor could not
+load a posterior from a URI, a worker's code raised). Raised on the driver with the cause's
+own message (which names the URI); ``pipelines.job.main`` prints it and exits with code 1.
+"""
+from __future__ import annotations
+
+import re
+
+__all__ = ["StageError", "cause_line"]
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)|[A-Z]\w*Error)\b(:.*)?$")
+
+
+class StageError(RuntimeError):
+    """A stage failed; ``str(e)`` is the whole message for the user (one block, no traceback)."""
+
+
+def cause_line(error: BaseException | str) -> str:
+    """The ``Type: message`` line of the innermost exception in ``error`` (a Ray error's text
+    carries the remote traceback; its last exception line is the cause), ANSI colours removed."""
+    text = _ANSI.sub("", str(error))
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if _EXC_LINE.match(ln):
+            return ln
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}"
+    return lines[-1] if lines else type(error).__name__ if isinstance(error, BaseException) else "unknown error"

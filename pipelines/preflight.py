@@ -1,0 +1,166 @@
+"""Preflight: everything the job can check before any cluster work, each failure one line.
+
+Run by the job (``pipelines.job.main``) before Ray starts: the configuration's model names
+and weights, the data, OOD and weights URIs, and that the output prefix is writable, all
+with the run's own store settings (:class:`pipelines.storage.StorageOptions`) and the
+credentials of the AWS chain. A wrong endpoint, a missing bucket, denied access or a
+missing object is a :class:`PreflightError` (a ``ValueError``) naming the URI and the
+endpoint; the job prints it and exits with code 2. The store is probed through a fresh
+filesystem with short timeouts and one retry, so a wrong endpoint fails in seconds rather
+than after s3fs's and botocore's back-off (minutes).
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from . import storage
+from .config import ModelSpec, RunConfig
+
+__all__ = ["PreflightError", "preflight", "check_uri", "check_writable"]
+
+#: Seconds to connect to / read from the store while probing it.
+CONNECT_TIMEOUT_S = 3
+READ_TIMEOUT_S = 8
+
+
+class PreflightError(ValueError):
+    """A problem found before any cluster work, stated in one line."""
+
+
+def _probe_fs(uri: str, opts: storage.StorageOptions):
+    """A filesystem for ``uri`` that fails fast: short timeouts, one attempt, no instance cache."""
+    if not storage.is_remote(uri):
+        return storage.get_fs(uri)
+    import fsspec
+
+    kwargs = opts.s3_kwargs()
+    config = dict(kwargs.pop("config_kwargs", {}) or {})
+    config.update(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+                  retries={"max_attempts": 1, "mode": "standard"})
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, config_kwargs=config, **kwargs)
+    fs.retries = 1  # s3fs's own retry loop (5 with back-off by default)
+    return fs, storage.get_fs(uri, opts)[1]
+
+
+def _bucket_exists(fs, bucket: str) -> bool:
+    """HEAD the bucket: ``False`` when it does not exist; connection and permission problems
+    raise (s3fs's ``exists`` would report them as a missing bucket)."""
+    try:
+        fs.call_s3("head_bucket", Bucket=bucket)
+        return True
+    except FileNotFoundError:
+        return False
+    except Exception as e:
+        resp = getattr(e, "response", None) or {}
+        code = str(resp.get("Error", {}).get("Code", "")) if isinstance(resp, dict) else ""
+        if code in ("404", "NoSuchBucket", "NotFound"):
+            return False
+        raise
+
+
+def _where(opts: storage.StorageOptions) -> str:
+    return f"endpoint {opts.endpoint_url}" if opts.endpoint_url else "AWS's default endpoint"
+
+
+def _explain(e: BaseException, uri: str, opts: storage.StorageOptions) -> str:
+    """One line for an exception raised while probing ``uri``."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    name = type(e).__name__
+    low = text.lower()
+    bucket = uri.split("://", 1)[1].split("/", 1)[0] if "://" in uri else None
+    if "nosuchbucket" in low or "bucket does not exist" in low or "specified bucket does not exist" in low:
+        return f"bucket {bucket!r} does not exist at the {_where(opts)} ({uri})"
+    if isinstance(e, PermissionError) or "accessdenied" in low or "access denied" in low or "forbidden" in low \
+            or "invalidaccesskeyid" in low or "signaturedoesnotmatch" in low:
+        return (f"access denied to {uri} at the {_where(opts)}: check the credentials of the AWS chain "
+                f"(environment, shared config, instance role) and the bucket policy ({text[:160]})")
+    if "connect" in low or "endpoint" in low or "timeout" in low or "timed out" in low or "name or service" in low \
+            or name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ClientConnectorError"):
+        return (f"cannot reach the S3 store at the {_where(opts)} for {uri} ({name}: {text[:160]}); "
+                "check --endpoint-url (storage.endpoint_url)")
+    return f"cannot read {uri} at the {_where(opts)} ({name}: {text[:200]})"
+
+
+def check_uri(uri: str, what: str, opts: storage.StorageOptions) -> None:
+    """``uri`` exists in its store (a file, a folder or a prefix with objects under it)."""
+    fs, path = _probe_fs(uri, opts)
+    try:
+        if storage.is_remote(uri):
+            bucket = path.split("/", 1)[0]
+            if not _bucket_exists(fs, bucket):
+                raise PreflightError(f"bucket {bucket!r} does not exist at the {_where(opts)} ({what}: {uri})")
+        fs.invalidate_cache(path)
+        found = fs.exists(path)
+    except PreflightError:
+        raise
+    except Exception as e:  # botocore / aiohttp / s3fs raise many kinds; each becomes one line
+        raise PreflightError(f"{what}: {_explain(e, uri, opts)}") from None
+    if not found:
+        raise PreflightError(f"{what} not found: {uri}" + (f" (at the {_where(opts)})" if storage.is_remote(uri) else ""))
+
+
+def check_writable(uri: str, opts: storage.StorageOptions) -> None:
+    """Write and delete a small probe object under the output prefix ``uri``."""
+    probe = storage.join(uri, f".infoform-preflight-{uuid.uuid4().hex[:12]}")
+    try:
+        if storage.is_remote(uri):
+            fs, path = _probe_fs(uri, opts)
+            bucket = path.split("/", 1)[0]
+            if not _bucket_exists(fs, bucket):
+                raise PreflightError(f"bucket {bucket!r} does not exist at the {_where(opts)} (output: {uri})")
+            ppath = storage.get_fs(probe, opts)[1]
+            fs.pipe_file(ppath, b"ok")
+            fs.rm(ppath)
+        else:
+            storage.write_bytes_atomic(probe, b"ok")
+            storage.remove(probe)
+    except PreflightError:
+        raise
+    except Exception as e:
+        raise PreflightError(f"output is not writable: {_explain(e, uri, opts)}") from None
+
+
+def _check_models(cfg: RunConfig, opts: storage.StorageOptions) -> None:
+    from .models import EXTRA_MODELS, is_enum_name, model_names, resolve_weights_enum
+
+    valid = set(model_names())
+    for spec in cfg.all_models():
+        if spec.name not in valid:
+            fam = sorted(n for n in valid if n.startswith(("resnet", "densenet"))) + sorted(EXTRA_MODELS)
+            raise PreflightError(f"unknown model {spec.name!r}; valid: {', '.join(fam)} (or any torchvision classifier)")
+        if spec.weights is not None:
+            if is_enum_name(spec.weights):
+                resolve_weights_enum(spec.weights)
+            else:
+                check_uri(spec.weights, "weights file", opts)
+        elif spec.name != "demo_cnn":
+            raise PreflightError(f"model {spec.name!r} needs --weights (a state-dict file or a torchvision weights name)")
+    if cfg.models and cfg.model != ModelSpec():
+        raise PreflightError("both model (--model/--weights) and models: (an audit) are set; with models:, give each "
+                             "model's weights in the list, e.g. --set 'models=[{name: resnet18, weights: ...}]'")
+    names = [spec.name for spec in cfg.all_models()]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise PreflightError(f"models: {', '.join(twice)} listed more than once; an audit writes each model to "
+                             "<output>/models/<name>/, so model names must be unique")
+
+
+def preflight(cfg: RunConfig, *, check_output: bool = True) -> dict[str, Any]:
+    """Check ``cfg`` against the world before any cluster work; returns what was checked.
+    Raises :class:`PreflightError` (one line) on the first problem. ``check_output=False``
+    (``--dry-run``) skips the write probe, which would create a local output folder."""
+    opts = cfg.storage_options()
+    checked: dict[str, Any] = {"endpoint": opts.endpoint_url}
+    _check_models(cfg, opts)
+    if not cfg.data.demo:
+        root = cfg.data.root
+        check_uri(root, "data root", opts)
+        if "curvature" in cfg.stages and cfg.data.train_split:
+            check_uri(storage.join(root, cfg.data.train_split), "train split", opts)
+        if cfg.data.ood:
+            check_uri(cfg.data.ood, "OOD folder", opts)
+    if check_output:
+        check_writable(cfg.output, opts)
+        checked["output"] = cfg.output
+    return checked
