@@ -92,10 +92,18 @@ class StorageSpec:
     unset, ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` of the submitting process), and
     ``options``, any further s3fs keyword arguments (e.g. ``{config_kwargs: {s3:
     {addressing_style: path}}}``). Resolved once on the driver and passed explicitly to every
-    Train worker, Ray Data task and actor. Credentials never go here: the AWS chain supplies them."""
+    Train worker, Ray Data task and actor. Credentials never go here: the AWS chain supplies them.
+    ``shared_fs``: local paths (output, data, OOD, weights) are on a filesystem that every node
+    of a multi-node cluster mounts at the same place; without it such paths are refused there
+    (:mod:`pipelines.cluster`). ``allow_download``: a torchvision weights name (e.g.
+    ``ResNet50_Weights.IMAGENET1K_V1``) whose file is not in the driver's torch hub cache is
+    refused in preflight unless this is set, since every node would download it and clusters
+    often have no internet access."""
 
     endpoint_url: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    shared_fs: bool = False  # local paths are on a filesystem every node mounts at the same place
+    allow_download: bool = False  # torchvision weights names not in the local cache may be downloaded by each node
 
 
 @dataclass(frozen=True)
@@ -160,7 +168,8 @@ class EvalSpec:
     seed: int = 0
     max_failures: int = 2  # the actors' round starts again this often when an actor dies (search and evaluation)
     cpus_per_actor: float = 0.5  # Ray CPUs per search/evaluation actor (its torch threads: max(1, round(cpus)))
-    gpus_per_actor: float | None = None  # None: min(1, cluster GPUs / num_actors), 0 without GPUs; > 0 runs on CUDA
+    gpus_per_actor: float | None = None  # None: 1, or 1/k so that every actor fits the cluster's GPUs; 0 without
+    placement_timeout_s: float = 900.0  # actors not placed by then (resources the cluster lacks) end the stage
 
 
 @dataclass(frozen=True)
@@ -199,6 +208,14 @@ class RunConfig:
             raise ConfigError("evaluate.cpus_per_actor must be >= 0")
         if self.evaluate.gpus_per_actor is not None and not self.evaluate.gpus_per_actor >= 0:
             raise ConfigError("evaluate.gpus_per_actor must be >= 0 (or null: one share of the cluster's GPUs)")
+        if self.evaluate.gpus_per_actor is not None:
+            from .cluster import check_gpu_request
+
+            why = check_gpu_request(self.evaluate.gpus_per_actor)
+            if why:
+                raise ConfigError(f"evaluate.gpus_per_actor: {why}")
+        if not self.evaluate.placement_timeout_s > 0:
+            raise ConfigError("evaluate.placement_timeout_s must be > 0 (seconds)")
         if self.curvature.num_workers < 1:
             raise ConfigError("curvature.num_workers must be >= 1")
         if self.posterior.rank is not None and self.posterior.rank < 1:

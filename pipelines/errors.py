@@ -1,5 +1,8 @@
 """Errors the job reports to the user as one readable block instead of a traceback wall.
 
+:class:`PreflightError`: the configuration does not fit the world (a missing object, a wrong
+endpoint, a local path on a multi-node cluster); one line, exit code 2.
+
 :class:`StageError`: a stage failed for a reason the user can act on (an actor could not
 load a posterior from a URI, a worker's code raised). Raised on the driver with the cause's
 own message (which names the URI); ``pipelines.job.main`` prints it and exits with code 1.
@@ -8,10 +11,15 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["StageError", "cause_line"]
+__all__ = ["PreflightError", "StageError", "cause_line"]
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)|[A-Z]\w*Error)\b(:.*)?$")
+
+
+class PreflightError(ValueError):
+    """A problem found before any cluster work (or once the cluster's shape is known, before
+    any pass), stated in one line; the job exits with code 2."""
 
 
 class StageError(RuntimeError):

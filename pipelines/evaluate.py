@@ -144,7 +144,8 @@ class _RuntimeFields:
     first actor to finish a batch while this file (a URI) does not exist writes it and
     exits its process, so that the next attempt runs clean. log_every_s: actor 0 logs the
     progress (images, images/s, ETA when ``expected_rows`` gives the split's size:
-    ``(in-domain or validation rows, OOD rows)``) this often.
+    ``(in-domain or validation rows, OOD rows)``) this often. placement_timeout_s: actors
+    not placed by then (the cluster lacks what they ask for) end the stage in one line.
     """
 
     num_actors: int = 2
@@ -159,6 +160,7 @@ class _RuntimeFields:
     fault_marker: str | None = None
     log_every_s: float = 30.0
     expected_rows: tuple[int | None, int | None] = (None, None)
+    placement_timeout_s: float = 900.0
 
     def _check_runtime(self) -> None:
         for n in ("num_actors", "batch_size", "chunk_size"):
@@ -167,6 +169,8 @@ class _RuntimeFields:
             raise ValueError(f"max_failures must be an int >= 0, got {self.max_failures!r}")
         if not self.log_every_s > 0:
             raise ValueError(f"log_every_s must be > 0, got {self.log_every_s!r}")
+        if not self.placement_timeout_s > 0:
+            raise ValueError(f"placement_timeout_s must be > 0, got {self.placement_timeout_s!r}")
         if not (self.cpus_per_actor >= 0 and math.isfinite(self.cpus_per_actor)):
             raise ValueError(f"cpus_per_actor must be >= 0, got {self.cpus_per_actor!r}")
         if not (self.gpus_per_actor >= 0 and math.isfinite(self.gpus_per_actor)):
@@ -622,18 +626,27 @@ def _wait_for_actors(ready: Sequence[Any], cfg: _RuntimeFields, what: str) -> No
     ``ready``: each actor's ``__ray_ready__`` ref, queued before any other call. While some
     wait for resources, print every ``cfg.log_every_s`` seconds what each asks for and what
     the cluster has: an actor that asks for a GPU on a cluster without one (and no autoscaler
-    to add one) would otherwise wait silently forever."""
+    to add one) would otherwise wait silently forever. After ``cfg.placement_timeout_s``
+    seconds the wait ends with a :class:`pipelines.errors.StageError` saying the same."""
     import ray
 
     pending = list(ready)
     t0 = time.perf_counter()
+    deadline = t0 + cfg.placement_timeout_s
     while pending:
-        _, pending = ray.wait(pending, num_returns=len(pending), timeout=cfg.log_every_s)
-        if pending:
-            have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
-            print(f"[{what}] {len(pending)} of {len(ready)} actor(s) not started after "
-                  f"{time.perf_counter() - t0:.0f} s: each asks for {_actor_options(cfg)}, the cluster has {have} "
-                  "(on a cluster without GPUs, set evaluate.gpus_per_actor=0)", flush=True)
+        wait = max(0.0, min(cfg.log_every_s, deadline - time.perf_counter()))
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=wait)
+        if not pending:
+            break
+        have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+        asks = f"each asks for {_actor_options(cfg)}, the cluster has {have}"
+        if time.perf_counter() >= deadline:
+            raise StageError(f"{what}: {len(pending)} of {len(ready)} actor(s) could not be placed within "
+                             f"{cfg.placement_timeout_s:g} s: {asks} (lower evaluate.gpus_per_actor or "
+                             "evaluate.cpus_per_actor, add nodes, or raise evaluate.placement_timeout_s)")
+        print(f"[{what}] {len(pending)} of {len(ready)} actor(s) not started after "
+              f"{time.perf_counter() - t0:.0f} s: {asks} "
+              "(on a cluster without GPUs, set evaluate.gpus_per_actor=0)", flush=True)
 
 
 def run_actors(actor_cls: type, init_args: tuple, datasets: Sequence[Any], cfg: _RuntimeFields) -> list[dict[str, Any]]:

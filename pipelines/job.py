@@ -82,12 +82,30 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return load_config(args.preset, flags + list(args.overrides))
 
 
+#: What a driver started outside ``ray job submit`` ships to the cluster (``--address``).
+WORKING_DIR_EXCLUDES = [".venv", ".git", "runs", "*.pyc", "__pycache__", ".pytest_cache", "*.egg-info"]
+
+
+def runtime_env_for(address: str | None) -> dict | None:
+    """The runtime env for ``ray.init(address)``: inside a job started by ``ray job submit``
+    (``RAY_JOB_CONFIG_JSON_ENV_VAR`` set) the job's own; otherwise this checkout as the
+    working dir, so that the cluster's nodes import this code and not whatever ``pipelines``
+    they happen to have."""
+    if not address or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        return None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {"working_dir": root, "excludes": list(WORKING_DIR_EXCLUDES)}
+
+
 def _init_ray(address: str | None) -> None:
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address)
+        env = runtime_env_for(address)
+        if env is not None:
+            print(f"infoform: connecting to {address}; shipping {env['working_dir']} as the job's working dir")
+        ray.init(address=address, runtime_env=env)
     else:
         # A private local instance: loopback only (ENVIRONMENT.md).
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -103,7 +121,7 @@ def main(argv: list[str] | None = None, prog: str = "imagenet_inf.py") -> int:
         cfg = config_from_args(args)
         from .preflight import preflight
 
-        preflight(cfg, check_output=not args.dry_run)  # models; data, OOD, weights, output: before any cluster work
+        preflight(cfg, dry_run=args.dry_run)  # models; data, OOD, weights, output: before any cluster work
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -118,10 +136,14 @@ def main(argv: list[str] | None = None, prog: str = "imagenet_inf.py") -> int:
         print(f"infoform: running the embedded demo (preset {cfg.preset}): digits in-distribution, "
               "rendered letters out-of-distribution, a small CNN trained on the spot")
     from .errors import StageError
+    from .errors import PreflightError
     from .run import run
 
     try:
         result = run(cfg, init_ray=lambda: _init_ray(args.address))
+    except PreflightError as e:  # found once the cluster's shape is known, before any pass
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     except StageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1

@@ -16,16 +16,13 @@ from typing import Any
 
 from . import storage
 from .config import ModelSpec, RunConfig
+from .errors import PreflightError
 
 __all__ = ["PreflightError", "preflight", "check_uri", "check_writable"]
 
 #: Seconds to connect to / read from the store while probing it.
 CONNECT_TIMEOUT_S = 3
 READ_TIMEOUT_S = 8
-
-
-class PreflightError(ValueError):
-    """A problem found before any cluster work, stated in one line."""
 
 
 def _probe_fs(uri: str, opts: storage.StorageOptions):
@@ -121,7 +118,33 @@ def check_writable(uri: str, opts: storage.StorageOptions) -> None:
         raise PreflightError(f"output is not writable: {_explain(e, uri, opts)}") from None
 
 
-def _check_models(cfg: RunConfig, opts: storage.StorageOptions) -> None:
+def weights_cache_file(enum) -> str:
+    """Where torchvision keeps the file of weights ``enum`` once downloaded (torch hub's cache)."""
+    import os
+    from urllib.parse import urlsplit
+
+    import torch
+
+    return os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(urlsplit(enum.url).path))
+
+
+def _check_enum_weights(name: str, cfg: RunConfig) -> None:
+    import os
+
+    from .models import resolve_weights_enum
+
+    enum = resolve_weights_enum(name)
+    if cfg.storage.allow_download:
+        return
+    path = weights_cache_file(enum)
+    if not os.path.isfile(path):
+        raise PreflightError(
+            f"torchvision weights {name} are not in this machine's cache ({path}); every node would download them "
+            "and clusters often have no internet access: save the state dict once where there is access and pass "
+            "it as --weights s3://.../file.pt, or --set storage.allow_download=true")
+
+
+def _check_models(cfg: RunConfig, opts: storage.StorageOptions, world: bool = True) -> None:
     from .models import EXTRA_MODELS, is_enum_name, model_names, resolve_weights_enum
 
     valid = set(model_names())
@@ -132,7 +155,9 @@ def _check_models(cfg: RunConfig, opts: storage.StorageOptions) -> None:
         if spec.weights is not None:
             if is_enum_name(spec.weights):
                 resolve_weights_enum(spec.weights)
-            else:
+                if world:
+                    _check_enum_weights(spec.weights, cfg)
+            elif world:
                 check_uri(spec.weights, "weights file", opts)
         elif spec.name != "demo_cnn":
             raise PreflightError(f"model {spec.name!r} needs --weights (a state-dict file or a torchvision weights name)")
@@ -146,13 +171,15 @@ def _check_models(cfg: RunConfig, opts: storage.StorageOptions) -> None:
                              "<output>/models/<name>/, so model names must be unique")
 
 
-def preflight(cfg: RunConfig, *, check_output: bool = True) -> dict[str, Any]:
+def preflight(cfg: RunConfig, *, dry_run: bool = False) -> dict[str, Any]:
     """Check ``cfg`` against the world before any cluster work; returns what was checked.
-    Raises :class:`PreflightError` (one line) on the first problem. ``check_output=False``
-    (``--dry-run``) skips the write probe, which would create a local output folder."""
+    Raises :class:`PreflightError` (one line) on the first problem. ``dry_run`` checks the
+    configuration alone: no store is contacted, nothing is written, no cache is looked at."""
     opts = cfg.storage_options()
     checked: dict[str, Any] = {"endpoint": opts.endpoint_url}
-    _check_models(cfg, opts)
+    _check_models(cfg, opts, world=not dry_run)
+    if dry_run:
+        return checked
     if not cfg.data.demo:
         root = cfg.data.root
         check_uri(root, "data root", opts)
@@ -160,7 +187,6 @@ def preflight(cfg: RunConfig, *, check_output: bool = True) -> dict[str, Any]:
             check_uri(storage.join(root, cfg.data.train_split), "train split", opts)
         if cfg.data.ood:
             check_uri(cfg.data.ood, "OOD folder", opts)
-    if check_output:
-        check_writable(cfg.output, opts)
-        checked["output"] = cfg.output
+    check_writable(cfg.output, opts)
+    checked["output"] = cfg.output
     return checked

@@ -89,8 +89,8 @@ class _Stages:
             _log(f"stage {stage}: done earlier, skipped ({uri})")
             self.results[stage] = marker["summary"]
             return marker["summary"]
+        self.ensure_ray()  # connects and checks the cluster's shape before the stage starts
         _log(f"stage {stage}: running")
-        self.ensure_ray()
         t0 = time.perf_counter()
         summary = fn()
         summary = {**summary, "seconds": time.perf_counter() - t0}
@@ -108,6 +108,7 @@ class _DataPlan:
     mean: tuple[float, float, float] | None
     std: tuple[float, float, float] | None
     demo: dict[str, Any] | None
+    train_root: str | None = None  # the demo's local ImageFolder, where the demo CNN is trained
 
 
 def _demo_dir(output: str) -> str:
@@ -116,18 +117,43 @@ def _demo_dir(output: str) -> str:
     return storage.get_fs(output)[1]
 
 
-def _prepare_demo(output: str) -> _DataPlan:
+def _publish_demo(cfg: RunConfig, local: str, remote: str, split: str | None) -> None:
+    """Copy one split of the demo's local ImageFolder to ``remote`` as Parquet shards (the
+    encoded JPEG bytes unchanged), unless the same data is there already: with a remote
+    output the demo's images are read from the output, so that any node can read them."""
+    from .data import PARQUET_META_FILE, DataConfig, convert_to_parquet, scan
+
+    ep = _endpoint(cfg)
+    index = scan(DataConfig(root=local, split=split, unlabeled=split is None,
+                            extensions=(".jpg",) if split is None else None))
+    meta_uri = storage.join(remote, PARQUET_META_FILE)
+    if storage.exists(meta_uri, ep) and storage.read_json(meta_uri, ep).get("source_fingerprint") == index.fingerprint:
+        return
+    convert_to_parquet(index, remote, endpoint_url=None, out_endpoint_url=ep)
+
+
+def _prepare_demo(cfg: RunConfig, output: str) -> _DataPlan:
     from .demo_data import NORMALIZE_MEAN, NORMALIZE_STD, write_digits_imagefolder, write_letters_ood
 
     base = Path(_demo_dir(output))
     digits = write_digits_imagefolder(base / "demo-data" / "digits", size=32, seed=0)
     letters = write_letters_ood(base / "demo-data" / "letters", size=32, n_per_letter=30, seed=0)
+    root, ood = str(base / "demo-data" / "digits"), str(base / "demo-data" / "letters")
+    if storage.is_remote(output):  # every node reads the demo from the output, not from this machine's disk
+        remote = storage.join(output, "demo-data")
+        for split in (cfg.data.train_split, cfg.data.val_split, cfg.data.test_split):
+            if split:
+                _publish_demo(cfg, root, storage.join(remote, "digits", split), split)
+        _publish_demo(cfg, ood, storage.join(remote, "letters"), None)
+        root, ood = storage.join(remote, "digits"), storage.join(remote, "letters")
+        _log(f"demo data written to {remote} (Parquet), read from there by every node")
     return _DataPlan(
-        root=str(base / "demo-data" / "digits"),
-        ood=str(base / "demo-data" / "letters"),
+        root=root,
+        ood=ood,
         mean=NORMALIZE_MEAN,
         std=NORMALIZE_STD,
-        demo={"digits": digits["root"], "letters": letters["root"], "classes": digits["classes"]},
+        demo={"digits": root, "letters": ood, "classes": digits["classes"]},
+        train_root=digits["root"],
     )
 
 
@@ -135,8 +161,15 @@ def _demo_model(cfg: RunConfig, plan: _DataPlan, output: str) -> tuple[ModelSpec
     from .demo_data import train_small_cnn
 
     cache = Path(_demo_dir(output)) / "model"
-    _, info = train_small_cnn(plan.root, epochs=8, seed=0, cache_path=cache, num_threads=1)
+    _, info = train_small_cnn(plan.train_root, epochs=8, seed=0, cache_path=cache, num_threads=1)
     weights = str(cache / "small_cnn.safetensors")
+    if storage.is_remote(output):  # the workers and actors load the weights from the output
+        remote = storage.join(output, "demo-model", "small_cnn.safetensors")
+        data = Path(weights).read_bytes()
+        ep = _endpoint(cfg)
+        if not storage.exists(remote, ep) or storage.read_bytes(remote, ep) != data:
+            storage.write_bytes_atomic(remote, data, ep)
+        weights = remote
     info_d = dataclasses.asdict(info) if dataclasses.is_dataclass(info) else dict(info)
     return ModelSpec(name="demo_cnn", weights=weights, num_classes=DEMO_NUM_CLASSES), info_d
 
@@ -228,14 +261,22 @@ def _posterior_uris(output: str, methods) -> dict[str, str]:
 
 def _actor_resources(ev: EvalSpec) -> dict[str, float]:
     """Ray resources of each search/evaluation actor: ``evaluate.cpus_per_actor`` and
-    ``evaluate.gpus_per_actor``, or when that is null an even share of the cluster's GPUs
-    (``min(1, GPUs / num_actors)``; 0 on a cluster without GPUs). Needs Ray initialised."""
+    ``evaluate.gpus_per_actor``, or when that is null a share that lets every actor be placed
+    on the GPUs the cluster declares (:func:`pipelines.cluster.gpu_share`: 1, or 1/k; 0 on a
+    cluster without GPUs, said in one line). Needs Ray initialised."""
     gpus = ev.gpus_per_actor
     if gpus is None:
         import ray
 
-        total = float(ray.cluster_resources().get("GPU", 0.0))
-        gpus = min(1.0, total / ev.num_actors) if total > 0 else 0.0
+        from .cluster import gpu_share
+
+        declared = float(ray.cluster_resources().get("GPU", 0.0))
+        gpus = gpu_share(ev.num_actors, declared)
+        if gpus == 0:
+            _log("actors: the cluster declares no GPU, so search and evaluation run on CPUs "
+                 "(evaluate.gpus_per_actor=1 waits for GPU nodes instead)")
+        else:
+            _log(f"actors: {ev.num_actors} actor(s) on {declared:g} declared GPU(s), {gpus:.4g} GPU each")
     return {"cpus_per_actor": float(ev.cpus_per_actor), "gpus_per_actor": float(gpus)}
 
 
@@ -371,7 +412,8 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
 
     def do_search() -> dict[str, Any]:
         search_cfg = SearchConfig.from_spec(cfg.search, pred_type=ev.pred_type, max_failures=ev.max_failures,
-                                            expected_rows=(len(search_idx), None), **runtime, **_actor_resources(ev))
+                                            expected_rows=(len(search_idx), None), **runtime, **_actor_resources(ev),
+                                            placement_timeout_s=ev.placement_timeout_s)
         res = search(spec, uris, build_dataset(search_idx, val_cfg), search_cfg, output=output, endpoint_url=ep)
         return {"chosen": res.chosen, "notes": res.notes, "map": res.map,
                 "info": {**res.info, "device": search_cfg.resolved_device},
@@ -387,13 +429,14 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     # ---- evaluation on the test split and the OOD set
     # retries and actor resources do not change results (samples depend on (seed, t) and the
     # device's generator; a stage computed on CPU stays valid on GPU and is reused)
-    ev_fp = {k: v for k, v in to_dict(ev).items() if k not in ("max_failures", "cpus_per_actor", "gpus_per_actor")}
+    ev_fp = {k: v for k, v in to_dict(ev).items() if k not in ("max_failures", "cpus_per_actor", "gpus_per_actor",
+                                                                "placement_timeout_s")}
     eval_fp = {**search_fp, "evaluate": ev_fp, "test": test_idx.fingerprint,
                "ood": None if ood_idx is None else ood_idx.fingerprint, "hyper": hyper}
 
     def do_evaluate() -> dict[str, Any]:
         eval_cfg = EvalConfig.from_spec(ev, expected_rows=(len(test_idx), None if ood_idx is None else len(ood_idx)),
-                                        **_actor_resources(ev))
+                                        **_actor_resources(ev), placement_timeout_s=ev.placement_timeout_s)
         ood_ds = None if ood_idx is None else build_dataset(ood_idx, ood_cfg)
         res = evaluate(spec, uris, build_dataset(test_idx, test_cfg), ood_ds, eval_cfg, output=output,
                        hyper=hyper, endpoint_url=ep)
@@ -543,12 +586,21 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
         elif not ray.is_initialized():
             ray.init()
         _quiet_ray_data()
-    output = cfg.output
-    if not storage.is_remote(output):
-        # Ray workers do not share the driver's working directory: give them an absolute path.
-        output = os.path.abspath(storage.get_fs(output)[1])
+        from .cluster import check_paths, cluster_shape
+
+        shape = cluster_shape()
+        _log(f"cluster: {shape.nodes} node(s), {shape.cpus:g} CPUs, {shape.gpus:g} GPUs "
+             f"({shape.driver_node_cpus:g} CPUs beside the driver)")
+        check_paths(cfg, shape)  # local paths on several nodes: one line, before any pass
+
+    from .cluster import resolve_output
+
+    # Ray workers do not share the driver's working directory: an absolute path, outside a
+    # `ray job submit --working-dir` copy (pipelines.cluster.resolve_output)
+    output = resolve_output(cfg.output)
+    if output != cfg.output:
         cfg = dataclasses.replace(cfg, output=output)
-    plan = _prepare_demo(output) if cfg.data.demo else _DataPlan(
+    plan = _prepare_demo(cfg, output) if cfg.data.demo else _DataPlan(
         root=cfg.data.root, ood=cfg.data.ood, mean=None, std=None, demo=None)
     storage.write_json_atomic(storage.join(output, "config.json"), to_dict(cfg), _endpoint(cfg))
     models = cfg.all_models()

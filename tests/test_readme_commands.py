@@ -12,7 +12,7 @@ README no longer has, fails :func:`test_every_readme_command_is_mapped`.
 | ``make demo`` / ``python jobs/imagenet_inf.py`` | tests/jobs/test_demo_fresh.py (fresh clone, new venv; on in ``make test``) |
 | ``make test`` | ``.ci/run`` (CI runs exactly ``make test``) |
 | ``pip install -e '.[dev,bench]'`` | the Makefile's install recipe (``make demo`` / ``make test``) |
-| ``ray job submit ... --preset smoke ...``, ``ray start --head`` | tests/jobs/test_job.py (submits to a ``ray start --head`` on loopback) |
+| ``ray job submit ... --preset smoke ...``, ``ray start --head`` | tests/jobs/test_job.py (submits to a ``ray start --head`` on loopback, with a worker node; S3 on moto) |
 | ``ray job submit ... --preset imagenet-resnet50 ... s3://`` | parse: Ray's own ``job submit`` CLI + the job's parser (dry run) |
 | ``infoform sizes ...`` | run here (meta device, seconds); README's resnet18 figures checked |
 | ``infoform run ...`` | run here with ``--dry-run``; the job itself in tests/jobs/test_job.py |
@@ -52,7 +52,7 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "python jobs/imagenet_inf.py": ("run", "Makefile"),  # `make demo` runs it; test_demo_fresh runs make demo
     "pip install -e '.[dev,bench]'": ("run", "Makefile"),
     "ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/imagenet_inf.py --preset smoke "
-    "--output /tmp/infoform-smoke": ("run", "tests/jobs/test_job.py"),
+    "--output s3://bucket/infoform-smoke --endpoint-url http://127.0.0.1:9000": ("run", "tests/jobs/test_job.py"),
     "ray job submit --address $RAY_ADDRESS --working-dir . --runtime-env infra/runtime_env.yaml -- python "
     "jobs/imagenet_inf.py --preset imagenet-resnet50 --data s3://bucket/imagenet --weights s3://bucket/resnet50.pt "
     "--output s3://bucket/runs/r50": ("parse", "needs a GPU cluster and S3: Ray's CLI + the job's parser"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -57,47 +58,93 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _start(cmd, env, log, *, namespace_hides=()):
+    """A `ray start --block` process in its own process group (killed by PID); with
+    ``namespace_hides``, in a new mount namespace with a private tmpfs over each of those
+    folders, so that its processes cannot see what the driver has there."""
+    if namespace_hides:
+        mounts = " && ".join(f"mount -t tmpfs none {shlex.quote(str(d))}" for d in namespace_hides)
+        cmd = ["unshare", "--mount", "--propagation", "private", "bash", "-c",
+               f"{mounts} && exec {' '.join(shlex.quote(c) for c in cmd)}"]
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _stop(proc) -> None:
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 @pytest.fixture(scope="module")
-def ray_head():
-    """`ray start --head --block` on loopback with free ports; killed by PID afterwards."""
+def ray_head(tmp_path_factory):
+    """A real cluster's shape on one machine: `ray start --head --num-cpus=0` (the driver runs
+    there, nothing else) and a worker node with 2 CPUs in its own mount namespace, where the
+    driver's local folders (pytest's temporary folders, the demo's staging cache) are private
+    empty tmpfs: a local path handed to a worker is not there. Both on loopback with free
+    ports, started and killed by PID (never `ray stop`)."""
     tmp = Path(tempfile.mkdtemp(prefix="rh", dir="/tmp"))  # short: Ray's socket paths have a length limit
-    gcs, dash, agent_http, agent_grpc, runtime_env = (_free_port() for _ in range(5))
+    ports = [_free_port() for _ in range(9)]
+    gcs, dash = ports[0], ports[1]
     ray_bin = str(Path(sys.executable).parent / "ray")
-    log = open(tmp / "head.log", "w")
+    env = {**_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}  # several nodes (ENVIRONMENT.md)
+    hidden = [tmp_path_factory.getbasetemp(), Path.home() / ".cache" / "infoform"]
+    for d in hidden:
+        d.mkdir(parents=True, exist_ok=True)
+    log = open(tmp / "nodes.log", "w")
     # every port free, the agents' too: their defaults (52365, ...) are taken when another
     # Ray instance runs on this machine (e.g. the local one of tests/pipelines in the same
     # pytest session), and then the head's job agent never comes up
-    proc = subprocess.Popen(
-        [ray_bin, "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2", f"--temp-dir={tmp}",
-         f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
-         f"--runtime-env-agent-port={runtime_env}", "--disable-usage-stats", "--include-dashboard=true"],
-        env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    head = _start([ray_bin, "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1",
+                   "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=0", f"--temp-dir={tmp}",
+                   f"--dashboard-agent-listen-port={ports[2]}", f"--dashboard-agent-grpc-port={ports[3]}",
+                   f"--runtime-env-agent-port={ports[4]}", "--disable-usage-stats", "--include-dashboard=true"],
+                  env, log)
     address = f"http://127.0.0.1:{dash}"
-    deadline = time.time() + 180
+    procs = [head]
+    try:
+        _wait_for(lambda: _dashboard_up(address), head, tmp, "the head")
+        worker = _start([ray_bin, "start", f"--address=127.0.0.1:{gcs}", "--node-ip-address=127.0.0.1", "--block",
+                         "--num-cpus=2", "--disable-usage-stats", f"--dashboard-agent-listen-port={ports[5]}",
+                         f"--dashboard-agent-grpc-port={ports[6]}", f"--runtime-env-agent-port={ports[7]}",
+                         f"--metrics-export-port={ports[8]}"], env, log, namespace_hides=hidden)
+        procs.append(worker)
+        _wait_for(lambda: _alive_nodes(ray_bin, gcs, env) == 2, worker, tmp, "the worker node")
+        yield address, tmp
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _dashboard_up(address: str) -> bool:
     import urllib.request
 
-    while True:
-        try:
-            with urllib.request.urlopen(f"{address}/api/version", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except Exception:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            log.flush()
-            pytest.fail(f"ray head did not come up: {(tmp / 'head.log').read_text()[-2000:]}")
-        time.sleep(1)
-    yield address, tmp
-    os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    log.close()
-    shutil.rmtree(tmp, ignore_errors=True)
+        with urllib.request.urlopen(f"{address}/api/version", timeout=2) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def _alive_nodes(ray_bin: str, gcs: int, env) -> int:
+    res = subprocess.run([ray_bin, "status", "--address", f"127.0.0.1:{gcs}"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    return res.stdout.count(" node_")
+
+
+def _wait_for(ok, proc, tmp: Path, what: str, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while not ok():
+        if proc.poll() is not None or time.time() > deadline:
+            pytest.fail(f"{what} did not come up: {(tmp / 'nodes.log').read_text()[-2000:]}")
+        time.sleep(1)
 
 
 @pytest.fixture(scope="module")
@@ -125,15 +172,14 @@ def s3_inputs(moto_s3, tmp_path_factory):
     fs.put(str(local / "letters"), f"{bucket}/data/letters", recursive=True)
     fs.put_file(str(local / "model" / "small_cnn.safetensors"), f"{bucket}/models/small_cnn.safetensors")
     b = f"s3://{bucket}"
-    args = ["--preset", "smoke", "--data", f"{b}/data/digits", "--ood", f"{b}/data/letters", "--model", "demo_cnn",
-            "--weights", f"{b}/models/small_cnn.safetensors", "--output", f"{b}/out", "--endpoint-url", moto_s3]
-    return b, moto_s3, args
+    entry = ["python", "jobs/imagenet_inf.py", "--preset", "smoke", "--output", f"{b}/out", "--endpoint-url", moto_s3,
+             "--data", f"{b}/data/digits", "--ood", f"{b}/data/letters", "--model", "demo_cnn",
+             "--weights", f"{b}/models/small_cnn.safetensors"]  # README's cluster command, inputs in the bucket
+    return b, moto_s3, entry[2:]
 
 
-@pytest.fixture(scope="module")
-def submitted(ray_head, s3_inputs):
-    address, _ = ray_head
-    bucket, endpoint, args = s3_inputs
+def _submit(address: str, args: list[str]):
+    """`ray job submit --working-dir .` of the job with ``args``; the CompletedProcess."""
     ray_bin = str(Path(sys.executable).parent / "ray")
     cmd = [ray_bin, "job", "submit", "--address", address, "--working-dir", str(ROOT),
            "--runtime-env-json", json.dumps({"excludes": [".venv", ".git", "runs", "*.pyc"]}),
@@ -144,7 +190,15 @@ def submitted(ray_head, s3_inputs):
         if res.returncode == 0 or "No available agent" not in res.stderr + res.stdout:
             break
         time.sleep(3)
-    print(f"ray job submit: {time.time() - t0:.0f} s, rc={res.returncode}")
+    print(f"ray job submit {' '.join(args[:2])}: {time.time() - t0:.0f} s, rc={res.returncode}")
+    return res
+
+
+@pytest.fixture(scope="module")
+def submitted(ray_head, s3_inputs):
+    address, _ = ray_head
+    bucket, endpoint, args = s3_inputs
+    res = _submit(address, args)
     assert res.returncode == 0, (res.stdout[-4000:], res.stderr[-3000:])
     return f"{bucket}/out", endpoint, args, res.stdout + res.stderr
 
@@ -164,6 +218,8 @@ def _text(uri: str, endpoint: str) -> str:
 def test_submitted_job_writes_every_artifact(submitted):
     out, ep, _, log = submitted
     assert "report at" in log and f"{out}/report.html" in log
+    # the driver's node declares no CPU: every pass, task and actor ran on the worker node
+    assert "cluster: 2 node(s), 2 CPUs, 0 GPUs (0 CPUs beside the driver)" in log, log[-3000:]
     for stage in STAGES:
         marker = _json(f"{out}/stages/{stage}.json", ep)
         assert marker["stage"] == stage and marker["fingerprint"]
@@ -220,6 +276,70 @@ def test_force_one_stage_redoes_only_it(submitted):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "stage report: running" in res.stdout
     assert _json(f"{out}/stages/search.json", ep) == before
+
+
+def test_demo_preset_with_an_s3_output_runs_on_the_worker_node(ray_head, moto_s3):
+    """The embedded demo on a cluster: its digits, letters and trained CNN are written to the
+    (S3) output and read from there by the worker node, which cannot see the driver's disk.
+    Cut to a few configurations and samples (it is the data placement that is tested here)."""
+    import boto3
+
+    from pipelines import storage
+
+    address, _ = ray_head
+    bucket = f"demo-{os.getpid()}-{int(time.time())}"
+    boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1").create_bucket(Bucket=bucket)
+    out = f"s3://{bucket}/demo"
+    res = _submit(address, ["--preset", "demo", "--output", out, "--endpoint-url", moto_s3, "--methods", "diag,inf",
+                            "--set", "data.limit=400", "--set", "data.val_limit=100", "--set", "data.test_limit=100",
+                            "--set", "data.ood_limit=60", "--set", "search.num_configs=2", "--set",
+                            "search.mc_samples=2", "--set", "evaluate.mc_samples=3"])
+    log = res.stdout + res.stderr
+    assert res.returncode == 0, log[-4000:]
+    assert "cluster: 2 node(s)" in log and f"demo data written to {out}/demo-data" in log, log[-3000:]
+    for split in ("train", "val", "test"):
+        assert storage.exists(f"{out}/demo-data/digits/{split}/dataset.json", moto_s3)
+    assert storage.exists(f"{out}/demo-data/letters/dataset.json", moto_s3)
+    config = _json(f"{out}/config.json", moto_s3)
+    run = _json(f"{out}/run.json", moto_s3)
+    assert run["model"]["weights"] == f"{out}/demo-model/small_cnn.safetensors", run["model"]
+    assert storage.exists(run["model"]["weights"], moto_s3) and config["data"]["demo"] is True
+    assert set(run["results"]) == {"map", "diag", "inf"}
+    assert 'id="methods-table"' in _text(f"{out}/report.html", moto_s3)
+
+
+def test_a_local_output_on_two_nodes_is_refused_before_any_pass(ray_head, tmp_path):
+    """Not declared shared, a local output would be split across the nodes' disks: exit 2
+    with one line, once the job knows the cluster's shape and before any pass."""
+    address, _ = ray_head
+    out = tmp_path / "local-out"
+    res = _submit(address, ["--preset", "smoke", "--output", str(out)])
+    log = res.stdout + res.stderr
+    assert res.returncode != 0, log[-3000:]
+    # `ray job submit` prints the job's log as it runs and again in its closing status message
+    errors = sorted({ln.strip() for ln in log.splitlines() if "imagenet_inf.py: error:" in ln})
+    assert len(errors) == 1, log[-3000:]
+    assert f"--output {out} is a local path, but the cluster has 2 nodes" in errors[0]
+    assert "storage.shared_fs=true" in errors[0] and "exit code 2" in log, log[-3000:]
+    assert "stage curvature: running" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_shared_local_output_runs_on_two_nodes(ray_head):
+    """With ``storage.shared_fs: true`` and a folder both nodes see, the job runs (demo data
+    and model in the output folder, read there by the worker node)."""
+    address, _ = ray_head
+    base = Path(tempfile.mkdtemp(prefix="infoform-shared-", dir="/tmp"))  # outside the hidden folders
+    try:
+        out = base / "out"
+        res = _submit(address, ["--preset", "smoke", "--output", str(out), "--set", "storage.shared_fs=true",
+                                "--methods", "diag,inf", "--set", "search.num_configs=2"])
+        log = res.stdout + res.stderr
+        assert res.returncode == 0, log[-4000:]
+        assert "cluster: 2 node(s)" in log
+        run = json.loads((out / "run.json").read_text())
+        assert set(run["results"]) == {"map", "diag", "inf"} and (out / "report.html").is_file()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_no_secret_in_any_log_or_artifact(submitted, ray_head):

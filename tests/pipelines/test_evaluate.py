@@ -307,6 +307,27 @@ def test_actors_waiting_for_resources_are_reported(ray_session, capsys):
     assert "'num_gpus': 1000.0" in out and "set evaluate.gpus_per_actor=0" in out
 
 
+class _Unplaceable:
+    def run(self, actor_index: int = 0):
+        return {}
+
+
+def test_actors_that_cannot_be_placed_end_the_stage_after_the_timeout(ray_session):
+    """Actors that ask for more than the cluster has (here 1000 GPUs) are not waited for
+    forever: after ``placement_timeout_s`` the stage ends with one line saying what was asked
+    and what the cluster has."""
+    from pipelines.errors import StageError
+    from pipelines.evaluate import run_actors
+
+    cfg = EvalConfig(num_actors=2, gpus_per_actor=1000.0, cpus_per_actor=0.0, log_every_s=0.5,
+                     placement_timeout_s=2.0)
+    with pytest.raises(StageError) as err:
+        run_actors(_Unplaceable, (), [], cfg)
+    msg = str(err.value)
+    assert "\n" not in msg and "2 of 2 actor(s) could not be placed within 2 s" in msg, msg
+    assert "'num_gpus': 1000.0" in msg and "the cluster has" in msg and "placement_timeout_s" in msg, msg
+
+
 def test_iter_chunks_gives_fixed_size_batches_in_order():
     from pipelines.evaluate import iter_chunks
 
