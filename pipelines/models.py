@@ -115,7 +115,7 @@ def resolve_weights_enum(name: str):
         raise ValueError(f"unknown torchvision weights {name!r} ({e})") from None
 
 
-def _is_enum_name(weights: str) -> bool:
+def is_enum_name(weights: str) -> bool:
     return bool(_ENUM_RE.match(weights)) and "/" not in weights
 
 
@@ -237,7 +237,7 @@ def load_model(
         raise _unknown_model(name)
     if weights is None:
         model = _build(name, num_classes)
-    elif _is_enum_name(weights):
+    elif is_enum_name(weights):
         enum = resolve_weights_enum(weights)
         _check_enum_fits(name, enum, weights)
         n_cat = len(enum.meta.get("categories") or [])

@@ -102,15 +102,15 @@ class _Stages:
 
 # --------------------------------------------------------------------------- preflight
 def _is_weights_file(weights: str | None) -> bool:
-    from .models import _is_enum_name
+    from .models import is_enum_name
 
-    return weights is not None and not _is_enum_name(weights)
+    return weights is not None and not is_enum_name(weights)
 
 
 def preflight(cfg: RunConfig) -> None:
     """Everything that can be checked before any cluster work: model names, weights
     files, data and OOD roots. Raises ``ValueError``/``FileNotFoundError`` in one line."""
-    from .models import EXTRA_MODELS, model_names, resolve_weights_enum, _is_enum_name
+    from .models import EXTRA_MODELS, model_names, resolve_weights_enum, is_enum_name
 
     valid = set(model_names())
     for spec in cfg.all_models():
@@ -118,7 +118,7 @@ def preflight(cfg: RunConfig) -> None:
             fam = sorted(n for n in valid if n.startswith(("resnet", "densenet"))) + sorted(EXTRA_MODELS)
             raise ValueError(f"unknown model {spec.name!r}; valid: {', '.join(fam)} (or any torchvision classifier)")
         if spec.weights is not None:
-            if _is_enum_name(spec.weights):
+            if is_enum_name(spec.weights):
                 resolve_weights_enum(spec.weights)
             elif not storage.exists(spec.weights, _endpoint(cfg)):
                 raise FileNotFoundError(f"weights file not found: {spec.weights}")
@@ -213,7 +213,7 @@ def _subset(index, keep: int, parts: int = 2, limit: int | None = None):
     """Deterministic interleaved subset of a DatasetIndex: within each class, entries at
     positions ``keep, keep+parts, ...`` (disjoint for different ``keep``), then at most
     ``limit`` entries spread evenly."""
-    from .data import _fingerprint as data_fingerprint
+    from .data import fingerprint as data_fingerprint
 
     seen: dict[int, int] = {}
     keep_idx = []
@@ -243,7 +243,7 @@ def _take(index, idx, fp_fn):
 
 
 def _limit(index, limit: int | None):
-    from .data import _fingerprint as data_fingerprint
+    from .data import fingerprint as data_fingerprint
 
     if limit is None or len(index) <= limit:
         return index
