@@ -41,7 +41,7 @@ SAMPLE_ENV = {"RAY_ADDRESS": "http://127.0.0.1:8265"}
 
 # Plain code blocks that hold no commands, by their first line.
 NOT_COMMANDS = {
-    "stats/partitions/pass{1,2}/part-NNNNN/   per-partition sums (resume unit)": "the artifact layout",
+    "stats/passes/pass{1,2}/ckpt-NNNNNN/      running sums of the finished partitions (resume point)": "the artifact layout",
 }
 
 # README command -> (kind, where / why). kind "run": a test or CI runs it (the needle ties it to

@@ -157,3 +157,26 @@ def test_force_one_stage_redoes_only_it(submitted):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "stage report: running" in res.stdout
     assert json.loads((out / "stages" / "search.json").read_text()) == before
+
+
+def test_one_allreduce_per_pass_of_exactly_the_payload(submitted):
+    """The smoke run at the default ``curvature.checkpoint_every_s`` (600 s, longer than the
+    pass): every rank makes exactly one reduce per pass, one all-reduce call of exactly the
+    payload (A and G as upper triangles + the diagonal; the EFB sums), and rank 0 writes one
+    pass-1 checkpoint of that payload; asserted from run.json."""
+    from laplace_core.statistics import CurvatureStatistics
+    from pipelines.distributed.kinds import efb_payload_numbers, pass1_payload_numbers
+
+    out, _ = submitted
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["curvature"]["checkpoint_every_s"] == 600.0
+    shapes = [tuple(i.shape) for i in CurvatureStatistics.load(str(out / "stats" / "reduced")).infos.values()]
+    passes = run["curvature"]["passes"]
+    for name, payload in (("pass1", 8 * pass1_payload_numbers(shapes)), ("pass2", 8 * efb_payload_numbers(shapes))):
+        ranks = passes[name]["ranks"]
+        assert len(ranks) == 2, name
+        for r in ranks:
+            assert r["reduces"] == 1 and r["allreduce_calls"] == 1 and r["allreduce_bytes"] == payload, (name, r)
+            assert min(r[k] for k in ("compute_s", "data_wait_s", "reduce_s", "write_s")) >= 0, (name, r)
+    assert passes["pass1"]["ranks"][0]["bytes_written"] == 8 * pass1_payload_numbers(shapes)
+    assert passes["pass2"]["ranks"][0]["bytes_written"] == 0
