@@ -9,19 +9,22 @@ Daxberger et al. (2021), §3-5, on top of the curvature stage (:mod:`pipelines.c
    capped at ``D_total`` (all curvature weights). Memory check up front: ``S²`` numbers
    of the Fisher's dtype must fit the budget, else a one-line ``ValueError`` naming the
    largest ``S`` that fits (:func:`laplace_core.subnet.check_subnet_memory`).
-2. **Fisher** (Ray Train ``TorchTrainer``, the curvature pass's pattern): every worker runs
-   :func:`laplace_core.subnet.collect_subnet_fisher` on its shard of each partition,
-   ``F_sum = Σ_k d_{k,S} d_{k,S}^T`` (``S x S``, one such matrix per worker, all-reduced
-   in place) plus the count; one SUM all-reduce at the end; rank 0 writes ``<output>/stats/subnet/`` (``fisher_sum``, ``mask/<layer>``, JSON
-   meta; a :mod:`laplace_core.io` artifact, manifest last). Fisher types: ``"mc"``
+2. **Fisher** (a pass kind, :class:`pipelines.distributed.kinds.SubnetFisherKind`, on the
+   partitioned-pass engine :mod:`pipelines.distributed` that runs the curvature passes too):
+   every worker runs :func:`laplace_core.subnet.collect_subnet_fisher` on its shard of each
+   partition into one local ``S x S`` matrix, ``F_sum = Σ_k d_{k,S} d_{k,S}^T``, plus the
+   count; its upper triangle is SUM-all-reduced per checkpoint interval and at the end; rank 0
+   writes ``<output>/stats/subnet/`` (``fisher_triu``: the upper triangle, ``mask/<layer>``,
+   JSON meta with every rank's record of the pass; a :mod:`laplace_core.io` artifact, manifest
+   last; :func:`load_subnet_fisher` returns the full symmetric matrix). Fisher types: ``"mc"``
    (labels drawn from ``(seed, image key, draw)`` exactly as pass 1 draws them, so 1 or N
    workers give the same sums, and on the same images ``diag(F_sum)`` equals pass 1's
    Fisher diagonal at the selected entries), ``"empirical"`` (true labels), ``"ggn"``
    (exact GGN ``Σ_k J_S^T (diag p − p p^T) J_S``, ``C`` backward passes per batch), and
    ``"auto"``: ``ggn`` when the class count is at most :data:`GGN_MAX_CLASSES`, else the
    curvature pass's Fisher type.
-3. **Posterior** (driver): ``P_S = N F_sum/count + τ (S / D_total) I``, built and saved by
-   :func:`pipelines.posterior.build_and_save` (``posterior/subnet/``).
+3. **Posterior** (the posterior stage, driver): ``P_S = N F_sum/count + τ (S / D_total) I``,
+   built and saved by :func:`pipelines.posterior.build_and_save` (``posterior/subnet/``).
 
 The keyed MC labels come from ``collect_subnet_fisher``'s ``KeyedSampler`` branch: the
 batches carry the image keys, the labels are drawn from the forward pass the backward
@@ -32,7 +35,7 @@ Resume: the finished artifact is skipped when its fingerprint (model, partitions
 type, seed, dtypes, masks) matches. While the pass runs, the workers all-reduce their sums
 after a partition once ``checkpoint_every_s`` seconds have passed since the last time
 (``0``: after every partition; ``None``: only at the end), and rank 0 then saves the
-running ``S x S`` sum with the finished partition ids, counts and skips under
+running sum (upper triangle) with the finished partition ids, counts and skips under
 ``<output>/stats/subnet_partial/ckpt-<k>`` (``k`` = partitions done; manifest last, the
 previous checkpoint removed only after the new one is committed). A restarted worker group
 (``FailureConfig``) or a re-submitted job with the same fingerprint starts from the latest
