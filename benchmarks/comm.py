@@ -13,9 +13,10 @@ prints per pass:
 * the reduce's share of the modelled pass, a ring all-reduce moving ``2 (W-1)/W`` of the
   payload over each worker's link at ``--link-gbit`` (default 10 Gbit/s).
 
-Throughput (**assumption**, ``infra/README.md``): ResNet-50 at ``r_fb / rho_1`` images/s per
-A100 (938 / 2.48 = 378); other models scaled by torchvision's forward GFLOPS (``_ops`` in the
-weights' metadata): ``378 x 4.089 / GFLOPS``. Payloads are exact (layer shapes of the
+Throughput (**assumption**, ``infra/README.md``'s cost model): ResNet-50 at ``r_fb / rho_1``
+images/s per A100 in pass 1 (938 / 4.56 = 206) and ``r_fb / rho_2`` in pass 2 (938 / 4.31 =
+218); other models scaled by torchvision's forward GFLOPS (``_ops`` in the weights' metadata):
+``206 x 4.089 / GFLOPS``. Payloads are exact (layer shapes of the
 torchvision model built on the meta device; nothing is downloaded).
 
     python benchmarks/comm.py
@@ -35,7 +36,8 @@ if _REPO not in sys.path:
 MODELS = ("resnet18", "resnet50", "resnet152", "densenet121", "densenet161")
 N_TR = 1_281_167
 PARTITION_SIZE = 20_000
-RESNET50_RATE = 938 / 2.48  # img/s per A100 (infra/README.md: r_fb / rho_1)
+RESNET50_RATE = 938 / 4.56  # img/s per A100 in pass 1 (infra/README.md: r_fb / rho_1)
+RESNET50_RATE2 = 938 / 4.31  # in pass 2 (r_fb / rho_2)
 
 
 def layer_shapes(name: str) -> list[tuple[int, int]]:
@@ -57,7 +59,8 @@ def gflops(name: str) -> float:
 
 
 def traffic(shapes, *, images: int = N_TR, partition_size: int = PARTITION_SIZE, efb_fraction: float = 1.0,
-            workers: int = 16, rate: float = RESNET50_RATE, interval_s: float = 600.0, link_gbit: float = 10.0):
+            workers: int = 16, rate: float = RESNET50_RATE, rate2: float = RESNET50_RATE2, interval_s: float = 600.0,
+            link_gbit: float = 10.0):
     """Per pass (``pass1``, ``pass2``): bytes all-reduced and written per pass before and after,
     the number of reduces after, seconds of compute and of the reduce, and the reduce's share."""
     full = sum(n * n + m * m + m * n for m, n in shapes)
@@ -67,10 +70,10 @@ def traffic(shapes, *, images: int = N_TR, partition_size: int = PARTITION_SIZE,
     parts2 = max(1, min(parts, math.ceil(efb_fraction * parts - 1e-9)))
     link = link_gbit * 1e9 / 8
     out = {}
-    for name, n_parts, n_images, before_numbers, after_numbers, final_written in (
-            ("pass1", parts, images, full, packed, 1),
-            ("pass2", parts2, min(images, round(efb_fraction * images)), efb, efb, 0)):
-        compute_s = n_images / (workers * rate)
+    for name, n_parts, n_images, before_numbers, after_numbers, final_written, r in (
+            ("pass1", parts, images, full, packed, 1, rate),
+            ("pass2", parts2, min(images, round(efb_fraction * images)), efb, efb, 0, rate2)):
+        compute_s = n_images / (workers * r)
         reduces = 1 if interval_s <= 0 and n_parts == 1 else (
             n_parts if interval_s <= 0 else min(n_parts, math.floor(compute_s / interval_s) + 1))
         payload = 8 * after_numbers
@@ -99,15 +102,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     print(f"{N_TR:,} images, {math.ceil(N_TR / args.partition_size)} partitions, {args.workers} workers, "
           f"interval {args.interval:g} s, {args.link_gbit:g} Gbit/s ring all-reduce")
-    print("| model | pass | images/s/worker | pass compute s | all-reduced before | written before | reduce share before "
+    print("| model | pass | img/s/worker | pass compute s | all-reduced before | written before | reduce share before "
           "| reduces after | all-reduced after | written after | reduce share after |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.models:
-        rate = RESNET50_RATE * gflops("resnet50") / gflops(name)
-        t = traffic(layer_shapes(name), partition_size=args.partition_size, workers=args.workers, rate=rate,
-                    interval_s=args.interval, link_gbit=args.link_gbit)
+        scale = gflops("resnet50") / gflops(name)
+        rates = {"pass1": RESNET50_RATE * scale, "pass2": RESNET50_RATE2 * scale}
+        t = traffic(layer_shapes(name), partition_size=args.partition_size, workers=args.workers,
+                    rate=rates["pass1"], rate2=rates["pass2"], interval_s=args.interval, link_gbit=args.link_gbit)
         for p, v in t.items():
-            print(f"| {name} | {p} | {rate:.0f} | {v['compute_s']:.0f} | {v['before_allreduced'] / 1e9:.1f} GB "
+            print(f"| {name} | {p} | {rates[p]:.0f} | {v['compute_s']:.0f} | {v['before_allreduced'] / 1e9:.1f} GB "
                   f"| {v['before_written'] / 1e9:.1f} GB | {100 * v['before_share']:.0f}% | {v['reduces']} "
                   f"| {v['after_allreduced'] / 1e9:.2f} GB | {v['after_written'] / 1e9:.2f} GB "
                   f"| {100 * v['share']:.2f}% |")

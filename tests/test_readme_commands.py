@@ -69,6 +69,7 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "python benchmarks/peers.py --model resnet18 --size 64 --batch 32 --batches 4": ("parse", "benchmark"),
     "python benchmarks/scaling.py --images 12288 --size 64 --partitions 2 --workers 1 2":
         ("parse", "benchmark"),
+    "python benchmarks/comm.py": ("parse", "benchmark (arithmetic; tests/jobs/test_infra.py recomputes ResNet-50's row)"),
     "python benchmarks/core_pass.py --model resnet50 --size 224 --batch 64 --device cuda":
         ("parse", "benchmark; needs a CUDA device"),
     "python benchmarks/eval_overhead.py --model resnet50 --size 224 --num-classes 1000 --n-images 256 "
