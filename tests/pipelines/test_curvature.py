@@ -355,5 +355,11 @@ def test_config_errors():
         CurvatureConfig(efb_fraction=0.0)
     with pytest.raises(ValueError, match="checkpoint_every_s must be >= 0"):
         CurvatureConfig(checkpoint_every_s=-1)
+    from pipelines.config import ConfigError, load_config
+
+    assert load_config("smoke", []).curvature.checkpoint_every_s == 600.0
+    assert load_config("smoke", ["curvature.checkpoint_every_s=0"]).curvature.checkpoint_every_s == 0.0
+    with pytest.raises(ConfigError, match="curvature.checkpoint_every_s must be >= 0"):
+        load_config("smoke", ["curvature.checkpoint_every_s=-1"])
     with pytest.raises(ValueError, match="unknown fault_injection keys"):
         CurvatureConfig(fault_injection={"partition": 1, "once_marker": "x", "when": 3})
