@@ -20,7 +20,12 @@ model before yielding each batch), so load from other processes hits both alike;
 pass batch is timed from its yield to the pass's progress callback, i.e. steady-state
 per-batch cost without the one-off allocation of the sums. The first pair of every
 pass is a warm-up and dropped; the reported ratio is the median over the pairs. Runs
-with torch's default thread count, which is printed. ``--device cuda``: the same on the GPU
+with torch's default thread count (``--threads`` to set it), which is printed, with the
+machine's load average. Under load from other processes a multi-threaded baseline is hit
+harder than the pass (a forward + backward is hundreds of short parallel regions, each
+waiting for its slowest thread; the pass's time goes into a few large products), so on a
+busy machine the ratio comes out *low*, even below the multiply floor, which no correct
+measurement can: measure on a quiet machine or with ``--threads 1``. ``--device cuda``: the same on the GPU
 (float32 model, default TF32 settings printed), every timestamp taken after
 ``torch.cuda.synchronize()``.
 
@@ -131,12 +136,17 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=5, help="measured batches per pass (plus one warm-up)")
     p.add_argument("--classes", type=int, default=1000)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's default, printed); 1 makes the ratio "
+                        "insensitive to other processes' load (see the module docstring)")
     p.add_argument("--random-basis", action="store_true",
                    help="random orthogonal eigenbasis (EFB timing does not depend on its values; skips the float64 eigh)")
     args = p.parse_args(argv)
 
     import torchvision
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
@@ -175,8 +185,11 @@ def main(argv=None) -> dict:
 
     where = (f"device={torch.cuda.get_device_name(dev)} tf32(matmul={torch.backends.cuda.matmul.allow_tf32}, "
              f"cudnn={torch.backends.cudnn.allow_tf32})" if dev.type == "cuda" else f"threads={torch.get_num_threads()}")
+    import os
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"model={args.model} input={args.batch}x3x{args.size}x{args.size} dtype=float32 "
-          f"{where} torch={torch.__version__}", flush=True)
+          f"{where} torch={torch.__version__} load={load:.2f} cores={os.cpu_count()}", flush=True)
     floors = multiply_floors(model, x)
     fb()  # warm-up
 

@@ -118,6 +118,7 @@ class CurvatureSpec:
     max_failures: int = 2
     seed: int = 0
     torch_threads: int | None = None
+    checkpoint_every_s: float | None = 600.0  # all-reduce + checkpoint this often (0: every partition; null: at the end)
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,8 @@ class RunConfig:
             self._validate_subnet()
         if not (0 < self.curvature.efb_fraction <= 1):
             raise ConfigError("curvature.efb_fraction must be in (0, 1]")
+        if self.curvature.checkpoint_every_s is not None and not self.curvature.checkpoint_every_s >= 0:
+            raise ConfigError("curvature.checkpoint_every_s must be >= 0 (0: after every partition) or null (at the end)")
         if not self.data.demo and not self.data.root:
             raise ConfigError("data.root is required (or use --preset demo)")
         try:

@@ -206,7 +206,7 @@ class DataConfig:
 # --------------------------------------------------------------------------- index / partitions
 
 
-def _fingerprint(classes: Sequence[str], paths: Sequence[str], labels: Sequence[int]) -> str:
+def fingerprint(classes: Sequence[str], paths: Sequence[str], labels: Sequence[int]) -> str:
     h = hashlib.sha256()
     h.update(("\x1f".join(classes) + "\x1e").encode())
     for p, y in zip(paths, labels):
@@ -348,7 +348,7 @@ def partition(
                 locations=index.locations[a:b] if index.locations else (),
                 id=i,
                 num_partitions=len(bounds),
-                fingerprint=_fingerprint(index.classes, paths, labels),
+                fingerprint=fingerprint(index.classes, paths, labels),
             )
         )
     return out
@@ -692,7 +692,7 @@ def scan(cfg: DataConfig) -> DatasetIndex:
         num_scanned=num_scanned,
         ignored=ignored,
         unmatched_label_rows=unmatched,
-        fingerprint=_fingerprint(classes, sel_paths, sel_labels),
+        fingerprint=fingerprint(classes, sel_paths, sel_labels),
     )
 
 

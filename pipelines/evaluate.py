@@ -127,7 +127,7 @@ def check_pred_type(pred_type: str) -> None:
 
 
 @dataclass(frozen=True)
-class _RuntimeFields:
+class RuntimeFields:
     """Actor/runtime settings shared by :class:`EvalConfig` and ``pipelines.hyper.SearchConfig``.
 
     num_actors: Ray actors. batch_size: rows per forward pass (fixed; the last batch of
@@ -202,14 +202,14 @@ class _RuntimeFields:
 
 
 @dataclass(frozen=True)
-class EvalConfig(_RuntimeFields):
+class EvalConfig(RuntimeFields):
     """What to evaluate. mc_samples: ``K_mc`` weight samples (default 30). seed: run seed
     (sample ``t`` uses ``sample_seed(seed, t)``). ece_bins / ece_mode ("equal_width" or
     "equal_mass"): headline ECE variant (both are always computed). pred_type: "nn".
     sample_cache_mb: keep a method's ``K`` deltas in memory when they fit (MiB).
     entropy_bins: histogram bins for entropies; ood_exact_limit: keep raw OOD scores
     (exact AUROC) while in + out examples <= this (see ``OODDetection``).
-    Runtime fields: see ``_RuntimeFields``.
+    Runtime fields: see ``RuntimeFields``.
     """
 
     mc_samples: int = 30
@@ -425,13 +425,13 @@ def load_posteriors(uris: Mapping[str, str], hyper: Mapping[str, Sequence[float]
 
 
 # --------------------------------------------------------------------------- one shard
-def _finite_or_reason(p: torch.Tensor) -> str:
+def finite_or_reason(p: torch.Tensor) -> str:
     if bool(torch.isfinite(p).all()):
         return ""
     return f"non-finite predictions ({int((~torch.isfinite(p)).sum())} entries NaN/inf)"
 
 
-def _predict_chunk(model: nn.Module, predictor: Any, chunk: Chunk) -> list[torch.Tensor]:
+def predict_chunk(model: nn.Module, predictor: Any, chunk: Chunk) -> list[torch.Tensor]:
     """Probabilities of the real rows of each batch: MAP when ``predictor`` is None."""
     from laplace_core.predictive import map_predict
 
@@ -476,9 +476,9 @@ def evaluate_shard(
                 if m in failed:
                     continue
                 t0 = time.perf_counter()
-                probs = _predict_chunk(model, pred, chunk)
+                probs = predict_chunk(model, pred, chunk)
                 p_all = torch.cat(probs)
-                reason = _finite_or_reason(p_all)
+                reason = finite_or_reason(p_all)
                 if reason:
                     failed[m] = reason
                     continue
@@ -502,7 +502,7 @@ def evaluate_shard(
 
 
 # --------------------------------------------------------------------------- Ray actor
-def _valid_batches(shard: Any, batch_size: int):
+def valid_batches(shard: Any, batch_size: int):
     """(iterator of (x, y) without invalid rows, callable returning the SkipReport so far)."""
     from .data import SkipReport, iter_valid_batches
 
@@ -525,7 +525,7 @@ class ActorProgress:
     counts ``n`` units (images, or for the search examples x configurations) of ``split``
     (0: in-domain or validation, 1: OOD)."""
 
-    def __init__(self, what: str, index: int, cfg: _RuntimeFields, splits: Sequence[str] = ("test", "ood"),
+    def __init__(self, what: str, index: int, cfg: RuntimeFields, splits: Sequence[str] = ("test", "ood"),
                  totals: Sequence[int | None] | None = None, unit: str = "images"):
         self.what, self.on, self.k = what, index == 0, cfg.num_actors
         self.every, self.names, self.unit = cfg.log_every_s, splits, unit
@@ -587,10 +587,10 @@ class EvalWorker:
         if self.init_error is not None:  # the driver stops the stage on ``started()``
             return {"init_error": self.init_error}
         t0 = time.perf_counter()
-        in_it, in_skipped = _valid_batches(in_shard, self.cfg.batch_size)
+        in_it, in_skipped = valid_batches(in_shard, self.cfg.batch_size)
         if self.cfg.fault_marker is not None:
             in_it = _exit_once_after_first(in_it, self.cfg.fault_marker)
-        ood_it, ood_skipped = (None, None) if ood_shard is None else _valid_batches(ood_shard, self.cfg.batch_size)
+        ood_it, ood_skipped = (None, None) if ood_shard is None else valid_batches(ood_shard, self.cfg.batch_size)
         acc, info = evaluate_shard(self.model, self.posteriors, in_it, ood_it, self.cfg,
                                    progress=ActorProgress("evaluate", actor_index, self.cfg))
         return {
@@ -607,7 +607,7 @@ class EvalWorker:
 
 
 def _exit_once_after_first(batches, marker: str):
-    """Test-only fault (``_RuntimeFields.fault_marker``): after the first batch, exit the
+    """Test-only fault (``RuntimeFields.fault_marker``): after the first batch, exit the
     process unless ``marker`` exists; write it first, so that a retried round runs clean."""
     for i, b in enumerate(batches):
         yield b
@@ -617,11 +617,11 @@ def _exit_once_after_first(batches, marker: str):
             os._exit(1)
 
 
-def _actor_options(cfg: _RuntimeFields) -> dict[str, Any]:
+def _actor_options(cfg: RuntimeFields) -> dict[str, Any]:
     return {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor}
 
 
-def _wait_for_actors(ready: Sequence[Any], cfg: _RuntimeFields, what: str) -> None:
+def _wait_for_actors(ready: Sequence[Any], cfg: RuntimeFields, what: str) -> None:
     """Return once every actor is placed and constructed (or has died: ``run`` then raises).
     ``ready``: each actor's ``__ray_ready__`` ref, queued before any other call. While some
     wait for resources, print every ``cfg.log_every_s`` seconds what each asks for and what
@@ -649,7 +649,7 @@ def _wait_for_actors(ready: Sequence[Any], cfg: _RuntimeFields, what: str) -> No
               "(on a cluster without GPUs, set evaluate.gpus_per_actor=0)", flush=True)
 
 
-def run_actors(actor_cls: type, init_args: tuple, datasets: Sequence[Any], cfg: _RuntimeFields) -> list[dict[str, Any]]:
+def run_actors(actor_cls: type, init_args: tuple, datasets: Sequence[Any], cfg: RuntimeFields) -> list[dict[str, Any]]:
     """Start ``cfg.num_actors`` actors of ``actor_cls(*init_args)``, give actor ``i`` the
     ``i``-th ``streaming_split(num_actors, equal=False)`` iterator of every dataset in
     ``datasets`` (``None`` entries stay ``None``) and return their ``run`` results in actor

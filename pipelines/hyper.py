@@ -53,10 +53,10 @@ from .evaluate import (
     MAP,
     ActorProgress,
     EvalWorker,
-    _RuntimeFields,
-    _finite_or_reason,
-    _predict_chunk,
-    _valid_batches,
+    RuntimeFields,
+    finite_or_reason,
+    predict_chunk,
+    valid_batches,
     eval_uri,
     iter_chunks,
     load_eval_model,
@@ -117,7 +117,7 @@ class HyperConfig:
 
 
 @dataclass(frozen=True)
-class SearchConfig(_RuntimeFields):
+class SearchConfig(RuntimeFields):
     """Random-search settings. num_configs / log10_n / log10_tau / seed: the configurations
     (:func:`sample_configs`); configs: explicit ``(log10_n, log10_tau)`` pairs instead (then
     num_configs/ranges are ignored). method_ranges: ``(method, log10_n, log10_tau)`` entries
@@ -125,7 +125,7 @@ class SearchConfig(_RuntimeFields):
     ``None`` range keeps the common one. objective: "nll" or "ece"; accuracy_floor: minimum
     validation accuracy for "ece" (None: no floor). mc_samples: ``K`` per configuration
     (default 10). ece_bins / ece_mode: the ECE used. Runtime fields: see
-    ``pipelines.evaluate._RuntimeFields`` (chunk_size defaults to 4096 here)."""
+    ``pipelines.evaluate.RuntimeFields`` (chunk_size defaults to 4096 here)."""
 
     num_configs: int = 100
     log10_n: tuple[float, float] = (0.0, 8.0)
@@ -298,7 +298,7 @@ def search_shard(
                                  device=cfg.resolved_device):
             n += chunk.count
             y = torch.cat(chunk.ys)
-            p = torch.cat(_predict_chunk(model, None, chunk))
+            p = torch.cat(predict_chunk(model, None, chunk))
             map_acc = map_acc.update(p, y)
             for m, post in posteriors.items():
                 for c in by_method[m]:
@@ -312,8 +312,8 @@ def search_shard(
                         failed[m][cid] = str(e)
                         continue
                     pred = make_predictor(model, post_c, cfg.pred_type, cfg.mc_samples, cfg.seed, 0)
-                    p = torch.cat(_predict_chunk(model, pred, chunk))
-                    reason = _finite_or_reason(p)
+                    p = torch.cat(predict_chunk(model, pred, chunk))
+                    reason = finite_or_reason(p)
                     if reason:
                         failed[m][cid] = reason
                         continue
@@ -343,7 +343,7 @@ class SearchWorker(EvalWorker):
         if self.init_error is not None:  # the driver stops the stage on ``started()``
             return {"init_error": self.init_error}
         t0 = time.perf_counter()
-        it, skipped = _valid_batches(shard, self.cfg.batch_size)
+        it, skipped = valid_batches(shard, self.cfg.batch_size)
         rows = self.cfg.expected_rows[0]
         n_configs = sum(len(sample_configs(self.cfg, m)) for m in self.posteriors)
         units = None if rows is None else rows * n_configs  # example x configuration

@@ -1,4 +1,8 @@
-"""Build and store the posteriors of a curvature run (driver side, no Ray needed).
+"""The posterior stage: build and store the posteriors of a curvature run (driver side, no Ray needed).
+
+``build_posteriors(output_uri, methods, ...)`` is the stage: it reads what the curvature
+stage left (``stats/reduced``, ``stats/eigenbasis``, and for ``subnet`` the subnet pass's
+``stats/subnet``) and calls ``build_and_save``.
 
 ``build_and_save(stats, basis, methods, rank, output_uri)`` calls
 :func:`laplace_core.build_posterior` once per requested method with the reduced
@@ -18,14 +22,11 @@ from laplace_core.eigenbasis import Eigenbasis
 from laplace_core.posterior import build_posterior, resolve_method
 from laplace_core.statistics import CurvatureStatistics
 
+from .curvature import BASIS_METHODS, EFB_METHODS, basis_uri, load_eigenbasis, reduced_uri
 from .storage import Store, fsspec_options, join
+from .subnet_pass import load_subnet_fisher, subnet_uri
 
-__all__ = ["EFB_METHODS", "BASIS_METHODS", "posterior_uri", "build_and_save"]
-
-#: Methods that need the second (EFB) pass.
-EFB_METHODS = frozenset({"efb", "inf"})
-#: Methods that need the eigenbasis.
-BASIS_METHODS = frozenset({"kfac", "kfac_exact", "efb", "inf"})
+__all__ = ["EFB_METHODS", "BASIS_METHODS", "posterior_uri", "build_and_save", "build_posteriors"]
 
 
 def posterior_uri(output_uri: str, method: str) -> str:
@@ -60,8 +61,6 @@ def build_and_save(
         t0 = time.perf_counter()
         subnet_fisher = None
         if name == "subnet":  # the S x S Fisher of the subnet pass (pipelines.subnet_pass)
-            from .subnet_pass import load_subnet_fisher, subnet_uri
-
             F_sum, count, masks, _ = load_subnet_fisher(subnet_uri(output_uri), endpoint_url)
             subnet_fisher = (F_sum, count, masks)
         post = build_posterior(
@@ -88,3 +87,22 @@ def build_and_save(
         if name == "subnet":
             out[name].update({k: post.info[k] for k in ("subnet_size", "d_total", "prior_scale") if k in post.info})
     return out
+
+
+def build_posteriors(
+    output_uri: str,
+    methods: Sequence[str],
+    rank: int | None,
+    *,
+    n_data: float | None = None,
+    prior_precision: float = 1.0,
+    endpoint_url: Store = None,
+) -> dict[str, dict[str, Any]]:
+    """The posterior stage: load the reduced statistics (``<output>/stats/reduced``) and, when a
+    method needs it, the eigenbasis (``<output>/stats/eigenbasis``) that the curvature stage
+    wrote, and :func:`build_and_save` every method of ``methods``."""
+    stats = CurvatureStatistics.load(reduced_uri(output_uri), fsspec_options(output_uri, endpoint_url))
+    names = [resolve_method(m) for m in methods]
+    basis = load_eigenbasis(basis_uri(output_uri), endpoint_url) if any(m in BASIS_METHODS for m in names) else None
+    return build_and_save(stats, basis, names, rank, output_uri, n_data=n_data, prior_precision=prior_precision,
+                          endpoint_url=endpoint_url)

@@ -3,8 +3,8 @@
 Each stage ends by writing ``<output>/stages/<stage>.json`` (atomically): its summary and
 a fingerprint of the settings it depends on. A stage whose marker exists with the same
 fingerprint is skipped (``force`` redoes it), so a re-submitted job resumes where the
-last one stopped; inside the curvature stage, finished data partitions are skipped as
-well (:mod:`pipelines.curvature`). A marker with a *different* fingerprint is an error:
+last one stopped; inside the curvature stage, each pass resumes from its newest checkpoint
+(:mod:`pipelines.distributed`). A marker with a *different* fingerprint is an error:
 the output already holds a run with other settings (use a new ``--output`` or
 ``--force STAGE``), never a silent mix. ``run.json`` is assembled from the markers, so a
 fully skipped re-run reproduces it.
@@ -203,7 +203,7 @@ def _subset(index, keep: int, parts: int = 2, limit: int | None = None):
     """Deterministic interleaved subset of a DatasetIndex: within each class, entries at
     positions ``keep, keep+parts, ...`` (disjoint for different ``keep``), then at most
     ``limit`` entries spread evenly."""
-    from .data import _fingerprint as data_fingerprint
+    from .data import fingerprint as data_fingerprint
 
     seen: dict[int, int] = {}
     keep_idx = []
@@ -233,7 +233,7 @@ def _take(index, idx, fp_fn):
 
 
 def _limit(index, limit: int | None):
-    from .data import _fingerprint as data_fingerprint
+    from .data import fingerprint as data_fingerprint
 
     if limit is None or len(index) <= limit:
         return index
@@ -338,15 +338,17 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
 
         subnet_cfg = subnet_config(cfg.posterior, cfg.curvature.fisher, spec.num_classes or len(classes))
 
-    # ---- curvature (+ posteriors built from the reduced sums)
+    # ---- curvature: the reduced statistics and eigenbasis (+ the subnet pass's S x S Fisher)
     c = cfg.curvature
     curv_cfg = CurvatureConfig(
         num_workers=c.num_workers, use_gpu=c.use_gpu, cpus_per_worker=c.cpus_per_worker, fisher=c.fisher,
-        mc_samples=c.mc_samples, seed=c.seed, batch_size=c.batch_size, methods=layer_methods, rank=cfg.posterior.rank,
-        n_data=cfg.posterior.n_data, prior_precision=cfg.posterior.prior_precision, efb_fraction=c.efb_fraction,
-        max_failures=c.max_failures, torch_threads=c.torch_threads or 1,
+        mc_samples=c.mc_samples, seed=c.seed, batch_size=c.batch_size, methods=layer_methods,
+        efb_fraction=c.efb_fraction, max_failures=c.max_failures, torch_threads=c.torch_threads or 1,
+        checkpoint_every_s=c.checkpoint_every_s,
     )
-    curv_fp = {"model": to_dict(spec), "train": train_idx.fingerprint, "curvature": to_dict(c),
+    # the checkpoint interval does not change the sums: not part of the stage's fingerprint
+    curv_fp = {"model": to_dict(spec), "train": train_idx.fingerprint,
+               "curvature": {k: v for k, v in to_dict(c).items() if k != "checkpoint_every_s"},
                "image": [cfg.data.image_size, cfg.data.resize_size], "methods": list(methods)}
     if subnet_cfg is not None:  # the selection (S, n_data, tau) and the Fisher type shape the subnet pass
         curv_fp["subnet"] = dataclasses.asdict(subnet_cfg)
@@ -355,16 +357,14 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
         train_dcfg = _data_config(cfg, plan, cfg.data.train_split, limit=cfg.data.limit, per_class=cfg.data.per_class)
         res = run_curvature(spec, parts, curv_cfg, output, data_config=train_dcfg, endpoint_url=ep)
         skipped = {k: v for k, v in res.skipped.items()}
-        posteriors, subnet = dict(res.posteriors), None
+        passes, subnet = dict(res.passes), None
         if subnet_cfg is not None:  # Daxberger et al. (2021): select from the reduced sums, S x S Fisher pass
-            from .posterior import build_and_save
             from .subnet_pass import run_subnet_pass
 
             sres = run_subnet_pass(spec, parts, curv_cfg, subnet_cfg, output, data_config=train_dcfg,
                                    endpoint_url=ep, stats=res.stats)
-            posteriors.update(build_and_save(res.stats, None, ("subnet",), None, output, n_data=cfg.posterior.n_data,
-                                             prior_precision=cfg.posterior.prior_precision, endpoint_url=ep))
-            subnet = dataclasses.asdict(sres)
+            passes.update(sres.passes)
+            subnet = {k: v for k, v in dataclasses.asdict(sres).items() if k != "passes"}
         return {
             "count": res.stats.count, "efb_count": res.stats.efb_count, "excluded": res.stats.excluded,
             "skipped_batches": res.stats.skipped_batches, "skipped": skipped,
@@ -372,8 +372,8 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
             "allreduce_s": res.allreduce_seconds, "allreduce_bytes": res.allreduce_bytes,
             "computed_partitions": {k: list(v) for k, v in res.computed_partitions.items()},
             "reused_partitions": {k: list(v) for k, v in res.reused_partitions.items()},
-            "num_workers": res.num_workers, "use_gpu": res.use_gpu,
-            "posteriors": posteriors, "timings": {k: v for k, v in res.timings.items() if k != "worker"},
+            "num_workers": res.num_workers, "use_gpu": res.use_gpu, "passes": passes,
+            "timings": {k: v for k, v in res.timings.items() if k != "worker"},
             **({"subnet": subnet} if subnet is not None else {}),
         }
 
@@ -381,23 +381,11 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     post_fp = {**curv_fp, "posterior": to_dict(cfg.posterior)}
 
     def do_posterior() -> dict[str, Any]:
-        from laplace_core.statistics import CurvatureStatistics
+        from .posterior import build_posteriors
 
-        from .curvature import _basis_uri, _reduced_uri, load_eigenbasis
-        from .posterior import BASIS_METHODS, build_and_save
+        return {"posteriors": build_posteriors(output, methods, cfg.posterior.rank, n_data=cfg.posterior.n_data,
+                                               prior_precision=cfg.posterior.prior_precision, endpoint_url=ep)}
 
-        stats = CurvatureStatistics.load(_reduced_uri(output), storage.fsspec_options(output, ep))
-        basis = load_eigenbasis(_basis_uri(output), ep) if any(m in BASIS_METHODS for m in methods) else None
-        return {"posteriors": build_and_save(stats, basis, methods, cfg.posterior.rank, output,
-                                             n_data=cfg.posterior.n_data, prior_precision=cfg.posterior.prior_precision,
-                                             endpoint_url=ep)}
-
-    if curv is not None and "curvature" in cfg.stages and "posterior" not in cfg.force and \
-            not storage.exists(stage_marker_uri(output, "posterior"), ep):
-        # the curvature stage already built and saved every posterior
-        storage.write_json_atomic(stage_marker_uri(output, "posterior"), {
-            "stage": "posterior", "fingerprint": _fingerprint(post_fp),
-            "summary": {"posteriors": curv["posteriors"], "seconds": curv.get("timings", {}).get("posterior_s", 0.0)}}, ep)
     post = st.run("posterior", post_fp, do_posterior)
     uris = _posterior_uris(output, methods)
 
@@ -508,7 +496,7 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
     post = results.get("posterior") or {}
     srch = results.get("search") or {}
     evl = results.get("evaluate") or {}
-    posteriors = post.get("posteriors") or curv.get("posteriors") or {}
+    posteriors = post.get("posteriors") or {}
     sizes = {m: {"numbers": p.get("num_stored"), "note": f"rank {cfg.posterior.rank}" if m == "inf" else
                  f"S = {p.get('subnet_size')} of {p.get('d_total')} weights" if m == "subnet" else ""}
              for m, p in posteriors.items()}
@@ -534,7 +522,7 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
         "chosen": chosen,
         "curvature": {k: curv.get(k) for k in ("count", "efb_count", "num_workers", "use_gpu", "allreduce_s",
                                                "allreduce_bytes", "computed_partitions", "reused_partitions",
-                                               "excluded", "skipped_batches")}
+                                               "excluded", "skipped_batches", "passes")}
         | ({"subnet": curv["subnet"]} if "subnet" in curv else {}),
         "search": {"chosen": srch.get("chosen"), "notes": srch.get("notes"),
                    "device": (srch.get("info") or {}).get("device")},

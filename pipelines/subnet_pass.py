@@ -9,19 +9,22 @@ Daxberger et al. (2021), §3-5, on top of the curvature stage (:mod:`pipelines.c
    capped at ``D_total`` (all curvature weights). Memory check up front: ``S²`` numbers
    of the Fisher's dtype must fit the budget, else a one-line ``ValueError`` naming the
    largest ``S`` that fits (:func:`laplace_core.subnet.check_subnet_memory`).
-2. **Fisher** (Ray Train ``TorchTrainer``, the curvature pass's pattern): every worker runs
-   :func:`laplace_core.subnet.collect_subnet_fisher` on its shard of each partition,
-   ``F_sum = Σ_k d_{k,S} d_{k,S}^T`` (``S x S``, one such matrix per worker, all-reduced
-   in place) plus the count; one SUM all-reduce at the end; rank 0 writes ``<output>/stats/subnet/`` (``fisher_sum``, ``mask/<layer>``, JSON
-   meta; a :mod:`laplace_core.io` artifact, manifest last). Fisher types: ``"mc"``
+2. **Fisher** (a pass kind, :class:`pipelines.distributed.kinds.SubnetFisherKind`, on the
+   partitioned-pass engine :mod:`pipelines.distributed` that runs the curvature passes too):
+   every worker runs :func:`laplace_core.subnet.collect_subnet_fisher` on its shard of each
+   partition into one local ``S x S`` matrix, ``F_sum = Σ_k d_{k,S} d_{k,S}^T``, plus the
+   count; its upper triangle is SUM-all-reduced per checkpoint interval and at the end; rank 0
+   writes ``<output>/stats/subnet/`` (``fisher_triu``: the upper triangle, ``mask/<layer>``,
+   JSON meta with every rank's record of the pass; a :mod:`laplace_core.io` artifact, manifest
+   last; :func:`load_subnet_fisher` returns the full symmetric matrix). Fisher types: ``"mc"``
    (labels drawn from ``(seed, image key, draw)`` exactly as pass 1 draws them, so 1 or N
    workers give the same sums, and on the same images ``diag(F_sum)`` equals pass 1's
    Fisher diagonal at the selected entries), ``"empirical"`` (true labels), ``"ggn"``
    (exact GGN ``Σ_k J_S^T (diag p − p p^T) J_S``, ``C`` backward passes per batch), and
    ``"auto"``: ``ggn`` when the class count is at most :data:`GGN_MAX_CLASSES`, else the
    curvature pass's Fisher type.
-3. **Posterior** (driver): ``P_S = N F_sum/count + τ (S / D_total) I``, built and saved by
-   :func:`pipelines.posterior.build_and_save` (``posterior/subnet/``).
+3. **Posterior** (the posterior stage, driver): ``P_S = N F_sum/count + τ (S / D_total) I``,
+   built and saved by :func:`pipelines.posterior.build_and_save` (``posterior/subnet/``).
 
 The keyed MC labels come from ``collect_subnet_fisher``'s ``KeyedSampler`` branch: the
 batches carry the image keys, the labels are drawn from the forward pass the backward
@@ -32,7 +35,7 @@ Resume: the finished artifact is skipped when its fingerprint (model, partitions
 type, seed, dtypes, masks) matches. While the pass runs, the workers all-reduce their sums
 after a partition once ``checkpoint_every_s`` seconds have passed since the last time
 (``0``: after every partition; ``None``: only at the end), and rank 0 then saves the
-running ``S x S`` sum with the finished partition ids, counts and skips under
+running sum (upper triangle) with the finished partition ids, counts and skips under
 ``<output>/stats/subnet_partial/ckpt-<k>`` (``k`` = partitions done; manifest last, the
 previous checkpoint removed only after the new one is committed). A restarted worker group
 (``FailureConfig``) or a re-submitted job with the same fingerprint starts from the latest
@@ -45,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -59,23 +61,23 @@ from laplace_core.subnet import DEFAULT_MEMORY_BUDGET, SELECTION_RULES, check_su
 
 from . import storage
 from .config import SUBNET_FISHER_TYPES
-from .curvature import (
+from .curvature import CurvatureConfig, pass_records, reduced_uri
+from .distributed import (
     DTYPES,
-    CurvatureConfig,
-    _allreduce_sum,
-    _broadcast_object,
-    _Counter,
-    _iter_valid_batches,
-    _Job,
-    _make_trainer,
-    _manifest,
-    _model_ref,
-    _index_partitions,
-    _partition_dataset,
-    _Progress,
-    _reduced_uri,
-    _worker_setup,
+    Job,
+    PassRun,
+    dataset_name,
+    fingerprint,
+    index_partitions,
+    make_trainer,
+    model_ref,
+    partition_dataset,
+    unpack_symmetric,
+    worker_setup,
 )
+from .distributed import checkpoint as ckpt
+from .distributed.comm import pack_symmetric
+from .distributed.kinds import SubnetFisherKind
 
 __all__ = [
     "SUBNET_FISHERS",
@@ -185,7 +187,8 @@ class SubnetResult:
     (dead units, Daxberger et al. §6.3: prior variance, the largest, but no effect on the
     training data's predictions). ``computed_partitions`` / ``reused_partitions``: the
     partitions this run computed and those it took from a checkpoint (both empty when the
-    artifact was reused)."""
+    artifact was reused). ``passes``: ``{"subnet": {"ranks": [...]}}``, every rank's record of the
+    pass (reduces, all-reduce bytes, bytes written, seconds in compute, data wait, reduce, write)."""
 
     uri: str
     subnet_size: int
@@ -202,6 +205,7 @@ class SubnetResult:
     zero_fisher: int = 0
     computed_partitions: tuple[int, ...] = ()
     reused_partitions: tuple[int, ...] = ()
+    passes: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # =========================================================================== selection + I/O
@@ -229,8 +233,9 @@ def _masks_digest(masks: Mapping[str, torch.Tensor]) -> str:
 
 def save_subnet_fisher(uri: str, fisher_sum: torch.Tensor, count: int, masks: Mapping[str, torch.Tensor],
                        meta: Mapping[str, Any], endpoint_url: storage.Store = None) -> None:
-    """``<uri>/`` artifact: ``fisher_sum`` (``S x S``), ``mask/<layer>`` (bool ``m x n``, model order)."""
-    tensors = {"fisher_sum": fisher_sum.detach().cpu().contiguous()}
+    """``<uri>/`` artifact: ``fisher_triu`` (the upper triangle of the symmetric ``S x S`` sum,
+    row by row), ``mask/<layer>`` (bool ``m x n``, model order)."""
+    tensors = {"fisher_triu": pack_symmetric(fisher_sum.detach()).cpu().contiguous()}
     for k, mk in masks.items():
         tensors[f"mask/{k}"] = mk.detach().cpu().contiguous()
     save_tensors(uri, tensors, {**meta, "format": FORMAT, "version": 1, "count": int(count), "names": list(masks)},
@@ -239,220 +244,86 @@ def save_subnet_fisher(uri: str, fisher_sum: torch.Tensor, count: int, masks: Ma
 
 def load_subnet_fisher(uri: str, endpoint_url: storage.Store = None
                        ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor], dict[str, Any]]:
-    """``(fisher_sum, count, masks, meta)`` from :func:`save_subnet_fisher` (masks in model order)."""
+    """``(fisher_sum, count, masks, meta)`` from :func:`save_subnet_fisher` (``fisher_sum`` the full,
+    exactly symmetric ``S x S`` matrix; masks in model order)."""
     tensors, meta = load_tensors(uri, storage.fsspec_options(uri, endpoint_url))
     if meta.get("format") != FORMAT:
         raise ValueError(f"{uri}: not a subnet Fisher artifact (format {meta.get('format')!r})")
     masks = {k: tensors[f"mask/{k}"].to(torch.bool) for k in meta["names"]}
-    return tensors["fisher_sum"], int(meta["count"]), masks, meta
+    return unpack_symmetric(tensors["fisher_triu"], int(meta["subnet_size"])), int(meta["count"]), masks, meta
 
 
 # =========================================================================== worker side
-def _checkpoints(base_uri: str, fingerprint: str, endpoint_url: str | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """``(uri, meta)`` of every committed checkpoint under ``base_uri`` with ``fingerprint``,
-    most finished partitions first. A manifest that cannot be read is reported in one line
-    and skipped."""
-    found = []
-    for name in storage.listdir(base_uri, endpoint_url):
-        if not name.startswith("ckpt-") or not name[5:].isdigit():
-            continue
-        uri = storage.join(base_uri, name)
-        if not storage.exists(_manifest(uri), endpoint_url):
-            continue  # cut short before its commit point
-        try:
-            meta = storage.read_json(_manifest(uri), endpoint_url).get("meta", {})
-            done = len(meta["done"]) if meta.get("format") == PARTIAL_FORMAT else -1
-        except (ValueError, OSError, KeyError, TypeError, AttributeError) as e:
-            print(f"[subnet] checkpoint {uri} has an unreadable manifest ({type(e).__name__}); not used", flush=True)
-            continue
-        if done >= 0 and meta.get("fingerprint") == fingerprint:
-            found.append((done, uri, meta))
-    found.sort(key=lambda f: -f[0])
-    return [(uri, meta) for _, uri, meta in found]
-
-
-def latest_checkpoint(base_uri: str, fingerprint: str, endpoint_url: str | None = None
+def latest_checkpoint(base_uri: str, fingerprint: str, endpoint_url: storage.Store = None
                       ) -> tuple[str, dict[str, Any]] | None:
     """``(uri, meta)`` of the checkpoint under ``base_uri`` (:func:`subnet_partial_uri`) with
     the most finished partitions whose manifest is committed and whose fingerprint is
     ``fingerprint``; ``None`` when there is none. Checkpoints of another fingerprint (a
     different model, data or selection) are never used."""
-    found = _checkpoints(base_uri, fingerprint, endpoint_url)
+    found = ckpt.list_checkpoints(base_uri, fingerprint, endpoint_url, PARTIAL_FORMAT, tag="subnet")
     return found[0] if found else None
 
 
-def load_checkpoint(base_uri: str, fingerprint: str, endpoint_url: str | None = None
+def load_checkpoint(base_uri: str, fingerprint: str, endpoint_url: storage.Store = None
                     ) -> tuple[str, dict[str, Any], torch.Tensor] | None:
-    """``(uri, meta, fisher_sum)`` of the most advanced checkpoint that loads and passes its
-    SHA-256 check (:func:`laplace_core.io.load_tensors`). A corrupted or truncated one is
-    reported in one line and passed over, so its partitions are computed again instead of
+    """``(uri, meta, fisher_sum)`` (the full symmetric ``S x S`` running sum) of the most
+    advanced checkpoint that loads and passes its SHA-256 check. A corrupted or truncated one
+    is reported in one line and passed over, so its partitions are computed again instead of
     failing the pass; ``None`` when no checkpoint is usable."""
-    for uri, meta in _checkpoints(base_uri, fingerprint, endpoint_url):
-        try:
-            tensors, _ = load_tensors(uri, storage.fsspec_options(uri, endpoint_url))
-            return uri, meta, tensors["fisher_sum"]
-        except (ValueError, OSError, KeyError) as e:
-            print(f"[subnet] checkpoint {uri} is unusable ({str(e).splitlines()[0][:200]}); "
-                  f"its partitions are computed again", flush=True)
-    return None
-
-
-class _Totals:
-    """The running totals (the same on every rank) of the finished partitions: ids, example count, rows and
-    unreadable rows per partition, the skip report."""
-
-    def __init__(self, meta: Mapping[str, Any] | None = None):
-        from .data import SkipReport
-
-        meta = meta or {}
-        self.done: list[int] = [int(p) for p in meta.get("done", [])]
-        self.count = int(meta.get("count", 0))
-        self.rows = {int(k): int(v) for k, v in meta.get("rows", {}).items()}
-        self.invalid = {int(k): int(v) for k, v in meta.get("invalid", {}).items()}
-        self.skipped = SkipReport.from_dict(meta["skipped"]) if "skipped" in meta else SkipReport(0, ())
-
-    def to_meta(self) -> dict[str, Any]:
-        return {"done": list(self.done), "count": self.count, "rows": {str(k): v for k, v in self.rows.items()},
-                "invalid": {str(k): v for k, v in self.invalid.items()}, "skipped": self.skipped.to_dict()}
-
-
-def _reduce_segment(F: torch.Tensor, seg: Sequence[int], local_count: int, counters, totals: _Totals,
-                    job: _Job, rank: int, world: int, rec: dict) -> None:
-    """All-reduce ``F`` in place (rank 0 keeps the running sum, the others zero theirs) and
-    the counts of the partitions ``seg`` computed since the last reduce, added to every
-    rank's ``totals``. A partition whose rows do not add up to its size is an error."""
-    import torch.distributed as dist
-
-    t0 = time.perf_counter()
-    dist.all_reduce(F, op=dist.ReduceOp.SUM)  # S x S in place, no flat copy: it may be GiBs
-    if F.is_cuda:
-        torch.cuda.synchronize(F.device)
-    rec["allreduce_s"] += time.perf_counter() - t0
-    rec["allreduce_bytes"] += F.numel() * F.element_size()
-    rec["allreduce_calls"] += 1
-    if rank != 0:
-        F.zero_()
-    nums = torch.tensor([local_count, *[counters[p].rows for p in seg], *[counters[p].skipped.count for p in seg]],
-                        dtype=torch.float64, device=F.device)
-    (nums,) = _allreduce_sum([nums], int(job.cfg.bucket_mb * 2**20), rec)
-    nums = [int(round(float(v))) for v in nums.cpu()]
-    reports = [None] * world
-    skipped = counters[seg[0]].skipped
-    for p in seg[1:]:
-        skipped = skipped.merge(counters[p].skipped)
-    dist.all_gather_object(reports, skipped)
-    for pid, r in zip(seg, nums[1:1 + len(seg)]):
-        expected = job.rows.get(pid)
-        if expected is not None and r != expected:
-            raise RuntimeError(f"subnet pass partition {pid}: workers read {r} rows, expected {expected}")
-    totals.done.extend(seg)
-    totals.count += nums[0]
-    totals.rows.update(zip(seg, nums[1:1 + len(seg)]))
-    totals.invalid.update(zip(seg, nums[1 + len(seg):]))
-    for r in reports:
-        totals.skipped = totals.skipped.merge(r)
+    found = ckpt.load_checkpoint(base_uri, fingerprint, endpoint_url, PARTIAL_FORMAT, tag="subnet")
+    if found is None:
+        return None
+    uri, meta, tensors = found
+    packed = tensors["fisher_triu"]
+    size = int(round(((8 * packed.numel() + 1) ** 0.5 - 1) / 2))
+    return uri, meta, unpack_symmetric(packed, size)
 
 
 def _subnet_loop(config: dict) -> None:
-    """``train_loop_per_worker``: resume from the latest checkpoint, add every unfinished
-    partition's local Fisher into one ``S x S`` matrix, all-reduce and checkpoint every
-    ``checkpoint_every_s``, rank 0 writes the artifact."""
-    import ray.train
+    """``train_loop_per_worker``: the subnet Fisher pass on the engine (resume from the newest
+    checkpoint, local ``S x S`` sums, all-reduce and checkpoint every ``checkpoint_every_s``),
+    then rank 0 writes the artifact and removes the checkpoints."""
     import torch.distributed as dist
-
-    from laplace_core.keyed_rng import KeyedSampler
-    from laplace_core.subnet import collect_subnet_fisher
 
     from .models import load_model
 
-    job: _Job = config["job"]
+    job: Job = config["job"]
     scfg: SubnetConfig = config["subnet"]
     masks: dict[str, torch.Tensor] = config["masks"]
     meta: dict[str, Any] = config["meta"]
     partial: str = config["partial_uri"]
-    cfg, ep = job.cfg, job.endpoint_url
-    rank, world, device = _worker_setup(job)
-    model_dtype, dtype = DTYPES[cfg.model_dtype], DTYPES[scfg.dtype]
-    model = load_model(job.model.name, job.model.weights, job.model.num_classes, endpoint_url=ep)
-    model = model.to(device=device, dtype=model_dtype).eval()
+    cfg, ep = job.cfg, job.store
+    rank, world, device = worker_setup(job)
     S = int(meta["subnet_size"])
-
-    found = load_checkpoint(partial, meta["fingerprint"], ep) if rank == 0 else None
-    state = _broadcast_object(None if found is None else found[1], rank)
-    totals = _Totals(state)
-    F = torch.zeros(S, S, dtype=dtype, device=device)
-    if rank == 0 and found is not None:
-        F.copy_(found[2])
-        found = found[:2]
-    reused = [p for p in job.pass1 if p in set(totals.done)]
-    todo = [p for p in job.pass1 if p not in set(totals.done)]
-    if rank == 0 and reused:
-        print(f"[subnet] resuming from {found[0]}: {len(reused)} partition(s) done, {len(todo)} to compute", flush=True)
-    known = [job.rows.get(p) for p in todo]
-    total = sum(known) if all(r is not None for r in known) else None
-    prog = _Progress(SUBNET_PASS_NO, total, world, rank, cfg.log_every_s)
-    counters = {pid: _Counter() for pid in todo}
-    rec = {"allreduce_s": 0.0, "allreduce_bytes": 0, "allreduce_calls": 0, "checkpoint_s": 0.0, "checkpoints": 0}
-    every = scfg.checkpoint_every_s
-    collect_s, seg, local_count, last = 0.0, [], 0, time.perf_counter()
-    for i, pid in enumerate(todo):
-        t0 = time.perf_counter()
-        batches = _iter_valid_batches(ray.train.get_dataset_shard(f"s_{pid}"), job, SUBNET_PASS_NO, pid, rank,
-                                      device, model_dtype, counters[pid], prog)
-        first = next(batches, None)
-        if first is not None:
-            def chain(first=first, batches=batches):
-                yield first
-                yield from batches
-
-            # batches are (x, y, keys): the MC labels come from (seed, example key, draw), the
-            # labels collect_statistics drew in pass 1, from the forward pass the backward reuses
-            _, n = collect_subnet_fisher(model, chain(), masks, fisher=scfg.fisher, mc_samples=cfg.mc_samples,
-                                         generator=KeyedSampler(cfg.seed), dtype=dtype,
-                                         memory_budget=scfg.memory_budget_bytes, out=F)
-            local_count += n
-        collect_s += time.perf_counter() - t0
-        seg.append(pid)
-        due = torch.tensor([float(every is not None and time.perf_counter() - last >= every)], device=device)
-        dist.all_reduce(due, op=dist.ReduceOp.MAX)  # one decision for every rank
-        final = i == len(todo) - 1
-        if not (final or bool(due.item())):
-            continue
-        _reduce_segment(F, seg, local_count, counters, totals, job, rank, world, rec)
-        seg, local_count, last = [], 0, time.perf_counter()
-        if rank == 0 and not final:
-            t0 = time.perf_counter()
-            uri = storage.join(partial, f"ckpt-{len(totals.done):06d}")
-            save_tensors(uri, {"fisher_sum": F.detach().cpu().contiguous()},
-                         {"format": PARTIAL_FORMAT, "fingerprint": meta["fingerprint"], "subnet_size": S,
-                          "written_at": time.time(), **totals.to_meta()}, storage.fsspec_options(uri, ep))
-            for name in storage.listdir(partial, ep):  # the older ones, now that this one is committed
-                if name.startswith("ckpt-") and name != uri.rsplit("/", 1)[-1]:
-                    storage.remove(storage.join(partial, name), recursive=True, endpoint_url=ep)
-            rec["checkpoint_s"] += time.perf_counter() - t0
-            rec["checkpoints"] += 1
-            print(f"[subnet] checkpoint: {len(totals.done)} of {len(job.pass1)} partition(s) in {uri} "
-                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
-    if totals.count <= 0:
+    kind = SubnetFisherKind(cfg, S, masks, scfg.fisher, scfg.dtype, scfg.memory_budget_bytes)
+    run = PassRun(kind, job, rank, world, device, partial).start()
+    if rank == 0 and run.rec["reused"]:
+        print(f"[subnet] resuming from {run.rec['resumed_from']}: {len(run.rec['reused'])} partition(s) done, "
+              f"{len(run.todo)} to compute", flush=True)
+    model = load_model(job.model.name, job.model.weights, job.model.num_classes, endpoint_url=ep)
+    kind.bind(model.to(device=device, dtype=DTYPES[cfg.model_dtype]).eval())
+    res = run.run(scfg.checkpoint_every_s)
+    count = res.counts["count"]
+    if count <= 0:
         raise RuntimeError("subnet pass: no valid image in any partition")
+    recs = [None] * world
+    dist.all_gather_object(recs, res.record)
     if rank == 0:
-        rows_n, invalid_n = sum(totals.rows.values()), sum(totals.invalid.values())
-        save_subnet_fisher(config["uri"], F, totals.count, masks, {
-            **meta, "rows": rows_n, "invalid_rows": invalid_n, "skipped": totals.skipped.to_dict(),
-            "world_size": world, "collect_s": collect_s, **rec, "written_at": time.time(),
-            "computed_partitions": todo, "reused_partitions": reused,
+        r = res.record
+        save_subnet_fisher(config["uri"], res.state, count, masks, {
+            **meta, "rows": res.rows, "invalid_rows": res.invalid, "skipped": res.skipped.to_dict(),
+            "world_size": world, "collect_s": r["compute_s"], "allreduce_s": r["allreduce_s"],
+            "allreduce_bytes": r["allreduce_bytes"], "allreduce_calls": r["allreduce_calls"],
+            "checkpoint_s": r["write_s"], "checkpoints": r["checkpoints"], "ranks": recs,
+            "written_at": time.time(), "computed_partitions": r["computed"], "reused_partitions": r["reused"],
         }, ep)
         storage.remove(partial, recursive=True, endpoint_url=ep)
-        print(f"[subnet] S = {S}: Fisher over {totals.count} examples written ({rows_n} rows, "
-              f"{invalid_n} invalid)", flush=True)
+        print(f"[subnet] S = {S}: Fisher over {count} examples written ({res.rows} rows, "
+              f"{res.invalid} invalid)", flush=True)
     dist.barrier()
 
 
 # =========================================================================== driver side
-def _fingerprint(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def run_subnet_pass(
     model_spec,
     partitions: Sequence[Any],
@@ -479,10 +350,10 @@ def run_subnet_pass(
         raise ValueError("run_subnet_pass needs at least one data partition")
     endpoint_url = storage.resolve_options(endpoint_url)  # resolved here, travels to every worker as is
     if stats is None:
-        stats = CurvatureStatistics.load(_reduced_uri(output_uri), storage.fsspec_options(output_uri, endpoint_url))
+        stats = CurvatureStatistics.load(reduced_uri(output_uri), storage.fsspec_options(output_uri, endpoint_url))
     masks, S, D = select_masks(stats, scfg)
-    model = _model_ref(model_spec)
-    ids, by_id, rows = _index_partitions(partitions)
+    model = model_ref(model_spec)
+    ids, by_id, rows = index_partitions(partitions)
     meta = {
         "subnet_size": S, "requested_size": int(scfg.subnet_size), "d_total": D, "fisher": scfg.fisher,
         "mc_samples": cfg.mc_samples if scfg.fisher == "mc" else 1, "seed": cfg.seed, "rule": scfg.rule,
@@ -498,15 +369,15 @@ def run_subnet_pass(
         if scfg.rule == "wasserstein":
             print("[subnet] hint: --set posterior.subnet_rule=wasserstein_live ranks only weights with a live "
                   "Fisher diagonal", flush=True)
-    fp = _fingerprint({
+    fp = fingerprint({
         "model": dataclasses.asdict(model), "partitions": ids, "rows": [rows[p] for p in ids],
         "data": [getattr(by_id[p], "fingerprint", None) for p in ids], "masks": _masks_digest(masks),
         **{k: meta[k] for k in ("fisher", "mc_samples", "seed", "dtype", "model_dtype")},
     })
     meta["fingerprint"] = fp
     uri = subnet_uri(output_uri)
-    old = storage.read_json(_manifest(uri), endpoint_url).get("meta", {}) \
-        if storage.exists(_manifest(uri), endpoint_url) else {}
+    old = storage.read_json(storage.join(uri, ckpt.MANIFEST), endpoint_url).get("meta", {}) \
+        if storage.exists(storage.join(uri, ckpt.MANIFEST), endpoint_url) else {}
     if old.get("format") == FORMAT and old.get("fingerprint") == fp:
         print(f"[subnet] {uri}: done earlier (same fingerprint), reused", flush=True)
         return SubnetResult(uri=uri, subnet_size=S, d_total=D, count=int(old["count"]), fisher=scfg.fisher,
@@ -519,22 +390,28 @@ def run_subnet_pass(
         ray.init()
     use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
     run_id = run_name or f"subnet-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    datasets = {f"s_{pid}": _partition_dataset(by_id[pid], data_config, endpoint_url) for pid in ids}
-    job = _Job(model=model, cfg=cfg, output_uri=output_uri, endpoint_url=endpoint_url, pass1=tuple(ids), pass2=(),
-               rows=rows, run_id=run_id, use_gpu=bool(use_gpu))
-    trainer = _make_trainer(_subnet_loop, {"job": job, "subnet": scfg, "masks": masks, "meta": meta, "uri": uri,
-                                           "partial_uri": subnet_partial_uri(output_uri)},
+    partial = subnet_partial_uri(output_uri)
+    found = ckpt.load_checkpoint(partial, fp, endpoint_url, PARTIAL_FORMAT, tag="subnet")
+    done = set(found[1]["done"]) if found is not None else set()
+    del found
+    datasets = {dataset_name(SubnetFisherKind.name, pid): partition_dataset(by_id[pid], data_config)
+                for pid in ids if pid not in done}
+    job = Job(model=model, cfg=cfg, output_uri=output_uri, store=endpoint_url, passes={SubnetFisherKind.name: tuple(ids)},
+              rows=rows, run_id=run_id, use_gpu=bool(use_gpu), fingerprint=fp)
+    trainer = make_trainer(_subnet_loop, {"job": job, "subnet": scfg, "masks": masks, "meta": meta, "uri": uri,
+                                          "partial_uri": partial},
                             cfg, bool(use_gpu), run_id, output_uri, datasets)
     print(f"[subnet] S = {S} of {D} weights ({scfg.rule}), {scfg.fisher} Fisher on {cfg.num_workers} worker(s)",
           flush=True)
     t0 = time.perf_counter()
     trainer.fit()
     fit_s = time.perf_counter() - t0
-    written = storage.read_json(_manifest(uri), endpoint_url)["meta"]
+    written = storage.read_json(storage.join(uri, ckpt.MANIFEST), endpoint_url)["meta"]
     count = int(written["count"])
     return SubnetResult(uri=uri, subnet_size=S, d_total=D, count=count, fisher=scfg.fisher, computed=True, fit_s=fit_s,
                         allreduce_s=float(written.get("allreduce_s", 0.0)),
                         allreduce_bytes=int(written.get("allreduce_bytes", 0)), rows=int(written.get("rows", 0)),
                         skipped=written.get("skipped", {}), per_layer=meta["per_layer"], zero_fisher=meta["zero_fisher"],
                         computed_partitions=tuple(written.get("computed_partitions", ())),
-                        reused_partitions=tuple(written.get("reused_partitions", ())))
+                        reused_partitions=tuple(written.get("reused_partitions", ())),
+                        passes=pass_records({"ranks": [{"subnet": r} for r in written.get("ranks", [])]}))

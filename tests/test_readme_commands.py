@@ -41,7 +41,7 @@ SAMPLE_ENV = {"RAY_ADDRESS": "http://127.0.0.1:8265"}
 
 # Plain code blocks that hold no commands, by their first line.
 NOT_COMMANDS = {
-    "stats/partitions/pass{1,2}/part-NNNNN/   per-partition sums (resume unit)": "the artifact layout",
+    "stats/passes/pass{1,2}/ckpt-NNNNNN/      running sums of the finished partitions (resume point)": "the artifact layout",
 }
 
 # README command -> (kind, where / why). kind "run": a test or CI runs it (the needle ties it to
@@ -69,6 +69,7 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "python benchmarks/peers.py --model resnet18 --size 64 --batch 32 --batches 4": ("parse", "benchmark"),
     "python benchmarks/scaling.py --images 12288 --size 64 --partitions 2 --workers 1 2":
         ("parse", "benchmark"),
+    "python benchmarks/comm.py": ("parse", "benchmark (arithmetic; tests/jobs/test_infra.py recomputes ResNet-50's row)"),
     "python benchmarks/core_pass.py --model resnet50 --size 224 --batch 64 --device cuda":
         ("parse", "benchmark; needs a CUDA device"),
     "python benchmarks/eval_overhead.py --model resnet50 --size 224 --num-classes 1000 --n-images 256 "

@@ -630,3 +630,52 @@ def test_resnet50_allreduce_bytes_are_exact():
     assert f"{parts * 8 * (a + g + d) / 1e9:.1f} GB (pass 1)" in text and f"{parts * 8 * d / 1e9:.1f} GB (pass 2)" in text
     largest = max(max(s) for s in shapes)
     assert f"{largest} x {largest} factor" in text
+
+
+def test_resnet50_interval_schedule_figures():
+    """The 16-GPU figures of the per-interval reduce (``pipelines.distributed``), recomputed for the
+    ``imagenet-resnet50`` preset: A and G as upper triangles, one reduce per
+    ``curvature.checkpoint_every_s`` interval plus one at the end, at the cost section's rate
+    (r_fb / rho_1 per worker, 16 workers); bytes all-reduced and written per pass are at most
+    2 payloads + one per interval, and the reduce (ring, 1.875x the payload per link at
+    10 Gbit/s) is under 5% of the modelled pass."""
+    import math
+
+    import torch
+    import torchvision
+
+    from jobs.imagenet_inf import config_from_args, get_args_parser
+    from laplace_core.layers import find_layers
+
+    with torch.device("meta"):
+        model = torchvision.models.resnet50()
+    _, infos, _ = find_layers(model)
+    shapes = [tuple(i.shape) for i in infos.values()]
+    a_p = sum(n * (n + 1) // 2 for m, n in shapes)
+    g_p = sum(m * (m + 1) // 2 for m, n in shapes)
+    d = sum(m * n for m, n in shapes)
+    v = cost_inputs()
+    cfg = config_from_args(get_args_parser().parse_args(["--preset", "imagenet-resnet50", "--data", "s3://YOUR-BUCKET/x"]))
+    workers, interval = cfg.curvature.num_workers, cfg.curvature.checkpoint_every_s
+    assert workers == 16 and interval == 600
+    text = " ".join(cost_section().split())
+    for figure in (a_p, g_p, a_p + g_p + d, 8 * (a_p + g_p + d)):
+        assert f"{figure:,}" in text, f"{figure:,} not quoted in the cost section"
+    rate = v["r_fb"] / v["rho_1"]
+    compute_s = v["N_tr"] / (workers * rate)
+    assert f"At {rate:.0f} img/s per worker" in text and f"a pass takes {compute_s:.0f} s on 16 workers" in text
+    link = 10e9 / 8
+    for payload, name, rho in ((8 * (a_p + g_p + d), "pass 1", v["rho_1"]), (8 * d, "pass 2", v["rho_2"])):
+        compute_s = v["N_tr"] / (workers * v["r_fb"] / rho)
+        reduces = math.floor(compute_s / interval) + 1
+        assert reduces == 1 and "each pass makes **1 all-reduce**" in text
+        allreduced = reduces * payload
+        written = reduces * payload if name == "pass 1" else (reduces - 1) * payload
+        assert allreduced <= 2 * payload + (compute_s // interval) * payload
+        assert written <= 2 * payload + (compute_s // interval) * payload
+        assert f"{allreduced / 1e9:.2f} GB ({name})" in text
+        reduce_s = reduces * 2 * (workers - 1) / workers * payload / link
+        share = reduce_s / (compute_s + reduce_s)
+        assert share < 0.05, (name, share)
+        assert f"{reduce_s:.1f} s" in text and f"{100 * share:.2f}%" in text, (name, reduce_s, share)
+    assert f"Rank 0 writes {8 * (a_p + g_p + d) / 1e9:.2f} GB per pass 1" in text

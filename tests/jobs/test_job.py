@@ -278,6 +278,30 @@ def test_force_one_stage_redoes_only_it(submitted):
     assert _json(f"{out}/stages/search.json", ep) == before
 
 
+def test_one_allreduce_per_pass_of_exactly_the_payload(submitted):
+    """The smoke run at the default ``curvature.checkpoint_every_s`` (600 s, longer than the
+    pass): every rank makes exactly one reduce per pass, one all-reduce call of exactly the
+    payload (A and G as upper triangles + the diagonal; the EFB sums), and rank 0 writes one
+    pass-1 checkpoint of that payload; asserted from run.json."""
+    from laplace_core.statistics import CurvatureStatistics
+    from pipelines import storage
+    from pipelines.distributed.kinds import efb_payload_numbers, pass1_payload_numbers
+
+    out, ep, _, _ = submitted
+    run = _json(f"{out}/run.json", ep)
+    assert run["config"]["curvature"]["checkpoint_every_s"] == 600.0
+    shapes = [tuple(i.shape) for i in CurvatureStatistics.load(f"{out}/stats/reduced", storage.fsspec_options(out, ep)).infos.values()]
+    passes = run["curvature"]["passes"]
+    for name, payload in (("pass1", 8 * pass1_payload_numbers(shapes)), ("pass2", 8 * efb_payload_numbers(shapes))):
+        ranks = passes[name]["ranks"]
+        assert len(ranks) == 2, name
+        for r in ranks:
+            assert r["reduces"] == 1 and r["allreduce_calls"] == 1 and r["allreduce_bytes"] == payload, (name, r)
+            assert min(r[k] for k in ("compute_s", "data_wait_s", "reduce_s", "write_s")) >= 0, (name, r)
+    assert passes["pass1"]["ranks"][0]["bytes_written"] == 8 * pass1_payload_numbers(shapes)
+    assert passes["pass2"]["ranks"][0]["bytes_written"] == 0
+
+
 def test_demo_preset_with_an_s3_output_runs_on_the_worker_node(ray_head, moto_s3):
     """The embedded demo on a cluster: its digits, letters and trained CNN are written to the
     (S3) output and read from there by the worker node, which cannot see the driver's disk.

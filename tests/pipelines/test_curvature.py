@@ -3,17 +3,19 @@
 Four ``TorchTrainer.fit`` calls in all (each costs ~11-16 s of Ray Train overhead here):
 
 * ``local_run`` (module scope): images with bad files in them, float64, MC
-  Fisher (labels drawn from (seed, image key), so sharding does not matter), every method. Checked against one process running
+  Fisher (labels drawn from (seed, image key), so sharding does not matter), every method,
+  the default checkpoint interval (one all-reduce per pass, of exactly the packed payload).
+  Checked against one process running
   ``collect_statistics`` / ``collect_efb`` over the valid images (A, G, diag, efb at
-  1e-10 of each tensor's scale), the skip counts, and posteriors built from the
-  single-process sums (dense precision of every layer).
+  1e-10 of each tensor's scale), the skip counts, and posteriors built by the posterior
+  stage from the stored statistics vs from the single-process sums (dense precision of every layer).
 * S3: images read from and artifacts written to moto's server, with a worker killed
-  mid-partition of the EFB pass (``FailureConfig(max_failures=1)`` restarts the
-  group, which resumes from the stored partitions and eigenbasis): same statistics
-  as one process.
-* resume: a job killed in partition 2 with ``max_failures=0`` (fit raises), then
-  re-run: only partitions 2 and 3 are computed (0 and 1 untouched on storage), same
+  mid-partition of the EFB pass (``checkpoint_every_s=0``, ``FailureConfig(max_failures=1)``
+  restarts the group, which resumes from the pass checkpoints and the eigenbasis): same
   statistics as one process.
+* resume: a job killed in partition 2 with ``max_failures=0`` (fit raises) after the
+  checkpoint of partitions 0 and 1, then re-submitted at the default interval: only
+  partitions 2 and 3 are computed, same statistics as one process.
 
 The MC Fisher draws each label from ``(seed, key of the image's path, draw)``
 (:class:`laplace_core.keyed_rng.KeyedSampler`), so 2 workers, a restarted worker and
@@ -33,16 +35,19 @@ from laplace_core.io import load_posterior
 from laplace_core.keyed_rng import KeyedSampler
 from laplace_core.posterior import build_posterior
 from pipelines.config import ModelSpec
+from pipelines import storage
 from pipelines.curvature import (
     CurvatureConfig,
-    _buckets,
+    buckets,
     efb_partition_ids,
-    finished_partitions,
     load_eigenbasis,
-    partition_uri,
+    pass_uri,
     path_keys,
     run_curvature,
 )
+from pipelines.distributed import unpack_symmetric
+from pipelines.distributed.kinds import efb_payload_numbers, pass1_payload_numbers
+from pipelines.posterior import build_posteriors
 from pipelines.data import DataConfig, iter_local_batches, partition, scan
 from pipelines.models import load_model, tiny_cnn
 
@@ -53,7 +58,7 @@ TOL = 1e-10  # of each tensor's max magnitude (float64 sums of ~24 examples)
 
 def _cfg(**kw) -> CurvatureConfig:
     base = dict(num_workers=2, cpus_per_worker=0.5, use_gpu=False, fisher="mc", model_dtype="float64",
-                batch_size=3, methods=METHODS, rank=6, efb_fraction=0.5, max_failures=0, torch_threads=1,
+                batch_size=3, methods=METHODS, efb_fraction=0.5, max_failures=0, torch_threads=1,
                 log_every_s=2.0)
     base.update(kw)
     return CurvatureConfig(**base)
@@ -112,7 +117,9 @@ def setup(tmp_path_factory):
 def local_run(setup, ray_session):
     out = str(setup["tmp"] / "out_local")
     res = run_curvature(setup["spec"], setup["parts"], _cfg(), out, data_config=setup["dcfg"])
-    return res, out
+    assert res.stats.count > 0 and _cfg().checkpoint_every_s == 600.0  # the default interval
+    posteriors = build_posteriors(out, METHODS, 6)  # the posterior stage
+    return res, out, posteriors
 
 
 def _reference_with_efb(setup, basis):
@@ -126,7 +133,7 @@ def _reference_with_efb(setup, basis):
 
 # ---------------------------------------------------------------------------- local run
 def test_two_workers_equal_single_process(setup, local_run):
-    res, out = local_run
+    res, out, _ = local_run
     ref, efb_ids = _reference_with_efb(setup, res.basis)
     assert res.efb_partitions == tuple(efb_ids) == (0, 2)
     assert res.computed_partitions == {"pass1": (0, 1, 2, 3), "pass2": (0, 2)}
@@ -159,7 +166,7 @@ def test_one_gpu_worker_with_nccl_equals_single_process(setup, ray_session):
 
 
 def test_skip_counts(setup, local_run):
-    res, _ = local_run
+    res, _, _ = local_run
     tree = setup["tree"]
     n_files = len(tree.train_good) + len(tree.train_bad)
     sk = res.skipped["pass1"]
@@ -170,14 +177,14 @@ def test_skip_counts(setup, local_run):
 
 
 def test_posteriors_equal_single_process(setup, local_run):
-    res, out = local_run
+    res, out, posteriors = local_run
     ref, _ = _reference_with_efb(setup, res.basis)
-    assert set(res.posteriors) == set(METHODS)
+    assert set(posteriors) == set(METHODS)
     g = torch.Generator().manual_seed(0)
     for method in METHODS:
         saved = load_posterior(os.path.join(out, "posterior", method))
         built = build_posterior(ref, method, rank=6 if method == "inf" else None, basis=res.basis)
-        assert saved.num_stored() == built.num_stored() == res.posteriors[method]["num_stored"]
+        assert saved.num_stored() == built.num_stored() == posteriors[method]["num_stored"]
         for k in built.layers:
             d_saved, d_built = saved.to_dense(k), built.to_dense(k)
             assert _close(d_saved, d_built, 1e-8), f"{method}/{k}"
@@ -188,41 +195,53 @@ def test_posteriors_equal_single_process(setup, local_run):
 
 
 def test_summary_json(local_run):
+    """Default interval: exactly one all-reduce per pass, of exactly the payload (upper
+    triangles of A and G + the diagonal; the EFB sums), on every rank; rank 0 writes one
+    pass-1 checkpoint of that payload (the finished pass) and none for the EFB pass."""
     import json
 
-    res, out = local_run
+    res, out, _ = local_run
     summary = json.loads(Path(out, "stats", "curvature.json").read_text())
     assert summary["count"] == res.stats.count and summary["efb_partitions"] == [0, 2]
+    shapes = [tuple(i.shape) for i in res.stats.infos.values()]
+    p1, p2 = 8 * pass1_payload_numbers(shapes), 8 * efb_payload_numbers(shapes)
+    full = 8 * sum(n * n + m * m + m * n for m, n in shapes)
+    assert p1 < full
     w = summary["timings"]["worker"]
-    assert w["pass1"]["allreduce_bytes"] > 0 and w["pass1"]["allreduce_calls"] == NUM_PARTS
-    assert w["pass2"]["allreduce_calls"] == 2 and res.allreduce_bytes > 0
+    assert w["pass1"]["allreduce_bytes"] == p1 and w["pass1"]["reduces"] == 1 == w["pass1"]["allreduce_calls"]
+    assert w["pass2"]["allreduce_bytes"] == p2 and w["pass2"]["reduces"] == 1 == w["pass2"]["allreduce_calls"]
+    assert res.allreduce_bytes == p1 + p2
     assert summary["timings"]["fit_s"] > 0
     ranks = w["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and all(r["pass1"]["computed"] == list(range(NUM_PARTS)) for r in ranks)
+    passes = summary["passes"]
+    for name, payload in (("pass1", p1), ("pass2", p2)):
+        recs = passes[name]["ranks"]
+        assert len(recs) == 2 and all(r["reduces"] == 1 and r["allreduce_bytes"] == payload for r in recs), name
+        assert all(r[k] >= 0 for r in recs for k in ("compute_s", "data_wait_s", "reduce_s", "write_s")), name
+    assert [r["bytes_written"] for r in passes["pass1"]["ranks"]] == [p1, 0]
+    assert [r["bytes_written"] for r in passes["pass2"]["ranks"]] == [0, 0]
 
 
-def test_running_sum_equals_partition_files(setup, local_run):
-    """The workers keep a running sum instead of reading back the partition files:
-    it must equal the left fold of the files in partition order bit for bit."""
+def test_final_checkpoint_holds_the_reduced_sums(setup, local_run):
+    """The finished pass 1's checkpoint stores the upper triangles of A and G and the diagonal:
+    unpacked, they are the reduced statistics bit for bit."""
     from laplace_core.io import load_tensors
-    from laplace_core.statistics import CurvatureStatistics
 
-    res, out = local_run
-    parts = []
-    for p in setup["parts"]:
-        tensors, meta = load_tensors(partition_uri(out, 1, p.id))
-        parts.append(CurvatureStatistics.from_flat(meta, tensors))
-    merged = CurvatureStatistics.merge_all(parts)
-    assert merged.count == res.stats.count
-    for k, v in merged.layers.items():
-        for f in ("A", "G", "diag"):
-            assert torch.equal(getattr(v, f), getattr(res.stats.layers[k], f)), f"{k}.{f}"
-    efb = None
-    for pid in res.efb_partitions:
-        t, _ = load_tensors(partition_uri(out, 2, pid))
-        efb = t if efb is None else {n: efb[n] + t[n] for n in t}
-    for k in merged.layers:
-        assert torch.equal(efb[f"{k}/efb"], res.stats.layers[k].efb), f"{k}.efb"
+    res, out, _ = local_run
+    base = pass_uri(out, "pass1")
+    assert storage.listdir(base) == [f"ckpt-{NUM_PARTS:06d}"]
+    tensors, meta = load_tensors(storage.join(base, f"ckpt-{NUM_PARTS:06d}"))
+    assert meta["final"] and meta["done"] == list(range(NUM_PARTS)) and meta["counts"]["count"] == res.stats.count
+    for k, info in res.stats.infos.items():
+        m, n = info.shape
+        ls = res.stats.layers[k]
+        assert tensors[f"{k}/A_triu"].numel() == n * (n + 1) // 2
+        assert torch.equal(unpack_symmetric(tensors[f"{k}/A_triu"], n), ls.A), k
+        assert torch.equal(unpack_symmetric(tensors[f"{k}/G_triu"], m), ls.G), k
+        assert torch.equal(tensors[f"{k}/diag"], ls.diag), k
+        assert torch.equal(ls.A, ls.A.T) and torch.equal(ls.G, ls.G.T)
+    assert storage.listdir(pass_uri(out, "pass2")) == []  # the finished EFB pass went to stats/reduced
 
 
 # ---------------------------------------------------------------------------- S3 + worker killed
@@ -238,7 +257,8 @@ def test_s3_with_worker_killed_mid_pass(setup, ray_session, s3_bucket):
     marker = f"{bucket}/fault-marker.json"
     # killed in the EFB pass: the restarted group skips every pass-1 partition and EFB
     # partition 0, reloads the saved eigenbasis and recomputes EFB partition 2 only
-    cfg = _cfg(max_failures=1, fault_injection={"pass": 2, "partition": 2, "once_marker": marker})
+    cfg = _cfg(max_failures=1, checkpoint_every_s=0.0,
+               fault_injection={"pass": 2, "partition": 2, "once_marker": marker})
     res = run_curvature(setup["spec"], parts, cfg, f"{bucket}/out", data_config=dcfg, endpoint_url=endpoint)
     assert fs.exists(marker[len("s3://"):]), "the fault was not injected"
     worker = res.timings["worker"]  # rank 0 of the last (restarted) attempt
@@ -246,6 +266,7 @@ def test_s3_with_worker_killed_mid_pass(setup, ray_session, s3_bucket):
     assert worker["pass2"]["computed"] == [2] and worker["pass2"]["reused"] == [0]
     ref, _ = _reference_with_efb(setup, res.basis)
     _assert_stats_equal(res.stats, ref, "S3 with a killed worker vs 1 process")
+    build_posteriors(f"{bucket}/out", ("inf",), 6, endpoint_url=endpoint)  # the posterior stage, from S3
     assert fs.exists(f"{bucket[5:]}/out/posterior/inf/manifest.json")
     assert res.skipped["pass1"]["skipped"]["count"] == 4
 
@@ -254,24 +275,47 @@ def test_s3_with_worker_killed_mid_pass(setup, ray_session, s3_bucket):
 def test_resume_computes_only_missing_partitions(setup, ray_session):
     out = str(setup["tmp"] / "out_resume")
     marker = str(setup["tmp"] / "resume-marker.json")
-    cfg = _cfg(max_failures=0, methods=("diag",), fault_injection={"pass": 1, "partition": 2, "once_marker": marker})
+    cfg = _cfg(max_failures=0, methods=("diag",), checkpoint_every_s=0.0,
+               fault_injection={"pass": 1, "partition": 2, "once_marker": marker})
     with pytest.raises(Exception):
         run_curvature(setup["spec"], setup["parts"], cfg, out, data_config=setup["dcfg"])
     assert os.path.exists(marker)
-    ids = [p.id for p in setup["parts"]]
-    assert finished_partitions(out, 1, ids) == [0, 1]
-    before = {pid: os.stat(os.path.join(partition_uri(out, 1, pid), "manifest.json")).st_mtime_ns for pid in (0, 1)}
+    base = pass_uri(out, "pass1")
+    assert storage.listdir(base) == ["ckpt-000002"]  # the checkpoint of partitions 0 and 1 (ckpt-000001 removed)
+    assert storage.read_json(os.path.join(base, "ckpt-000002", "manifest.json"))["meta"]["done"] == [0, 1]
 
-    # tiny all-reduce buckets (2 KiB): the statistics travel in many flat buffers
+    # re-submitted at the default interval, tiny all-reduce buckets (2 KiB): the statistics
+    # travel in many flat buffers
     res = run_curvature(setup["spec"], setup["parts"], _cfg(methods=("diag",), bucket_mb=2 / 1024), out,
                         data_config=setup["dcfg"])
     assert res.computed_partitions["pass1"] == (2, 3) and res.reused_partitions["pass1"] == (0, 1)
-    after = {pid: os.stat(os.path.join(partition_uri(out, 1, pid), "manifest.json")).st_mtime_ns for pid in (0, 1)}
-    assert before == after
-    assert res.timings["worker"]["pass1"]["computed"] == [2, 3]
-    assert res.timings["worker"]["pass1"]["allreduce_calls"] > 2 * 2  # > 1 bucket per partition
+    w = res.timings["worker"]["pass1"]
+    assert w["computed"] == [2, 3] and w["reused"] == [0, 1] and w["reduces"] == 1
+    assert w["resumed_from"].endswith("ckpt-000002")
+    assert w["allreduce_calls"] > 2  # > 1 bucket per reduce
+    assert storage.listdir(base) == [f"ckpt-{NUM_PARTS:06d}"]
     _assert_stats_equal(res.stats, setup["ref"], "resumed vs 1 process", efb=False)  # A, G, diag (no EFB here)
-    assert not res.stats.has_efb and set(res.posteriors) == {"diag"}
+    assert not res.stats.has_efb
+
+
+def test_corrupt_newest_checkpoint_falls_back(tmp_path, capsys):
+    """Pure helper (no Ray): the newest checkpoint truncated -> one line, the one before it is
+    used; none left -> a fresh start (None)."""
+    from laplace_core.io import save_tensors
+    from pipelines.distributed import load_checkpoint
+
+    base = str(tmp_path / "pass1")
+    for k in (1, 2):
+        save_tensors(f"{base}/ckpt-{k:06d}", {"t0000": torch.full((3,), float(k), dtype=torch.float64)},
+                     {"format": "f", "fingerprint": "fp", "done": list(range(k))})
+    data = next(p for p in os.listdir(f"{base}/ckpt-000002") if p != "manifest.json")
+    with open(f"{base}/ckpt-000002/{data}", "r+b") as f:
+        f.truncate(10)
+    uri, meta, tensors = load_checkpoint(base, "fp", None, "f")
+    assert uri.endswith("ckpt-000001") and meta["done"] == [0] and float(tensors["t0000"][0]) == 1.0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "ckpt-000002" in ln]
+    assert len(lines) == 1 and "is unusable" in lines[0] and "computed again" in lines[0]
+    assert load_checkpoint(base, "other-fingerprint", None, "f") is None
 
 
 # ---------------------------------------------------------------------------- pure helpers (no Ray)
@@ -287,10 +331,10 @@ def test_efb_partition_ids():
 
 def test_buckets():
     ts = [torch.zeros(n, dtype=torch.float64) for n in (10, 300, 5, 5, 1000, 1)]  # 8 bytes each
-    groups = _buckets(ts, 800)
+    groups = buckets(ts, 800)
     assert groups == [[0], [1], [2, 3], [4], [5]]
     assert sum(groups, []) == list(range(len(ts)))
-    assert _buckets(ts, 10**9) == [list(range(len(ts)))]
+    assert buckets(ts, 10**9) == [list(range(len(ts)))]
 
 
 def test_gpu_shortfall_line():
@@ -309,5 +353,13 @@ def test_config_errors():
         CurvatureConfig(methods=("diag", "laplace"))
     with pytest.raises(ValueError, match="efb_fraction"):
         CurvatureConfig(efb_fraction=0.0)
+    with pytest.raises(ValueError, match="checkpoint_every_s must be >= 0"):
+        CurvatureConfig(checkpoint_every_s=-1)
+    from pipelines.config import ConfigError, load_config
+
+    assert load_config("smoke", []).curvature.checkpoint_every_s == 600.0
+    assert load_config("smoke", ["curvature.checkpoint_every_s=0"]).curvature.checkpoint_every_s == 0.0
+    with pytest.raises(ConfigError, match="curvature.checkpoint_every_s must be >= 0"):
+        load_config("smoke", ["curvature.checkpoint_every_s=-1"])
     with pytest.raises(ValueError, match="unknown fault_injection keys"):
         CurvatureConfig(fault_injection={"partition": 1, "once_marker": "x", "when": 3})

@@ -30,6 +30,7 @@ from laplace_core.subnet import collect_subnet_fisher, marginal_variances
 from pipelines.config import ConfigError, ModelSpec, load_config
 from pipelines.curvature import CurvatureConfig, path_keys, reduced_uri
 from pipelines.data import DataConfig, iter_local_batches, partition, scan
+from pipelines.distributed import pack_symmetric
 from pipelines.models import load_model, tiny_cnn
 from pipelines.posterior import build_and_save
 from pipelines.subnet_pass import (
@@ -242,7 +243,7 @@ def test_a_corrupt_checkpoint_is_passed_over_not_fatal(tmp_path, capsys):
     base = str(tmp_path / "partial")
 
     def write(k):
-        save_tensors(f"{base}/ckpt-{k:06d}", {"fisher_sum": torch.eye(2, dtype=torch.float64) * k},
+        save_tensors(f"{base}/ckpt-{k:06d}", {"fisher_triu": pack_symmetric(torch.eye(2, dtype=torch.float64) * k)},
                      {"format": "infoform.subnet_fisher_partial", "fingerprint": "fp", "done": list(range(k)),
                       "count": k, "rows": {}, "invalid": {}, "skipped": {"count": 0, "examples": []}})
 
@@ -272,7 +273,7 @@ def test_latest_checkpoint_takes_the_most_advanced_committed_one(tmp_path):
     assert latest_checkpoint(base, "fp") is None
 
     def write(k, fp):
-        save_tensors(f"{base}/ckpt-{k:06d}", {"fisher_sum": torch.eye(2, dtype=torch.float64) * k},
+        save_tensors(f"{base}/ckpt-{k:06d}", {"fisher_triu": pack_symmetric(torch.eye(2, dtype=torch.float64) * k)},
                      {"format": "infoform.subnet_fisher_partial", "fingerprint": fp, "done": list(range(k)),
                       "count": k, "rows": {}, "invalid": {}, "skipped": {"count": 0, "examples": []}})
 

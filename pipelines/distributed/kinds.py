@@ -1,0 +1,204 @@
+"""The three pass kinds on the partitioned-pass engine (:mod:`.engine`).
+
+* :class:`Pass1Kind`: KFAC factors ``A = Σ a a^T`` (``n x n``), ``G = Σ g g^T`` (``m x m``) and
+  the exact Fisher diagonal (``m x n``) per layer, :func:`laplace_core.collect.collect_statistics`.
+  ``A`` and ``G`` are reduced and checkpointed as upper triangles.
+* :class:`EfbKind`: the EFB sums ``Σ ((U_G^T g)(U_A^T a)^T)²`` (``m x n``) in the run's
+  eigenbasis, :func:`laplace_core.collect.collect_efb`.
+* :class:`SubnetFisherKind`: the ``S x S`` Fisher of the selected weights,
+  :func:`laplace_core.subnet.collect_subnet_fisher` (added in place into one matrix per
+  worker); reduced and checkpointed as its upper triangle.
+
+MC labels are drawn from ``(seed, image key, draw)`` (:class:`laplace_core.keyed_rng.KeyedSampler`),
+so it does not matter which worker sees which image, nor whether a worker was restarted.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from laplace_core.eigenbasis import Eigenbasis
+from laplace_core.statistics import CurvatureStatistics, LayerStatistics
+
+from .comm import pack_symmetric, packed_size, unpack_symmetric
+from .engine import PassKind
+from .workers import DTYPES
+
+__all__ = ["Pass1Kind", "EfbKind", "SubnetFisherKind", "pass1_payload_numbers", "efb_payload_numbers"]
+
+
+def pass1_payload_numbers(shapes: Sequence[tuple[int, int]]) -> int:
+    """Numbers pass 1 all-reduces per reduce: ``n(n+1)/2 + m(m+1)/2 + m n`` per ``(m, n)`` layer."""
+    return int(sum(packed_size(n) + packed_size(m) + m * n for m, n in shapes))
+
+
+def efb_payload_numbers(shapes: Sequence[tuple[int, int]]) -> int:
+    """Numbers the EFB pass all-reduces per reduce: ``m n`` per layer."""
+    return int(sum(m * n for m, n in shapes))
+
+
+class Pass1Kind(PassKind):
+    """Pass 1. State: per layer ``[A upper triangle, G upper triangle, diag]`` in ``stats_dtype``.
+    :meth:`bind` gives it the model and its layers once they are loaded."""
+
+    name = "pass1"
+    pass_no = 1
+    fmt = "infoform.pass1_checkpoint"
+    count_names = ("count", "skipped_batches", "skipped_examples")
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.model = None
+        self.infos: dict = {}
+        self.excluded: dict = {}
+
+    def bind(self, model, infos: Mapping, excluded: Mapping) -> "Pass1Kind":
+        self.model, self.infos, self.excluded = model, dict(infos), dict(excluded)
+        return self
+
+    def zero(self, device) -> list[torch.Tensor]:
+        dt = DTYPES[self.cfg.stats_dtype]
+        out = []
+        for info in self.infos.values():
+            m, n = info.shape
+            out += [torch.zeros(packed_size(n), dtype=dt, device=device),
+                    torch.zeros(packed_size(m), dtype=dt, device=device),
+                    torch.zeros(m, n, dtype=dt, device=device)]
+        return out
+
+    def collect(self, state: list[torch.Tensor], batches: Iterator) -> tuple[int, int, int]:
+        from laplace_core.collect import collect_statistics
+        from laplace_core.keyed_rng import KeyedSampler
+
+        c = self.cfg
+        local = collect_statistics(self.model, batches, fisher=c.fisher, mc_samples=c.mc_samples,
+                                   generator=KeyedSampler(c.seed), dtype=DTYPES[c.stats_dtype])
+        for i, k in enumerate(self.infos):
+            ls = local.layers[k]
+            state[3 * i].add_(pack_symmetric(ls.A.to(state[3 * i].device)))
+            state[3 * i + 1].add_(pack_symmetric(ls.G.to(state[3 * i].device)))
+            state[3 * i + 2].add_(ls.diag.to(state[3 * i].device))
+        return local.count, local.skipped_batches, local.skipped_examples
+
+    def to_tensors(self, flat: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for i, k in enumerate(self.infos):
+            out[f"{k}/A_triu"], out[f"{k}/G_triu"], out[f"{k}/diag"] = flat[3 * i], flat[3 * i + 1], flat[3 * i + 2]
+        return out
+
+    def from_tensors(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        if set(tensors) != set(self.to_tensors([None] * (3 * len(self.infos)))):
+            raise ValueError("pass-1 checkpoint: its layers do not match the model's")
+        return [tensors[f"{k}/{f}"] for k in self.infos for f in ("A_triu", "G_triu", "diag")]
+
+    def statistics(self, state: Sequence[torch.Tensor], counts: Mapping[str, int]) -> CurvatureStatistics:
+        """The reduced :class:`CurvatureStatistics` (full, exactly symmetric ``A`` and ``G``) on the CPU."""
+        layers = {}
+        for i, (k, info) in enumerate(self.infos.items()):
+            m, n = info.shape
+            layers[k] = LayerStatistics(A=unpack_symmetric(state[3 * i].cpu(), n),
+                                        G=unpack_symmetric(state[3 * i + 1].cpu(), m),
+                                        diag=state[3 * i + 2].cpu().clone())
+        return CurvatureStatistics(layers=layers, infos=dict(self.infos), count=int(counts["count"]),
+                                   skipped_batches=int(counts["skipped_batches"]),
+                                   skipped_examples=int(counts["skipped_examples"]), fisher=self.cfg.fisher,
+                                   mc_samples=self.cfg.mc_samples, excluded=dict(self.excluded))
+
+
+class EfbKind(PassKind):
+    """Pass 2 (EFB). State: per layer the ``m x n`` sum in ``stats_dtype``. The stage writes the
+    reduced statistics right after it, so the finished pass is not checkpointed again."""
+
+    name = "pass2"
+    pass_no = 2
+    fmt = "infoform.efb_checkpoint"
+    count_names = ("efb_count",)
+    final_checkpoint = False
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.model = None
+        self.infos: dict = {}
+        self.basis: Eigenbasis | None = None
+
+    def bind(self, model, infos: Mapping, basis: Eigenbasis | None) -> "EfbKind":
+        self.model, self.infos, self.basis = model, dict(infos), basis
+        return self
+
+    def zero(self, device) -> list[torch.Tensor]:
+        dt = DTYPES[self.cfg.stats_dtype]
+        return [torch.zeros(info.shape, dtype=dt, device=device) for info in self.infos.values()]
+
+    def collect(self, state: list[torch.Tensor], batches: Iterator) -> tuple[int]:
+        from laplace_core.collect import collect_efb
+        from laplace_core.keyed_rng import KeyedSampler
+
+        c = self.cfg
+        efb, n = collect_efb(self.model, batches, self.basis, fisher=c.fisher, mc_samples=c.mc_samples,
+                             generator=KeyedSampler(c.seed), dtype=DTYPES[c.stats_dtype])
+        for s, k in zip(state, self.infos):
+            s.add_(efb[k].to(s.device))
+        return (n,)
+
+    def to_tensors(self, flat: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {f"{k}/efb": t for k, t in zip(self.infos, flat)}
+
+    def from_tensors(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        if set(tensors) != {f"{k}/efb" for k in self.infos}:
+            raise ValueError("EFB checkpoint: its layers do not match the model's")
+        return [tensors[f"{k}/efb"] for k in self.infos]
+
+    def efb(self, state: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: t.cpu().clone() for k, t in zip(self.infos, state)}
+
+
+class SubnetFisherKind(PassKind):
+    """The subnet pass. State: one ``S x S`` matrix (``collect_subnet_fisher`` adds into it in
+    place); reduced and checkpointed as its upper triangle (``fisher_triu``)."""
+
+    name = "subnet"
+    pass_no = 3
+    fmt = "infoform.subnet_fisher_partial"
+    count_names = ("count",)
+    final_checkpoint = False
+    tag = "subnet"
+
+    def __init__(self, cfg, size: int, masks: Mapping[str, torch.Tensor], fisher: str, dtype: str,
+                 memory_budget: int):
+        self.cfg, self.size, self.masks = cfg, int(size), dict(masks)
+        self.fisher, self.dtype, self.memory_budget = fisher, dtype, int(memory_budget)
+        self.model = None
+
+    def bind(self, model) -> "SubnetFisherKind":
+        self.model = model
+        return self
+
+    def zero(self, device) -> torch.Tensor:
+        return torch.zeros(self.size, self.size, dtype=DTYPES[self.dtype], device=device)
+
+    def collect(self, state: torch.Tensor, batches: Iterator) -> tuple[int]:
+        from laplace_core.keyed_rng import KeyedSampler
+        from laplace_core.subnet import collect_subnet_fisher
+
+        # batches are (x, y, keys): the MC labels come from (seed, example key, draw), the labels
+        # collect_statistics drew in pass 1, from the forward pass the backward passes reuse
+        _, n = collect_subnet_fisher(self.model, batches, self.masks, fisher=self.fisher,
+                                     mc_samples=self.cfg.mc_samples, generator=KeyedSampler(self.cfg.seed),
+                                     dtype=DTYPES[self.dtype], memory_budget=self.memory_budget, out=state)
+        return (n,)
+
+    def flatten(self, state: torch.Tensor) -> list[torch.Tensor]:
+        return [pack_symmetric(state)]
+
+    def unflatten(self, state: torch.Tensor, flat: Sequence[torch.Tensor]) -> None:
+        unpack_symmetric(flat[0], self.size, out=state)
+
+    def clear(self, state: torch.Tensor) -> None:
+        state.zero_()
+
+    def to_tensors(self, flat: Sequence[torch.Tensor]) -> dict[str, Any]:
+        return {"fisher_triu": flat[0]}
+
+    def from_tensors(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        return [tensors["fisher_triu"]]

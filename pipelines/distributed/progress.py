@@ -1,0 +1,47 @@
+"""One progress/ETA logger for every distributed loop (the partitioned passes, and any
+actor that counts images against a known total)."""
+from __future__ import annotations
+
+import time
+
+__all__ = ["Progress"]
+
+
+class Progress:
+    """A log line every ``every_s`` seconds (rank 0 only): images done, images/s, ETA.
+
+    ``__call__(n)`` counts ``n`` images done by this process; the estimate of the whole
+    group's progress is ``done_global + done_local * world`` (every rank is assumed to go
+    at the same pace) until :meth:`partition_done` adds the exact global count."""
+
+    def __init__(self, label: str, total: int | None, world: int = 1, rank: int = 0, every_s: float = 10.0,
+                 prefix: str = "curvature"):
+        self.label, self.total, self.world, self.rank, self.every_s = label, total, world, rank, every_s
+        self.prefix = prefix
+        self.t0 = time.perf_counter()
+        self.last = self.t0
+        self.done_local = 0
+        self.done_global = 0
+
+    def __call__(self, n: int) -> None:
+        self.done_local += n
+        now = time.perf_counter()
+        if self.rank == 0 and now - self.last >= self.every_s:
+            self.last = now
+            print(self.line(now), flush=True)
+
+    def line(self, now: float | None = None) -> str:
+        now = time.perf_counter() if now is None else now
+        est = self.done_global + self.done_local * self.world
+        rate = est / max(now - self.t0, 1e-9)
+        eta = "?" if not self.total else f"{max(self.total - est, 0) / max(rate, 1e-9):.0f}s"
+        return f"[{self.prefix}] {self.label}: ~{est}/{self.total or '?'} images, {rate:.1f} img/s, ETA {eta}"
+
+    def restart(self, now: float) -> None:
+        """Start the rate's clock at ``now`` (the pass's own start, after whatever ran before)."""
+        self.t0 = self.last = now
+
+    def partition_done(self, rows_global: int) -> None:
+        """Replace the local estimate by the exact global count of a reduced segment."""
+        self.done_global += rows_global
+        self.done_local = 0

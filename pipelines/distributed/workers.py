@@ -1,0 +1,236 @@
+"""The Ray Train side shared by every partitioned pass: the job object the workers receive,
+the ``TorchTrainer`` factory (lossless data split, gloo or NCCL, ``FailureConfig``), the
+worker set-up, the partition bookkeeping on the driver, and the test-only fault injection.
+
+Nothing here sets ``os.environ``: the store settings (:class:`pipelines.storage.StorageOptions`)
+travel inside :class:`Job` and are passed explicitly to every read and write.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .. import storage
+
+__all__ = ["DTYPES", "FaultInjection", "ModelRef", "Job", "model_ref", "make_trainer", "lossless_data_config",
+           "gpu_shortfall", "worker_setup", "index_partitions", "partition_dataset", "path_keys", "fingerprint"]
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Test-only: worker ``rank`` (``None``: whichever rank gets there first) kills its
+    own process (``os._exit(1)``) in pass ``pass_no`` (1: pass 1, 2: EFB, 3: subnet) while
+    reading partition ``partition``, after ``after_batches`` valid batches, exactly once: it
+    first writes ``once_marker`` (a URI), and a restarted attempt that finds the marker
+    runs clean."""
+
+    pass_no: int
+    partition: int
+    once_marker: str
+    rank: int | None = None
+    after_batches: int = 1
+
+    @classmethod
+    def from_mapping(cls, d: Mapping[str, Any]) -> "FaultInjection":
+        known = {"pass", "pass_no", "partition", "rank", "once_marker", "after_batches"}
+        bad = set(d) - known
+        if bad:
+            raise ValueError(f"unknown fault_injection keys {sorted(bad)}; valid: {sorted(known)}")
+        return cls(
+            pass_no=int(d.get("pass_no", d.get("pass", 1))),
+            partition=int(d["partition"]),
+            rank=None if d.get("rank") is None else int(d["rank"]),
+            once_marker=str(d["once_marker"]),
+            after_batches=int(d.get("after_batches", 1)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    name: str
+    weights: str | None
+    num_classes: int | None
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a worker needs; pickled into ``train_loop_config``.
+
+    ``cfg``: the runtime settings (a :class:`pipelines.curvature.CurvatureConfig`: workers,
+    batch size, Fisher type, seed, dtypes, bucket size, log interval, fault injection).
+    ``passes``: pass name -> the partition ids it covers, in order. ``rows``: expected rows
+    per partition (``None``: unknown). ``store``: the store settings for every artifact.
+    ``extra``: what a pass kind needs beyond that (picklable)."""
+
+    model: ModelRef
+    cfg: Any
+    output_uri: str
+    store: storage.Store
+    passes: dict[str, tuple[int, ...]]
+    rows: dict[int, int | None]
+    run_id: str
+    use_gpu: bool
+    fingerprint: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def fingerprint(obj: Any) -> str:
+    """16 hex digits of SHA-256 of ``obj`` as sorted JSON."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def path_keys(paths: Sequence[str]) -> torch.Tensor:
+    """Stable int64 example keys (first 63 bits of SHA-1 of the relative path) for keyed
+    MC label sampling: the same image gets the same label draw on any worker, in any
+    partition layout and after any restart."""
+    return torch.tensor([int.from_bytes(hashlib.sha1(p.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+                         for p in paths], dtype=torch.int64)
+
+
+def worker_setup(job: Job) -> tuple[int, int, torch.device]:
+    """``(rank, world_size, device)`` of this Ray Train worker; also sets the torch thread count
+    and the process's malloc settings (:mod:`pipelines.malloc`)."""
+    import ray.train
+
+    from ..malloc import tune_malloc
+
+    tune_malloc()
+    ctx = ray.train.get_context()
+    if job.cfg.torch_threads:
+        torch.set_num_threads(int(job.cfg.torch_threads))
+    if job.use_gpu:
+        import ray.train.torch as rtt
+
+        device = rtt.get_device()
+    else:
+        device = torch.device("cpu")
+    return ctx.get_world_rank(), ctx.get_world_size(), device
+
+
+def lossless_data_config():
+    """A ``ray.train.DataConfig`` whose split delivers every row exactly once.
+
+    Ray Train's default ``streaming_split(..., equal=True)`` may drop rows to make the
+    shards equal; sums must see every image, so this uses ``equal=False``.
+    """
+    import ray.train
+
+    class LosslessSplit(ray.train.DataConfig):
+        def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+            output = [{} for _ in range(world_size)]
+            for name, ds in datasets.items():
+                if ds.name is None:
+                    ds.set_name(name)
+                ds = ds.copy(ds)
+                ds.context.execution_options = self._resolve_execution_options(name)
+                hints = worker_node_ids if self._enable_shard_locality else None
+                for i, split in enumerate(ds.streaming_split(world_size, equal=False, locality_hints=hints)):
+                    output[i][name] = split
+            return output
+
+    return LosslessSplit()
+
+
+def gpu_shortfall(need: float, have: float) -> str | None:
+    """One warning line when the Train workers ask for more GPUs (``need``) than the cluster
+    has now (``have``): they then wait for an autoscaler to add GPU nodes, or forever."""
+    if need <= have:
+        return None
+    return (f"[curvature] the Train workers ask for {need:g} GPU(s), the cluster has {have:g} now: they wait "
+            "until an autoscaler adds GPU nodes (on a cluster without GPUs, set curvature.use_gpu=false)")
+
+
+def make_trainer(loop, loop_config: dict, cfg, use_gpu: bool, name: str, output_uri: str, datasets: dict):
+    """The ``TorchTrainer`` every pass runs on: ``cfg.num_workers`` workers (GPU + NCCL
+    when ``use_gpu``, else gloo), ``FailureConfig(cfg.max_failures)``, the lossless data
+    config; Ray Train's own files go next to a local output, or to a temp dir for S3."""
+    import ray
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    resources = {"CPU": cfg.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = cfg.gpus_per_worker
+        note = gpu_shortfall(cfg.num_workers * cfg.gpus_per_worker, float(ray.cluster_resources().get("GPU", 0.0)))
+        if note:
+            print(note, flush=True)
+    if storage.is_remote(output_uri):
+        storage_path = os.path.join(tempfile.gettempdir(), "infoform_ray_train")
+    else:
+        storage_path = os.path.abspath(storage.join(output_uri, "_ray_train"))
+    return TorchTrainer(
+        loop,
+        train_loop_config=loop_config,
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu,
+                                               resources_per_worker=resources),
+        run_config=ray.train.RunConfig(name=name, storage_path=storage_path,
+                                       failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
+        datasets=datasets,
+        dataset_config=lossless_data_config(),
+    )
+
+
+def model_ref(model_spec) -> ModelRef:
+    """A model name, or anything with ``.name``, ``.weights``, ``.num_classes``."""
+    if isinstance(model_spec, str):
+        return ModelRef(model_spec, None, None)
+    try:
+        return ModelRef(str(model_spec.name), model_spec.weights, model_spec.num_classes)
+    except AttributeError:
+        raise ValueError("model_spec must be a model name or have .name, .weights, .num_classes") from None
+
+
+def _partition_id(p, i: int) -> int:
+    for attr in ("index", "id", "pid"):
+        v = getattr(p, attr, None)
+        if isinstance(v, int):
+            return v
+    return i
+
+
+def _partition_rows(p) -> int | None:
+    import ray.data
+
+    if isinstance(p, ray.data.Dataset):
+        return None
+    for attr in ("num_rows", "size"):
+        v = getattr(p, attr, None)
+        if isinstance(v, int):
+            return v
+    files = getattr(p, "files", None)
+    if files is not None:
+        return len(files)
+    try:
+        return len(p)
+    except TypeError:
+        return None
+
+
+def partition_dataset(p, data_config):
+    """A partition as a Ray Dataset (``pipelines.data.build_dataset``), or ``p`` if it is one."""
+    import ray.data
+
+    if isinstance(p, ray.data.Dataset):
+        return p
+    from ..data import build_dataset
+
+    return build_dataset(p, data_config)
+
+
+def index_partitions(partitions: Sequence[Any]) -> tuple[list[int], dict[int, Any], dict[int, int | None]]:
+    """``(ids, partition by id, rows by id)``; ids must be unique (they name the datasets and
+    the checkpoints' finished-partition lists)."""
+    ids = [_partition_id(p, i) for i, p in enumerate(partitions)]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"partition ids must be unique, got {ids}")
+    by_id = dict(zip(ids, partitions))
+    return ids, by_id, {pid: _partition_rows(p) for pid, p in by_id.items()}

@@ -1,0 +1,137 @@
+"""Module structure of ``pipelines/``, read with ``ast`` (nothing is imported):
+
+* no module imports another module's ``_private`` names (``from .x import _y``,
+  ``from pipelines.x import _y``, ``x._y`` through ``import``-ed module objects is not
+  checked), and
+* there are no import cycles among its modules, counting every import statement, also
+  those inside functions (a lazy import hides a cycle, it does not remove it).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("pipelines",)
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _modules(package: str) -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _resolve(current: str, is_pkg: bool, level: int, module: str | None) -> str:
+    if level == 0:
+        return module or ""
+    base = current.split(".") if is_pkg else current.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def _imports(name: str, path: Path, known: set[str]):
+    """``(target module, imported names)`` of every import in the file whose target is in ``known``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in known:
+                    yield a.name, ()
+        elif isinstance(node, ast.ImportFrom):
+            target = _resolve(name, is_pkg, node.level, node.module)
+            names = tuple(a.name for a in node.names)
+            # "from . import storage": the names may be submodules
+            subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in known]
+            if subs:
+                for s in subs:
+                    yield s, ()
+                names = tuple(n for n in names if f"{target}.{n}" not in known)
+            if target in known and (names or not subs):
+                yield target, names
+
+
+def _graph(package: str):
+    mods = _modules(package)
+    known = set(mods)
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    private: list[str] = []
+    for name, path in mods.items():
+        for target, names in _imports(name, path, known):
+            if target == name:
+                continue
+            edges[name].add(target)
+            for n in names:
+                if n.startswith("_") and not n.startswith("__"):
+                    private.append(f"{name} imports {target}.{n}")
+    return edges, private
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_private_cross_module_imports(package):
+    _, private = _graph(package)
+    assert private == [], "\n".join(private)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_cycles(package):
+    edges, _ = _graph(package)
+    assert _cycles(edges) == []
+
+
+def test_the_checker_sees_a_cycle_and_a_private_import(tmp_path, monkeypatch):
+    """The checker itself: a two-module cycle and a private import are found."""
+    pkg = tmp_path / "demo_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import _hidden\n")
+    (pkg / "b.py").write_text("def f():\n    from . import a\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    edges, private = _graph("demo_pkg")
+    assert private == ["demo_pkg.a imports demo_pkg.b._hidden"]
+    assert _cycles(edges) == [["demo_pkg.a", "demo_pkg.b"]]
