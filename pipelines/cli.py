@@ -91,6 +91,7 @@ def add_sizes_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-classes", type=_positive_int, default=None, help="classifier outputs (default: the model's)")
     p.add_argument("--rank", type=_positive_int, default=None, help="INF rank K (top-K EFB eigenvalues per layer)")
     p.add_argument("--stats", default=None, metavar="URI", help="statistics with EFB sums (CurvatureStatistics.save)")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for an s3:// --stats")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_sizes)
 
@@ -106,8 +107,10 @@ def cmd_sizes(args: argparse.Namespace) -> int:
     if args.stats is not None:
         from laplace_core.statistics import CurvatureStatistics
 
+        from . import storage
+
         try:
-            stats = CurvatureStatistics.load(args.stats)
+            stats = CurvatureStatistics.load(args.stats, storage.fsspec_options(args.stats, args.endpoint_url))
         except (OSError, ValueError) as e:
             raise CliError(f"cannot load statistics {args.stats!r}: {e}") from None
     try:
