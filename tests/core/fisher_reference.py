@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from laplace_core.layers import find_layers
+from laplace_core.layers import find_layers, owner_params
 
 __all__ = ["per_example_grads", "exact_fisher_blocks", "exact_fisher_diag", "vec"]
 
@@ -50,10 +50,15 @@ def per_example_grads(model: nn.Module, x: torch.Tensor, targets: torch.Tensor,
     """
     modules, infos, _ = find_layers(model)
     params = {}
+    where = {}  # layer name -> (weight key, bias key or None, rows) of the owning parameters
     for name, mod in modules.items():
-        params[f"{name}.weight" if name else "weight"] = mod.weight.detach()
-        if mod.bias is not None:
-            params[f"{name}.bias" if name else "bias"] = mod.bias.detach()
+        owner, oname, wa, ba, rows = owner_params(mod, name)
+        wk = f"{oname}.{wa}" if oname else wa
+        bk = None if ba is None else (f"{oname}.{ba}" if oname else ba)
+        params[wk] = getattr(owner, wa).detach()
+        if bk is not None:
+            params[bk] = getattr(owner, ba).detach()
+        where[name] = (wk, bk, rows)
     others = {k: v.detach() for k, v in model.named_parameters() if k not in params}
     buffers = {k: v for k, v in model.named_buffers()}
     # classification targets: (M,) or (S, M); regression targets: (M, C) or (S, M, C)
@@ -77,10 +82,11 @@ def per_example_grads(model: nn.Module, x: torch.Tensor, targets: torch.Tensor,
         m_out = infos[name].out_features
         per = []
         for gd in draws:
-            w = gd[f"{name}.weight" if name else "weight"]
+            wk, bk, rows = where[name]
+            w = gd[wk][:, rows]
             mat = w.reshape(w.shape[0], m_out, -1)
-            if mod.bias is not None:
-                b = gd[f"{name}.bias" if name else "bias"]
+            if bk is not None:
+                b = gd[bk][:, rows]
                 mat = torch.cat([mat, b.reshape(b.shape[0], m_out, 1)], dim=2)
             per.append(mat)
         st = torch.stack(per)  # (S, M, m, n)
