@@ -45,8 +45,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, jvp, vmap
 
-from .hooks import capture, layer_inputs, layer_output_grads
-from .layers import find_layers, get_matrix, perturbed
+from .hooks import capture, layer_inputs, layer_output_grads, reference_attention
+from .layers import find_layers, get_matrix, owner_params, perturbed
 from .predictive import SampleCache, _eval_mode, check_layers, sample_seed
 from .structures.base import LayerPosterior, Posterior
 from .structures.diag import DiagLayer
@@ -77,15 +77,20 @@ def _modules(model: nn.Module, modules: Mapping[str, nn.Module] | None) -> dict[
     return dict(find_layers(model)[0] if modules is None else modules)
 
 
-def _param_keys(model: nn.Module, modules: Mapping[str, nn.Module]) -> dict[str, tuple[str, str | None]]:
-    """``layer name -> (weight key, bias key or None)`` in ``model.named_parameters()`` naming."""
+def _param_keys(model: nn.Module, modules: Mapping[str, nn.Module]) -> dict[str, tuple[tuple[str, torch.Tensor] | None, ...]]:
+    """``layer name -> ((weight key, parameter), (bias key, parameter) or None, rows)``: the
+    owning parameters in ``model.named_parameters()`` naming, and the rows (dim 0) of them
+    that the layer's ``W~`` covers (all of them for a module; one group of a grouped conv)."""
     ids = {id(p): k for k, p in model.named_parameters(remove_duplicate=False)}
     out = {}
     for name, mod in modules.items():
-        wk = ids.get(id(mod.weight))
+        owner, _, wa, ba, rows = owner_params(mod, name)
+        w = getattr(owner, wa)
+        wk = ids.get(id(w))
         if wk is None:
             raise ValueError(f"layer {name!r} is not a submodule of the model")
-        out[name] = (wk, None if mod.bias is None else ids[id(mod.bias)])
+        b = None if ba is None else getattr(owner, ba)
+        out[name] = ((wk, w), None if b is None else (ids[id(b)], b), rows)
     return out
 
 
@@ -136,18 +141,28 @@ def glm_jvp(
     k = _check_deltas(modules, deltas)
     keys = _param_keys(model, modules)
     primals, tangents = {}, {}
+    lead = () if k is None else (k,)
     for name, d in deltas.items():
         mod = modules[name]
-        wk, bk = keys[name]
+        wp, bp, rows = keys[name]
         w_t, b_t = _split_delta(mod, d.to(dtype=mod.weight.dtype, device=mod.weight.device))
-        primals[wk], tangents[wk] = mod.weight.detach(), w_t
-        if bk is not None:
-            primals[bk], tangents[bk] = mod.bias.detach(), b_t
+        for kp, t in ((wp, w_t), (bp, b_t)):
+            if kp is None:
+                continue
+            key, p = kp
+            primals[key] = p.detach()
+            if rows == slice(None):
+                tangents[key] = t
+                continue
+            # a layer view (conv group): its rows of the owning parameter's tangent
+            if key not in tangents:
+                tangents[key] = p.new_zeros(*lead, *p.shape)
+            tangents[key][(slice(None),) * len(lead) + (rows,)] = t
 
     def f(p):
         return functional_call(model, p, (x,))
 
-    with torch.no_grad(), _eval_mode(model):
+    with torch.no_grad(), _eval_mode(model), reference_attention(model):
         if k is None:
             out, jv = jvp(f, (primals,), (tangents,))
         else:

@@ -60,6 +60,7 @@ __all__ = [
     "layer_output_grads",
     "mha_forward",
     "num_positions",
+    "reference_attention",
 ]
 
 
@@ -216,9 +217,10 @@ def mha_forward(query, key, value, embed_dim_to_check, num_heads, in_proj_weight
 
 
 class _Tap(TorchFunctionMode):
-    """Sees ``F.linear(x, W, b)`` for the tapped weights (by identity) and records them."""
+    """Sees ``F.linear(x, W, b)`` for the tapped weights (by identity) and records them;
+    runs ``F.multi_head_attention_forward`` as :func:`mha_forward` (``cap`` None: only that)."""
 
-    def __init__(self, cap: "Capture", by_weight: Mapping[int, str]):
+    def __init__(self, cap: "Capture | None", by_weight: Mapping[int, str]):
         super().__init__()
         self.cap, self.by_weight = cap, dict(by_weight)
 
@@ -231,9 +233,21 @@ class _Tap(TorchFunctionMode):
         if func is F.linear:
             w = args[1] if len(args) > 1 else kwargs.get("weight")
             name = self.by_weight.get(id(w))
-            if name is not None:
+            if name is not None and self.cap is not None:
                 self.cap._record_tap(name, args[0] if args else kwargs["input"], out)
         return out
+
+
+@contextlib.contextmanager
+def reference_attention(model: nn.Module) -> Iterator[None]:
+    """Inside the block, ``nn.MultiheadAttention`` runs :func:`mha_forward` (plain autograd
+    ops, forward-mode AD included) instead of its fused kernel; a no-op for models without
+    one. ``torch.func.jvp`` needs it: the fused kernel has no forward-mode derivative."""
+    if not any(isinstance(m, nn.MultiheadAttention) for m in model.modules()):
+        yield
+        return
+    with _Tap(None, {}):
+        yield
 
 
 # --------------------------------------------------------------------------- capture
