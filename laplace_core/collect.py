@@ -40,9 +40,9 @@ import torch
 from torch import nn
 
 from .eigenbasis import Eigenbasis, LayerBasis
-from .hooks import capture, layer_inputs, layer_output_grads, num_positions
+from .hooks import capture, layer_inputs, layer_output_grads, norm_grads, num_positions
 from .keyed_rng import KeyedSampler, keyed_categorical, keyed_normal
-from .layers import find_layers
+from .layers import check_norm_layers, find_layers
 from .statistics import CurvatureStatistics, LayerInfo, LayerStatistics
 
 __all__ = [
@@ -314,6 +314,11 @@ class _Layer:
 
     def add(self, x: torch.Tensor, grads: list[torch.Tensor], max_chunk: int) -> None:
         """Add one batch: ``x`` the module input, ``grads`` one output gradient per label draw."""
+        if self.info.diag_only:  # normalisation layer: per-example gradients of [γ, β] directly
+            if self.diag is not None:
+                for g in grads:
+                    self.diag.add(norm_grads(self.module, x, g).square_().sum(0), 1.0 / len(grads))
+            return
         m, n = self.info.shape
         S = len(grads)
         B = x.shape[0]
@@ -388,6 +393,8 @@ def _resolve_basis(basis, infos: Mapping[str, LayerInfo], cdtype, device) -> dic
         raise ValueError(f"basis must be an Eigenbasis or a mapping name -> LayerBasis, got {type(basis).__name__}")
     out = {}
     for name, info in infos.items():
+        if info.diag_only:
+            continue  # normalisation layers: no eigenbasis, no EFB sums
         if name not in layers:
             raise ValueError(f"basis has no entry for layer {name!r}")
         lb = layers[name]
@@ -429,6 +436,7 @@ def _run(
     max_chunk_elements: int,
     flush_examples: int,
     efb_order: str | None,
+    norm_layers: str = "map",
 ) -> _PassResult:
     lik = _likelihood(likelihood)
     S = _check_fisher(fisher, mc_samples)
@@ -440,7 +448,7 @@ def _run(
         raise ValueError(f"flush_examples must be positive, got {flush_examples}")
     if int(max_chunk_elements) < 1:
         raise ValueError(f"max_chunk_elements must be positive, got {max_chunk_elements}")
-    modules, infos, excluded = find_layers(model)
+    modules, infos, excluded = find_layers(model, norm_layers=check_norm_layers(norm_layers))
     if not modules:
         raise ValueError("model has no supported trainable layers (nn.Linear / nn.Conv2d with groups=1)")
     first = next(iter(modules.values())).weight
@@ -454,10 +462,11 @@ def _run(
     for name, mod in modules.items():
         m, n = infos[name].shape
         U_A, U_G = bases.get(name, (None, None))
+        dg = infos[name].diag_only
         layers[name] = _Layer(
             name=name, module=mod, info=infos[name],
-            A=acc(n, n, sym=_sym_blocks(n)) if kfac else None, G=acc(m, m) if kfac else None,
-            diag=acc(m, n) if kfac else None, efb=acc(m, n) if basis is not None else None,
+            A=acc(n, n, sym=_sym_blocks(n)) if kfac and not dg else None, G=acc(m, m) if kfac and not dg else None,
+            diag=acc(m, n) if kfac else None, efb=acc(m, n) if basis is not None and not dg else None,
             U_A=U_A, U_G=U_G, force_order=efb_order,
         )
 
@@ -566,6 +575,7 @@ def collect_statistics(
     max_chunk_elements: int = 2**26,
     flush_examples: int = 256,
     _efb_order: str | None = None,
+    norm_layers: str = "map",
 ) -> CurvatureStatistics:
     """KFAC sums ``A``, ``G``, the exact Fisher diagonal and the count ``M`` in one pass;
     with ``basis`` also the EFB sums ``efb`` (and ``efb_count = M``).
@@ -587,11 +597,15 @@ def collect_statistics(
 
     Shapes per layer (``W~`` is ``m x n``): ``A`` (n, n), ``G`` (m, m), ``diag`` and
     ``efb`` (m, n). Identities: DESIGN §1; KFC (Grosse & Martens 2016) for convs.
+
+    ``norm_layers="diag"`` adds the normalisation layers (:mod:`laplace_core.layers`):
+    only their exact Fisher diagonal ``Σ_k d_k ∘ d_k`` (``d_k`` from
+    :func:`laplace_core.hooks.norm_grads`), no ``A``, ``G`` or ``efb``.
     """
     res = _run(
         model, batches, kfac=True, basis=basis, fisher=fisher, mc_samples=mc_samples, generator=generator,
         dtype=dtype, likelihood=likelihood, progress=progress, max_chunk_elements=max_chunk_elements,
-        flush_examples=flush_examples, efb_order=_efb_order,
+        flush_examples=flush_examples, efb_order=_efb_order, norm_layers=norm_layers,
     )
     layers = {k: LayerStatistics(A=A, G=G, diag=diag, efb=efb) for k, (A, G, diag, efb) in res.layers.items()}
     return CurvatureStatistics(
@@ -621,18 +635,20 @@ def collect_efb(
     max_chunk_elements: int = 2**26,
     flush_examples: int = 256,
     _efb_order: str | None = None,
+    norm_layers: str = "map",
 ) -> tuple[dict[str, torch.Tensor], int]:
     """The EFB second pass alone: ``({name: Σ_k (U_G^T d_k U_A)^2}, M)``.
 
     Same arguments as :func:`collect_statistics`; no ``A``/``G``/``diag`` work, so the
     contraction order is chosen with ``have_d=False``. Attach the result with
-    ``stats.with_efb(efb, count)``. Skipped batches are not in ``M``.
+    ``stats.with_efb(efb, count)``. Skipped batches are not in ``M``. Normalisation layers
+    (``norm_layers="diag"``) have no EFB sums and are not in the result.
     """
     if basis is None:
         raise ValueError("collect_efb needs an eigenbasis (laplace_core.eigenbasis(stats))")
     res = _run(
         model, batches, kfac=False, basis=basis, fisher=fisher, mc_samples=mc_samples, generator=generator,
         dtype=dtype, likelihood=likelihood, progress=progress, max_chunk_elements=max_chunk_elements,
-        flush_examples=flush_examples, efb_order=_efb_order,
+        flush_examples=flush_examples, efb_order=_efb_order, norm_layers=norm_layers,
     )
-    return {k: t[3] for k, t in res.layers.items()}, res.count
+    return {k: t[3] for k, t in res.layers.items() if not res.infos[k].diag_only}, res.count

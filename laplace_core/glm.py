@@ -45,8 +45,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, jvp, vmap
 
-from .hooks import capture, layer_inputs, layer_output_grads, reference_attention
-from .layers import find_layers, get_matrix, owner_params, perturbed
+from .hooks import capture, layer_inputs, layer_output_grads, norm_grads, reference_attention
+from .layers import LayerKind, find_layers, get_matrix, layer_kind, owner_params, perturbed
 from .predictive import SampleCache, _eval_mode, check_layers, sample_seed
 from .structures.base import LayerPosterior, Posterior
 from .structures.diag import DiagLayer
@@ -74,7 +74,7 @@ _PI8 = math.pi / 8.0
 
 # =========================================================================== helpers
 def _modules(model: nn.Module, modules: Mapping[str, nn.Module] | None) -> dict[str, nn.Module]:
-    return dict(find_layers(model)[0] if modules is None else modules)
+    return dict(find_layers(model, norm_layers="diag")[0] if modules is None else modules)
 
 
 def _param_keys(model: nn.Module, modules: Mapping[str, nn.Module]) -> dict[str, tuple[tuple[str, torch.Tensor] | None, ...]]:
@@ -206,7 +206,9 @@ def output_jacobian_pieces(
     ``a``: layer input rows (``W~`` layout, bias column included); ``g[c]``: gradient of
     ``Σ_k f_c(x_k)`` w.r.t. the layer output, i.e. per example ``∂f_c(x_k)/∂z_{k,t}``
     (examples are independent in eval mode). ``J_l[k, c] = Σ_t g[c, k, t] a[k, t]^T``.
-    One forward and ``C`` backward passes.
+    One forward and ``C`` backward passes. A normalisation layer (kind ``"norm"``) has no
+    ``(a, g)`` factorisation: its entry is ``(None, J [C, B, m, n])``, the per-example
+    Jacobian rows from :func:`laplace_core.hooks.norm_grads`.
     """
     modules = _modules(model, modules)
     with _eval_mode(model), capture(model, modules) as cap, torch.enable_grad():
@@ -223,8 +225,12 @@ def output_jacobian_pieces(
             e[:, c] = 1
             grads = cap.backward(out, e, retain_graph=c < C - 1)
             for k, mod in modules.items():
-                gs[k].append(layer_output_grads(mod, grads[k]).detach())
-        pieces = {k: (layer_inputs(mod, cap.inputs[k]).detach(), torch.stack(gs[k])) for k, mod in modules.items()}
+                if layer_kind(mod) is LayerKind.NORM:
+                    gs[k].append(norm_grads(mod, cap.inputs[k], grads[k]).detach())
+                else:
+                    gs[k].append(layer_output_grads(mod, grads[k]).detach())
+        pieces = {k: (None if layer_kind(mod) is LayerKind.NORM else layer_inputs(mod, cap.inputs[k]).detach(),
+                      torch.stack(gs[k])) for k, mod in modules.items()}
     return out.detach(), pieces
 
 
@@ -288,19 +294,22 @@ def glm_covariance(
     generic = []
     for k, lp in posterior.layers.items():
         a, g = pieces[k]
-        if not joint and closed_form and a.shape[1] == 1:
+        if not joint and closed_form and a is not None and a.shape[1] == 1:
             part = _closed_form(lp, a[:, 0].to(f64), g[:, :, 0].to(f64))
             if part is not None:
                 cov += part
                 continue
         generic.append(k)
     if generic:
-        per = C * sum(pieces[k][0].shape[2] * pieces[k][1].shape[3] for k in generic)
+        per = C * sum(math.prod(posterior.layers[k].shape) for k in generic)
         bs = _chunk(B, per, max_elements)
         for i0 in range(0, B, bs):
             Jl = {}
             for k in generic:
                 a, g = pieces[k]
+                if a is None:  # normalisation layer: g is J itself, [C, B, m, n]
+                    Jl[k] = g[:, i0:i0 + bs].to(f64).transpose(0, 1)
+                    continue
                 a_, g_ = a[i0:i0 + bs].to(f64), g[:, i0:i0 + bs].to(f64)
                 Jl[k] = torch.einsum("cbtm,btn->bcmn", g_, a_)  # (b, C, m, n)
             b = next(iter(Jl.values())).shape[0]
@@ -328,7 +337,7 @@ def kfac_glm_covariance(
     cov = torch.zeros(B, C, C, dtype=torch.float64, device=out.device)
     for k, lp in posterior.layers.items():
         a, g = pieces[k]
-        if not isinstance(lp, KronLayer) or a.shape[1] != 1:
+        if not isinstance(lp, KronLayer) or a is None or a.shape[1] != 1:
             raise ValueError(f"layer {k!r}: eq. 15 needs a KFAC layer on a (B, n) input; use glm_covariance")
         cov += _closed_form(lp, a[:, 0].double(), g[:, :, 0].double())
     return cov

@@ -50,7 +50,7 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from .layers import GroupView, LayerKind, is_tapped, layer_kind
+from .layers import GroupView, LayerKind, ScaleView, is_tapped, layer_kind
 
 __all__ = [
     "Capture",
@@ -59,6 +59,7 @@ __all__ = [
     "layer_inputs",
     "layer_output_grads",
     "mha_forward",
+    "norm_grads",
     "num_positions",
     "reference_attention",
 ]
@@ -161,6 +162,52 @@ def layer_output_grads(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
             g = g[:, module.rows]
         return g.reshape(g.shape[0], g.shape[1], -1).transpose(1, 2)
     return g.reshape(g.shape[0], -1, g.shape[-1])
+
+
+# --------------------------------------------------------------------------- normalisation
+def _channel_dim(layer) -> int:
+    """Axis of the affine parameters in the layer's input: 1 for BatchNorm / GroupNorm /
+    torchvision's ``LayerNorm2d`` / the layer scale, the last axis for ``nn.LayerNorm``."""
+    if isinstance(layer, nn.LayerNorm) and type(layer).__name__ != "LayerNorm2d":
+        return -1
+    return 1
+
+
+def _normalised(layer, x: torch.Tensor) -> torch.Tensor:
+    """``x̂``, the value the affine weight multiplies (eval mode: running statistics)."""
+    if isinstance(layer, ScaleView):
+        return x  # the block's output
+    if isinstance(layer, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        return (x - layer.running_mean.reshape(shape)) * torch.rsqrt(layer.running_var.reshape(shape) + layer.eps)
+    if isinstance(layer, nn.GroupNorm):
+        xg = x.reshape(x.shape[0], layer.num_groups, -1)
+        mean = xg.mean(-1, keepdim=True)
+        var = xg.var(-1, unbiased=False, keepdim=True)
+        return ((xg - mean) * torch.rsqrt(var + layer.eps)).reshape(x.shape)
+    if isinstance(layer, nn.LayerNorm):
+        d = _channel_dim(layer)
+        mean = x.mean(d, keepdim=True)
+        var = x.var(d, unbiased=False, keepdim=True)
+        return (x - mean) * torch.rsqrt(var + layer.eps)
+    raise ValueError(f"norm_grads: unsupported layer type {type(layer).__name__}")
+
+
+def norm_grads(layer, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Per-example gradients ``(B, C, n)`` of a normalisation layer's ``W~ = [γ, β]``.
+
+    ``y = γ ∘ x̂ + β`` along the channel axis, so ``∂/∂γ_c = Σ_t g_{t,c} x̂_{t,c}`` and
+    ``∂/∂β_c = Σ_t g_{t,c}`` over the positions ``t`` of one example (``x̂``: the input
+    normalised with the running statistics for BatchNorm, per example for LayerNorm /
+    GroupNorm, the block output for a layer scale). ``x`` is the layer's input, ``g`` the
+    gradient of its output; exact (the eval-mode ``x̂`` does not depend on ``γ``, ``β``)."""
+    d = _channel_dim(layer)
+    xh = _normalised(layer, x.to(g.dtype))
+    gc = g.movedim(d, 1).reshape(g.shape[0], g.shape[d], -1)  # (B, C, T)
+    cols = [(gc * xh.movedim(d, 1).reshape(gc.shape)).sum(-1)]
+    if layer.bias is not None:
+        cols.append(gc.sum(-1))
+    return torch.stack(cols, -1)
 
 
 # --------------------------------------------------------------------------- attention
@@ -382,8 +429,14 @@ def capture(model: nn.Module, modules: Mapping[str, nn.Module]) -> Iterator[Capt
     handles = [model.register_forward_pre_hook(pre)]
     taps: dict[int, str] = {}
     groups: dict[int, tuple[nn.Module, list[str]]] = {}
+    block_out: dict[str, torch.Tensor] = {}
     for name, layer in modules.items():
-        if is_tapped(layer):
+        if isinstance(layer, ScaleView):  # input: the block's output; output edge: the parent's
+            handles.append(layer.parent.block.register_forward_hook(
+                lambda m, args, out, _n=name: block_out.__setitem__(_n, out.detach())))
+            handles.append(layer.parent.register_forward_hook(
+                lambda m, args, out, _n=name: cap._record(_n, m, (block_out.pop(_n),), out)))
+        elif is_tapped(layer):
             taps[id(getattr(layer.parent, layer.weight_name))] = name
         elif isinstance(layer, GroupView):
             groups.setdefault(id(layer.parent), (layer.parent, []))[1].append(name)

@@ -25,6 +25,16 @@ owning parameters along dim 0, so in-place updates reach the module):
 The views of the last two kinds are *tapped*: :mod:`laplace_core.hooks` sees their
 ``F.linear`` calls through a ``TorchFunctionMode`` (module hooks never fire for them).
 
+**Normalisation layers** (``find_layers(model, norm_layers="diag")``; the default
+``"map"`` leaves them at MAP, the papers' protocol, so Table 3's counts stay as they are):
+the affine ``weight`` / ``bias`` of ``nn.BatchNorm1d/2d/3d`` (eval mode, running
+statistics), ``nn.LayerNorm`` (one normalised dimension; torchvision's ``LayerNorm2d``
+included) and ``nn.GroupNorm``, and ConvNeXt's layer scale (:class:`ScaleView`
+``<block>.layer_scale``), kind ``"norm"``: ``W~ = [γ, β]`` is ``C x 2`` (``C x 1``
+without a bias). They get only the exact Fisher diagonal, and a **diagonal** posterior
+block whatever the method chosen for the other layers (see
+:mod:`laplace_core.posterior`).
+
 ``W~`` has shape ``m x n``: ``m`` = output channels/features, ``n`` = fan-in
 (``c_in * kh * kw`` for a conv, in ``weight.reshape(m, -1)`` order, which is also
 ``F.unfold``'s patch order) plus one column when there is a bias.
@@ -48,6 +58,10 @@ __all__ = [
     "GroupView",
     "InProjView",
     "TapView",
+    "NORM_LAYER_MODES",
+    "NORM_TYPES",
+    "ScaleView",
+    "check_norm_layers",
     "is_tapped",
     "layer_kind",
     "owner_params",
@@ -61,6 +75,15 @@ __all__ = [
 class LayerKind(str, Enum):
     LINEAR = "linear"
     CONV2D = "conv2d"
+    NORM = "norm"
+
+
+NORM_LAYER_MODES = ("map", "diag")
+"""``map``: normalisation layers stay point estimates (default, the papers' protocol);
+``diag``: they are curvature layers of kind ``"norm"`` with a diagonal posterior."""
+
+NORM_TYPES: tuple[type, ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm)
+_LAYER_SCALE_PARENTS = frozenset({("torchvision.models.convnext", "CNBlock")})
 
 
 def _linear_ok(m: nn.Module) -> str | None:
@@ -165,6 +188,35 @@ class TapView(LayerView):
         super().__init__(module, name, "weight", "bias", slice(None))
 
 
+class ScaleView(LayerView):
+    """ConvNeXt's layer scale: ``y = layer_scale ∘ block(x)`` (``layer_scale`` ``C x 1 x 1``),
+    a ``C x 1`` ``W~`` of kind ``"norm"``. Its input is the output of ``parent.block``, its
+    output gradient that of the parent block (the residual sum only adds to ``y``)."""
+
+    kind = LayerKind.NORM
+
+    def __init__(self, parent: nn.Module, parent_name: str):
+        super().__init__(parent, parent_name, "layer_scale", None, slice(None))
+
+
+def check_norm_layers(norm_layers: str) -> str:
+    """``norm_layers`` if valid, else a one-line ``ValueError`` naming the valid values."""
+    if norm_layers not in NORM_LAYER_MODES:
+        raise ValueError(f"unknown norm_layers {norm_layers!r}; valid: {', '.join(NORM_LAYER_MODES)}")
+    return norm_layers
+
+
+def _norm_reason(mod: nn.Module) -> str | None:
+    """Why a normalisation module cannot get a diagonal posterior (None: it can)."""
+    if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)) and mod.running_mean is None:
+        return "BatchNorm without running statistics normalises with batch statistics (no per-example Fisher)"
+    if isinstance(mod, nn.LayerNorm) and len(mod.normalized_shape) != 1:
+        return f"LayerNorm over {len(mod.normalized_shape)} dimensions is not supported (one normalised dimension)"
+    if mod.weight is None:
+        return "normalisation layer without an affine weight"
+    return None
+
+
 def is_tapped(layer) -> bool:
     """Whether ``layer`` is seen through its ``F.linear`` calls rather than module hooks."""
     return bool(getattr(layer, "tapped", False))
@@ -174,6 +226,8 @@ def layer_kind(layer) -> LayerKind:
     """``LINEAR`` or ``CONV2D`` for a registered module or a :class:`LayerView`."""
     if isinstance(layer, LayerView):
         return layer.kind
+    if isinstance(layer, NORM_TYPES):
+        return LayerKind.NORM
     if isinstance(layer, nn.Conv2d):
         return LayerKind.CONV2D
     if isinstance(layer, nn.Linear):
@@ -204,14 +258,17 @@ def _info(name: str, module, kind: LayerKind) -> LayerInfo:
     )
 
 
-def find_layers(model: nn.Module) -> tuple[dict[str, object], dict[str, LayerInfo], dict[str, str]]:
+def find_layers(model: nn.Module, norm_layers: str = "map") -> tuple[dict[str, object], dict[str, LayerInfo], dict[str, str]]:
     """Return ``(layers, infos, excluded)`` in ``model.named_modules()`` order.
 
     ``layers``/``infos`` map qualified names of supported layers (modules, or
-    :class:`LayerView`s named ``<conv>.group<k>``, ``<mha>.in_proj``); ``excluded`` maps
-    names of other modules that directly own trainable parameters to a reason.
-    Modules whose parameters are frozen (``requires_grad=False``) are excluded too.
+    :class:`LayerView`s named ``<conv>.group<k>``, ``<mha>.in_proj``,
+    ``<block>.layer_scale``); ``excluded`` maps names of other modules that directly own
+    trainable parameters to a reason. Modules whose parameters are frozen
+    (``requires_grad=False``) are excluded too. ``norm_layers="diag"`` adds the
+    normalisation layers (kind ``"norm"``, module docstring); ``"map"`` excludes them.
     """
+    check_norm_layers(norm_layers)
     modules: dict[str, object] = {}
     infos: dict[str, LayerInfo] = {}
     excluded: dict[str, str] = {}
@@ -232,6 +289,20 @@ def find_layers(model: nn.Module) -> tuple[dict[str, object], dict[str, LayerInf
                 vname = f"{name}.in_proj" if name else "in_proj"
                 modules[vname] = view
                 infos[vname] = _info(vname, view, LayerKind.LINEAR)
+            continue
+        if norm_layers == "diag" and (isinstance(mod, NORM_TYPES) or (
+                (type(mod).__module__, type(mod).__name__) in _LAYER_SCALE_PARENTS and len(own) == 1)):
+            scale = not isinstance(mod, NORM_TYPES)
+            reason = None if scale else _norm_reason(mod)
+            if reason is None and not all(p.requires_grad for p in own):
+                reason = "parameters are frozen (requires_grad=False)"
+            if reason is not None:
+                excluded[name] = reason
+                continue
+            layer = ScaleView(mod, name) if scale else mod
+            lname = (f"{name}.layer_scale" if name else "layer_scale") if scale else name
+            modules[lname] = layer
+            infos[lname] = _info(lname, layer, LayerKind.NORM)
             continue
         entry = LAYER_REGISTRY.get(type(mod))
         if entry is None:
