@@ -17,19 +17,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, jacrev
 
 from laplace_core.collect import collect_statistics, sample_targets
 from laplace_core.eigenbasis import eigenbasis
 from laplace_core.glm import glm_covariance, glm_jvp
-from laplace_core.layers import GroupView, InProjView, TapView, find_layers, owner_params, perturbed
+from laplace_core.layers import GroupView, InProjView, TapView, find_layers, perturbed
 from laplace_core.posterior import build_posterior
 from laplace_core.predictive import MCPredictor, draw_sample
 from laplace_core.structures.base import unvec, vec
 from laplace_core.subnet import build_subnet_posterior, collect_subnet_fisher, select_subnetwork
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fisher_reference import exact_fisher_blocks, exact_fisher_diag  # noqa: E402
+from fisher_reference import dense_covariance, dense_jacobian, exact_fisher_blocks, exact_fisher_diag  # noqa: E402
 
 F64 = torch.float64
 TOL = 1e-10  # relative to the largest entry of the reference
@@ -239,41 +238,12 @@ def test_scale_factor_squares_to_the_covariance(problem):
             assert _rel(Fm @ Fm.T, torch.linalg.inv(lp.to_dense())) < TOL, (method, name)
 
 
-def _dense_jacobian(model, x, names):
-    """``[B, C, D]``: jacrev over the owning parameters, each layer's rows in vec(W~) order."""
-    modules = find_layers(model)[0]
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    jac = jacrev(lambda p: functional_call(model, p, (x,)))(params)
-    blocks = []
-    for name in names:
-        _, owner, wa, ba, rows = owner_params(modules[name], name)
-        B, C = x.shape[0], jac[f"{owner}.{wa}"].shape[1]
-        w = jac[f"{owner}.{wa}"][:, :, rows].reshape(B, C, modules[name].weight.shape[0], -1)
-        if ba is not None:
-            w = torch.cat([w, jac[f"{owner}.{ba}"][:, :, rows].reshape(B, C, -1, 1)], dim=3)
-        blocks.append(vec(w))
-    return torch.cat(blocks, dim=2)
-
-
-def _dense_covariance(post):
-    if post.method == "subnet":
-        offs, o = [], 0
-        for lp in post.layers.values():
-            offs.append(o)
-            o += lp.shape[0] * lp.shape[1]
-        idx = torch.cat([lp.index + off for lp, off in zip(post.layers.values(), offs)])
-        full = torch.zeros(post.d_total, post.d_total, dtype=F64)
-        full[idx[:, None], idx[None, :]] = torch.linalg.inv(post.to_dense())
-        return full
-    return torch.block_diag(*[torch.linalg.inv(lp.to_dense()) for lp in post.layers.values()])
-
-
 @pytest.mark.parametrize("method", [*METHODS, "subnet"])
 def test_glm_covariance_and_jvp_equal_dense(problem, method):
     model, x, _, posts = problem
     post = posts[method]
-    J = _dense_jacobian(model, x, list(post.layers))
-    want = J @ _dense_covariance(post) @ J.transpose(1, 2)
+    J = dense_jacobian(model, x, list(post.layers))
+    want = J @ dense_covariance(post) @ J.transpose(1, 2)
     assert _rel(glm_covariance(model, post, x), want) < TOL
     if method == "kfac":
         deltas = post.sample(2, torch.Generator().manual_seed(4))
