@@ -30,7 +30,8 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["LayerInfo", "LayerStatistics", "CurvatureStatistics"]
+__all__ = ["LayerInfo", "LayerStatistics", "CurvatureStatistics", "sum_fields", "flat_sums", "layers_from_sums",
+           "zero_layer"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,34 @@ class LayerStatistics:
         if self.efb is not None:
             out["efb"] = self.efb
         return out
+
+
+def sum_fields(info: LayerInfo) -> tuple[str, ...]:
+    """The pass-1 sums a layer has: ``("A", "G", "diag")``, or ``("diag",)`` for a
+    normalisation layer (diagonal only)."""
+    return ("diag",) if info.diag_only else ("A", "G", "diag")
+
+
+def flat_sums(layers: Mapping[str, LayerStatistics], infos: Mapping[str, LayerInfo]) -> list[torch.Tensor]:
+    """Every layer's pass-1 sums in ``infos`` order, :func:`sum_fields` each (for all-reduces)."""
+    return [getattr(layers[k], f) for k, i in infos.items() for f in sum_fields(i)]
+
+
+def layers_from_sums(tensors: list[torch.Tensor], infos: Mapping[str, LayerInfo]) -> dict[str, LayerStatistics]:
+    """Inverse of :func:`flat_sums`."""
+    out, it = {}, iter(tensors)
+    for k, i in infos.items():
+        got = {f: next(it) for f in sum_fields(i)}
+        out[k] = LayerStatistics(A=got.get("A"), G=got.get("G"), diag=got["diag"])
+    return out
+
+
+def zero_layer(info: LayerInfo, dtype: torch.dtype, device) -> LayerStatistics:
+    """Zero sums of one layer (a shard that saw no examples)."""
+    m, n = info.shape
+    z = {f: torch.zeros(*{"A": (n, n), "G": (m, m), "diag": (m, n)}[f], dtype=dtype, device=device)
+         for f in sum_fields(info)}
+    return LayerStatistics(A=z.get("A"), G=z.get("G"), diag=z["diag"])
 
 
 @dataclass(frozen=True)

@@ -58,8 +58,8 @@ import torch
 
 from laplace_core.eigenbasis import Eigenbasis, LayerBasis, layer_eigenbasis
 from laplace_core.io import load_tensors, save_tensors
-from laplace_core.layers import find_layers
-from laplace_core.statistics import CurvatureStatistics, LayerStatistics
+from laplace_core.layers import check_norm_layers, find_layers
+from laplace_core.statistics import CurvatureStatistics, flat_sums, layers_from_sums, zero_layer
 
 from . import storage
 from .eigen import assign_layers
@@ -149,6 +149,7 @@ class CurvatureConfig:
     bucket_mb: float = 64.0
     log_every_s: float = 10.0
     fault_injection: FaultInjection | None = None
+    norm_layers: str = "map"  # laplace_core.layers.NORM_LAYER_MODES: "diag" adds normalisation layers (diagonal)
 
     def __post_init__(self):
         if isinstance(self.fault_injection, Mapping):
@@ -162,6 +163,7 @@ class CurvatureConfig:
             raise ValueError(f"mc_samples must be >= 1, got {self.mc_samples}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        check_norm_layers(self.norm_layers)
         for m in self.methods:
             if m not in METHOD_NAMES:
                 raise ValueError(f"unknown posterior method {m!r}; valid: {', '.join(METHOD_NAMES)}")
@@ -438,14 +440,7 @@ class _Progress:
 
 
 def _zero_stats(infos, excluded, cfg: CurvatureConfig, device, dtype) -> CurvatureStatistics:
-    layers = {}
-    for k, info in infos.items():
-        m, n = info.shape
-        layers[k] = LayerStatistics(
-            A=torch.zeros(n, n, dtype=dtype, device=device),
-            G=torch.zeros(m, m, dtype=dtype, device=device),
-            diag=torch.zeros(m, n, dtype=dtype, device=device),
-        )
+    layers = {k: zero_layer(info, dtype, device) for k, info in infos.items()}
     return CurvatureStatistics(layers=layers, infos=dict(infos), count=0, fisher=cfg.fisher,
                                mc_samples=cfg.mc_samples, excluded=dict(excluded))
 
@@ -581,7 +576,7 @@ def _load_partition(pass_no: int, job: _Job, pid: int, names: Sequence[str]):
         st = CurvatureStatistics.from_flat(meta, tensors)
         if list(st.layers) != list(names):
             raise ValueError(f"{uri}: partition layers {list(st.layers)[:3]}... do not match the model's")
-        flat = [getattr(st.layers[k], f) for k in names for f in ("A", "G", "diag")]
+        flat = flat_sums(st.layers, st.infos)
         nums = [st.count, 0, st.skipped_batches, st.skipped_examples]
     else:
         if meta.get("format") != "infoform.efb_partition":
@@ -640,7 +635,7 @@ def _run_pass(plan: _PassPlan, model, infos, excluded, basis: Eigenbasis | None,
     p = rec.setdefault(f"pass{pass_no}", {"collect_s": 0.0, "allreduce_s": 0.0, "allreduce_bytes": 0, "allreduce_calls": 0,
                                           "write_s": 0.0, "read_s": 0.0, "images": 0, "invalid": 0, "computed": [],
                                           "reused": list(done)})
-    names = list(infos)
+    names = [k for k, i in infos.items() if pass_no == 1 or not i.diag_only]  # pass 2: no EFB for norm layers
     acc = _PassSum()
     writer = _PartitionWriter()
     t_pass = time.perf_counter()
@@ -676,9 +671,8 @@ def _run_pass(plan: _PassPlan, model, infos, excluded, basis: Eigenbasis | None,
                 local = _zero_stats(infos, excluded, cfg, device, stats_dtype)
             else:
                 local = collect_statistics(model, chain(), fisher=cfg.fisher, mc_samples=cfg.mc_samples,
-                                           generator=gen, dtype=stats_dtype)
-            tensors = [getattr(local.layers[k], f).to(device=device, dtype=stats_dtype)
-                       for k in names for f in ("A", "G", "diag")]
+                                           generator=gen, dtype=stats_dtype, norm_layers=cfg.norm_layers)
+            tensors = [t.to(device=device, dtype=stats_dtype) for t in flat_sums(local.layers, infos)]
             nums = [local.count, 0, local.skipped_batches, local.skipped_examples]
             del local
         else:
@@ -687,7 +681,7 @@ def _run_pass(plan: _PassPlan, model, infos, excluded, basis: Eigenbasis | None,
                 n_local = 0
             else:
                 efb_local, n_local = collect_efb(model, chain(), basis, fisher=cfg.fisher, mc_samples=cfg.mc_samples,
-                                                 generator=gen, dtype=stats_dtype)
+                                                 generator=gen, dtype=stats_dtype, norm_layers=cfg.norm_layers)
             tensors = [efb_local[k].to(device=device, dtype=stats_dtype) for k in names]
             nums = [0, n_local, 0, 0]
             del efb_local
@@ -725,7 +719,7 @@ def _run_pass(plan: _PassPlan, model, infos, excluded, basis: Eigenbasis | None,
                          "world_size": world}
             uri = partition_uri(job.output_uri, pass_no, pid)
             if pass_no == 1:
-                layers = {k: LayerStatistics(A=vals[3 * i], G=vals[3 * i + 1], diag=vals[3 * i + 2]) for i, k in enumerate(names)}
+                layers = layers_from_sums(vals, infos)
                 st = CurvatureStatistics(layers=layers, infos=dict(infos), count=count, skipped_batches=sk_b,
                                          skipped_examples=sk_e, fisher=cfg.fisher, mc_samples=cfg.mc_samples,
                                          excluded=dict(excluded))
@@ -755,7 +749,7 @@ def _run_pass(plan: _PassPlan, model, infos, excluded, basis: Eigenbasis | None,
 def _pass1_statistics(acc: _PassSum, infos, excluded, cfg: CurvatureConfig) -> CurvatureStatistics:
     names = list(infos)
     t = acc.tensors
-    layers = {k: LayerStatistics(A=t[3 * i], G=t[3 * i + 1], diag=t[3 * i + 2]) for i, k in enumerate(names)}
+    layers = layers_from_sums(t, infos)
     count, _, sk_b, sk_e = acc.nums
     return CurvatureStatistics(layers=layers, infos=dict(infos), count=count, skipped_batches=sk_b,
                                skipped_examples=sk_e, fisher=cfg.fisher, mc_samples=cfg.mc_samples,
@@ -767,7 +761,7 @@ def _distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, d
     rank broadcasts its packed results (one collective per rank)."""
     import torch.distributed as dist
 
-    shapes = {k: info.shape for k, info in stats.infos.items()}
+    shapes = {k: info.shape for k, info in stats.infos.items() if not info.diag_only}  # norm layers: no factors
     plan = assign_layers(shapes, world)
     t0 = time.perf_counter()
     # on the worker's device (a GPU's float64 eigh of resnet50's factors: ~1.5 s, against
@@ -808,7 +802,7 @@ def _distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, d
             got[k] = mine[k] if src == rank else LayerBasis(U_A.clone(), S_A.clone(), U_G.clone(), S_G.clone(), clamped)
     rec["eigen_broadcast_s"] = time.perf_counter() - t0
     rec["eigen_broadcast_bytes"] = nbytes
-    layers = {k: got[k] for k in stats.layers}
+    layers = {k: got[k] for k in stats.layers if k in shapes}
     return Eigenbasis(layers=layers, clamped={k: b.clamped for k, b in layers.items()})
 
 
@@ -850,7 +844,7 @@ def _train_loop(config: dict) -> None:
     t0 = time.perf_counter()
     model = load_model(job.model.name, job.model.weights, job.model.num_classes, endpoint_url=job.endpoint_url)
     model = model.to(device=device, dtype=DTYPES[cfg.model_dtype]).eval()
-    _, infos, excluded = find_layers(model)
+    _, infos, excluded = find_layers(model, norm_layers=cfg.norm_layers)
     rec["model_load_s"] = time.perf_counter() - t0
 
     acc1 = _run_pass(plan1, model, infos, excluded, None, rec)
@@ -880,7 +874,7 @@ def _train_loop(config: dict) -> None:
         dev_basis = Eigenbasis(layers={k: b.to(device=device) for k, b in basis.layers.items()}, clamped=dict(basis.clamped))
         acc2 = _run_pass(plan2, model, infos, excluded, dev_basis, rec)
         rec["skipped_pass2"] = acc2.info()
-        stats = stats.with_efb(dict(zip(stats.layers, acc2.tensors)), acc2.nums[1])
+        stats = stats.with_efb(dict(zip([k for k, i in stats.infos.items() if not i.diag_only], acc2.tensors)), acc2.nums[1])
 
     if rank == 0:
         t0 = time.perf_counter()

@@ -319,6 +319,13 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
                                extensions=(".jpg",) if plan.demo is not None else None)
         ood_idx = _limit(scan(ood_cfg), cfg.data.ood_limit)
     parts = partition(train_idx, partition_size=cfg.data.partition_size)
+    try:  # weights under the posterior / left at MAP (laplace_core.sizes), shown in the summary and report
+        from .models import model_coverage
+
+        model_info["coverage"] = model_coverage(spec.name, spec.num_classes or len(classes),
+                                                cfg.posterior.norm_layers)["summary"]
+    except ValueError as e:
+        model_info["coverage"] = f"not computed: {e}"
     data_info = {
         "train": train_idx.summary(),
         "search": {"split": cfg.data.val_split, "num_files": len(search_idx)},
@@ -345,10 +352,12 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
         num_workers=c.num_workers, use_gpu=c.use_gpu, cpus_per_worker=c.cpus_per_worker, fisher=c.fisher,
         mc_samples=c.mc_samples, seed=c.seed, batch_size=c.batch_size, methods=layer_methods, rank=cfg.posterior.rank,
         n_data=cfg.posterior.n_data, prior_precision=cfg.posterior.prior_precision, efb_fraction=c.efb_fraction,
-        max_failures=c.max_failures, torch_threads=c.torch_threads or 1,
+        max_failures=c.max_failures, torch_threads=c.torch_threads or 1, norm_layers=cfg.posterior.norm_layers,
     )
     curv_fp = {"model": to_dict(spec), "train": train_idx.fingerprint, "curvature": to_dict(c),
                "image": [cfg.data.image_size, cfg.data.resize_size], "methods": list(methods)}
+    if cfg.posterior.norm_layers != "map":  # fingerprints of default runs unchanged
+        curv_fp["norm_layers"] = cfg.posterior.norm_layers
     if subnet_cfg is not None:  # the selection (S, n_data, tau) and the Fisher type shape the subnet pass
         curv_fp["subnet"] = dataclasses.asdict(subnet_cfg)
 
