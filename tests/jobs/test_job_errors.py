@@ -108,3 +108,8 @@ def test_infoform_run_is_the_same_entry_point():
     res = subprocess.run([sys.executable, "-m", "pipelines", "run", "--preset", "nope"], capture_output=True,
                          text=True, timeout=300, cwd=ROOT)
     _one_line_error(res, "infoform run: error", "unknown preset")
+
+
+def test_unknown_norm_layers_mode():
+    _one_line_error(_run("--preset", "smoke", "--set", "posterior.norm_layers=full"), "posterior.norm_layers",
+                    "map, diag")
