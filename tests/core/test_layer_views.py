@@ -236,6 +236,10 @@ def test_scale_factor_squares_to_the_covariance(problem):
             eye = unvec(torch.eye(m * n, dtype=F64), m, n)
             Fm = vec(lp.scale_matvec(eye)).T
             assert _rel(Fm @ Fm.T, torch.linalg.inv(lp.to_dense())) < TOL, (method, name)
+    # subnet (whole network): rows of gather(F scatter(I_S)) are the columns of F
+    sub = posts["subnet"]
+    Ft = sub.gather(sub.scale_matvec(sub.scatter(torch.eye(sub.size, dtype=F64))))
+    assert _rel(Ft.T @ Ft, torch.linalg.inv(sub.to_dense())) < TOL
 
 
 @pytest.mark.parametrize("method", [*METHODS, "subnet"])

@@ -206,6 +206,10 @@ def test_every_method_has_a_diagonal_block_for_norm_layers(problem):
             Fm = vec(lp.scale_matvec(eye)).T
             assert _rel(Fm @ Fm.T, torch.linalg.inv(lp.to_dense())) < TOL, (method, k)
     assert posts["kfac"].info["diag_norm_layers"] == len(NORMS)
+    # subnet (whole network): rows of gather(F scatter(I_S)) are the columns of F
+    sub = posts["subnet"]
+    Ft = sub.gather(sub.scale_matvec(sub.scatter(torch.eye(sub.size, dtype=F64))))
+    assert _rel(Ft.T @ Ft, torch.linalg.inv(sub.to_dense())) < TOL
 
 
 @pytest.mark.parametrize("method", [*METHODS, "subnet"])
