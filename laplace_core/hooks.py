@@ -58,6 +58,8 @@ __all__ = [
     "conv_padding",
     "layer_inputs",
     "layer_output_grads",
+    "group_output_grads",
+    "group_rows",
     "mha_forward",
     "norm_grads",
     "num_positions",
@@ -148,6 +150,35 @@ def _conv_rows(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     rows[:, :, :k].view(B, Ho, Wo, C, kh, kw).copy_(windows)
     rows[:, :, k] = 1
     return rows
+
+
+def group_rows(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """Patch rows of every group of a grouped ``Conv2d`` at once, ``(B, T, g, n)``: entry
+    ``[:, :, k]`` is :func:`layer_inputs` of group ``k``'s :class:`~laplace_core.layers.GroupView`
+    (its input channels' patches, then the ones column when there is a bias)."""
+    pads = conv_padding(conv)
+    if any(pads):
+        x = F.pad(x, pads)
+    B, C, H, W = x.shape
+    g = conv.groups
+    (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
+    Ho = (H - dh * (kh - 1) - 1) // sh + 1
+    Wo = (W - dw * (kw - 1) - 1) // sw + 1
+    sB, sC, sH, sW = x.stride()
+    windows = x.as_strided((B, Ho, Wo, C, kh, kw), (sB, sH * sh, sW * sw, sC, sH * dh, sW * dw), x.storage_offset())
+    cg = C // g
+    k = cg * kh * kw
+    rows = x.new_empty(B, Ho * Wo, g, k + (conv.bias is not None))
+    rows[..., :k].view(B, Ho, Wo, g, cg, kh, kw).copy_(windows.unflatten(3, (g, cg)))
+    if conv.bias is not None:
+        rows[..., k] = 1
+    return rows
+
+
+def group_output_grads(conv: nn.Conv2d, g: torch.Tensor) -> torch.Tensor:
+    """Output-gradient rows of every group at once, ``(B, T, g, m/g)`` (a view)."""
+    B = g.shape[0]
+    return g.reshape(B, conv.groups, conv.out_channels // conv.groups, -1).permute(0, 3, 1, 2)
 
 
 def layer_output_grads(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
