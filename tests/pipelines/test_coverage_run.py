@@ -12,7 +12,6 @@ layer; the run summary and the report list the coverage.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
