@@ -33,6 +33,7 @@ being added to the ``dtype`` totals.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
@@ -40,9 +41,9 @@ import torch
 from torch import nn
 
 from .eigenbasis import Eigenbasis, LayerBasis
-from .hooks import capture, layer_inputs, layer_output_grads, num_positions
+from .hooks import capture, group_output_grads, group_rows, layer_inputs, layer_output_grads, norm_grads, num_positions
 from .keyed_rng import KeyedSampler, keyed_categorical, keyed_normal
-from .layers import find_layers
+from .layers import GroupView, check_norm_layers, find_layers
 from .statistics import CurvatureStatistics, LayerInfo, LayerStatistics
 
 __all__ = [
@@ -314,6 +315,11 @@ class _Layer:
 
     def add(self, x: torch.Tensor, grads: list[torch.Tensor], max_chunk: int) -> None:
         """Add one batch: ``x`` the module input, ``grads`` one output gradient per label draw."""
+        if self.info.diag_only:  # normalisation layer: per-example gradients of [γ, β] directly
+            if self.diag is not None:
+                for g in grads:
+                    self.diag.add(norm_grads(self.module, x, g).square_().sum(0), 1.0 / len(grads))
+            return
         m, n = self.info.shape
         S = len(grads)
         B = x.shape[0]
@@ -363,6 +369,56 @@ class _Layer:
                 del d
 
 
+class _GroupedConv:
+    """All ``g`` groups of one grouped convolution, accumulated together with group-batched
+    products (one Python step per convolution, not per group; depthwise convolutions have
+    hundreds of groups). Per group ``k`` the sums are exactly those of its own
+    :class:`_Layer`: ``A_k = Σ a_k a_k^T / T``, ``G_k = Σ g_k g_k^T``, ``diag_k = Σ d_k∘d_k``
+    with ``d_k = Σ_t g_{k,t} a_{k,t}^T``, ``efb_k = Σ (U_Gk^T d_k U_Ak)^2``; stored as
+    ``(g, ., .)`` stacks and split per group at the end (:meth:`totals`)."""
+
+    def __init__(self, names, conv, info, kfac: bool, bases, acc):
+        self.names, self.conv = list(names), conv
+        g, (m, n) = len(names), info.shape
+        self.A = acc(g, n, n) if kfac else None
+        self.G = acc(g, m, m) if kfac else None
+        self.diag = acc(g, m, n) if kfac else None
+        self.efb = acc(g, m, n) if bases else None
+        self.U_A = torch.stack([b[0] for b in bases]) if bases else None  # (g, n, n)
+        self.U_G = torch.stack([b[1] for b in bases]) if bases else None  # (g, m, m)
+
+    def accumulators(self) -> list[_Acc]:
+        return [x for x in (self.A, self.G, self.diag, self.efb) if x is not None]
+
+    def add(self, x: torch.Tensor, grads: list[torch.Tensor], max_chunk: int) -> None:
+        g = self.conv.groups
+        B = x.shape[0]
+        T = num_positions(self.conv, x)
+        m, n = self.conv.out_channels // g, (self.conv.in_channels // g) * math.prod(self.conv.kernel_size) + (
+            self.conv.bias is not None)
+        per = max(1, T * g * n, T * g * m, g * m * n * 2)
+        bs = max(1, min(B, max_chunk // per))
+        inv_S = 1.0 / len(grads)
+        for i0 in range(0, B, bs):
+            i1 = min(B, i0 + bs)
+            a = group_rows(self.conv, x[i0:i1])  # (b, T, g, n)
+            if self.A is not None:
+                self.A.add(torch.einsum("btgi,btgj->gij", a, a), 1.0 / T)
+            for gr in grads:
+                q = group_output_grads(self.conv, gr[i0:i1])  # (b, T, g, m)
+                d = torch.einsum("btgm,btgn->bgmn", q, a)  # per-example gradients of every group
+                if self.G is not None:
+                    self.G.add(torch.einsum("btgi,btgj->gij", q, q), inv_S)
+                    self.diag.add(d.square().sum(0), inv_S)
+                if self.efb is not None:
+                    self.efb.add(torch.matmul(self.U_G.transpose(1, 2), torch.matmul(d, self.U_A)).square_().sum(0), inv_S)
+                del d
+
+    def totals(self) -> dict[str, tuple]:
+        parts = [None if a is None else a.total for a in (self.A, self.G, self.diag, self.efb)]
+        return {k: tuple(None if t is None else t[i].clone() for t in parts) for i, k in enumerate(self.names)}
+
+
 # =========================================================================== batches
 def _split(batch, i: int) -> tuple[torch.Tensor, object, object]:
     """``(x, y, keys)``; ``keys`` (per-example integer ids for keyed MC sampling) come from
@@ -388,6 +444,8 @@ def _resolve_basis(basis, infos: Mapping[str, LayerInfo], cdtype, device) -> dic
         raise ValueError(f"basis must be an Eigenbasis or a mapping name -> LayerBasis, got {type(basis).__name__}")
     out = {}
     for name, info in infos.items():
+        if info.diag_only:
+            continue  # normalisation layers: no eigenbasis, no EFB sums
         if name not in layers:
             raise ValueError(f"basis has no entry for layer {name!r}")
         lb = layers[name]
@@ -429,6 +487,7 @@ def _run(
     max_chunk_elements: int,
     flush_examples: int,
     efb_order: str | None,
+    norm_layers: str = "map",
 ) -> _PassResult:
     lik = _likelihood(likelihood)
     S = _check_fisher(fisher, mc_samples)
@@ -440,7 +499,7 @@ def _run(
         raise ValueError(f"flush_examples must be positive, got {flush_examples}")
     if int(max_chunk_elements) < 1:
         raise ValueError(f"max_chunk_elements must be positive, got {max_chunk_elements}")
-    modules, infos, excluded = find_layers(model)
+    modules, infos, excluded = find_layers(model, norm_layers=check_norm_layers(norm_layers))
     if not modules:
         raise ValueError("model has no supported trainable layers (nn.Linear / nn.Conv2d with groups=1)")
     first = next(iter(modules.values())).weight
@@ -451,18 +510,29 @@ def _run(
         return _Acc(shape, dtype, cdtype, device, sym_blocks=sym)
 
     layers: dict[str, _Layer] = {}
+    grouped: dict[int, list[str]] = {}  # all groups of a grouped conv go to one _GroupedConv
     for name, mod in modules.items():
+        if isinstance(mod, GroupView):
+            grouped.setdefault(id(mod.parent), []).append(name)
+    grouped = {pid: ns for pid, ns in grouped.items() if len(ns) == modules[ns[0]].parent.groups and len(ns) > 1}
+    in_group = {n for ns in grouped.values() for n in ns}
+    gconvs = [_GroupedConv(ns, modules[ns[0]].parent, infos[ns[0]], kfac,
+                           [bases[k] for k in ns] if basis is not None else None, acc) for ns in grouped.values()]
+    for name, mod in modules.items():
+        if name in in_group:
+            continue
         m, n = infos[name].shape
         U_A, U_G = bases.get(name, (None, None))
+        dg = infos[name].diag_only
         layers[name] = _Layer(
             name=name, module=mod, info=infos[name],
-            A=acc(n, n, sym=_sym_blocks(n)) if kfac else None, G=acc(m, m) if kfac else None,
-            diag=acc(m, n) if kfac else None, efb=acc(m, n) if basis is not None else None,
+            A=acc(n, n, sym=_sym_blocks(n)) if kfac and not dg else None, G=acc(m, m) if kfac and not dg else None,
+            diag=acc(m, n) if kfac else None, efb=acc(m, n) if basis is not None and not dg else None,
             U_A=U_A, U_G=U_G, force_order=efb_order,
         )
 
     def flush(i):
-        checks = [c for layer in layers.values() for a in layer.accumulators() if (c := a.flush()) is not None]
+        checks = [c for layer in (*layers.values(), *gconvs) for a in layer.accumulators() if (c := a.flush()) is not None]
         if checks and not bool(torch.isfinite(torch.stack(checks)).all()):
             raise FloatingPointError(
                 f"batch {i}: finite activations and gradients overflowed in the curvature products "
@@ -530,6 +600,10 @@ def _run(
                 for k, layer in layers.items():
                     layer.add(cap.inputs[k], grads[k], int(max_chunk_elements))
                     grads[k] = []
+                for gc in gconvs:  # the groups share the convolution's input and output gradient
+                    gc.add(cap.inputs[gc.names[0]], grads[gc.names[0]], int(max_chunk_elements))
+                    for k in gc.names:
+                        grads[k] = []
                 count += B
                 pending += B
                 if pending >= flush_examples:
@@ -548,6 +622,9 @@ def _run(
     totals = {
         k: tuple(None if a is None else a.total for a in (l.A, l.G, l.diag, l.efb)) for k, l in layers.items()
     }
+    for gc in gconvs:
+        totals.update(gc.totals())
+    totals = {k: totals[k] for k in modules}  # model order
     return _PassResult(totals, infos, excluded, count, skipped_batches, skipped_examples, S)
 
 
@@ -566,6 +643,7 @@ def collect_statistics(
     max_chunk_elements: int = 2**26,
     flush_examples: int = 256,
     _efb_order: str | None = None,
+    norm_layers: str = "map",
 ) -> CurvatureStatistics:
     """KFAC sums ``A``, ``G``, the exact Fisher diagonal and the count ``M`` in one pass;
     with ``basis`` also the EFB sums ``efb`` (and ``efb_count = M``).
@@ -587,11 +665,15 @@ def collect_statistics(
 
     Shapes per layer (``W~`` is ``m x n``): ``A`` (n, n), ``G`` (m, m), ``diag`` and
     ``efb`` (m, n). Identities: DESIGN §1; KFC (Grosse & Martens 2016) for convs.
+
+    ``norm_layers="diag"`` adds the normalisation layers (:mod:`laplace_core.layers`):
+    only their exact Fisher diagonal ``Σ_k d_k ∘ d_k`` (``d_k`` from
+    :func:`laplace_core.hooks.norm_grads`), no ``A``, ``G`` or ``efb``.
     """
     res = _run(
         model, batches, kfac=True, basis=basis, fisher=fisher, mc_samples=mc_samples, generator=generator,
         dtype=dtype, likelihood=likelihood, progress=progress, max_chunk_elements=max_chunk_elements,
-        flush_examples=flush_examples, efb_order=_efb_order,
+        flush_examples=flush_examples, efb_order=_efb_order, norm_layers=norm_layers,
     )
     layers = {k: LayerStatistics(A=A, G=G, diag=diag, efb=efb) for k, (A, G, diag, efb) in res.layers.items()}
     return CurvatureStatistics(
@@ -621,18 +703,20 @@ def collect_efb(
     max_chunk_elements: int = 2**26,
     flush_examples: int = 256,
     _efb_order: str | None = None,
+    norm_layers: str = "map",
 ) -> tuple[dict[str, torch.Tensor], int]:
     """The EFB second pass alone: ``({name: Σ_k (U_G^T d_k U_A)^2}, M)``.
 
     Same arguments as :func:`collect_statistics`; no ``A``/``G``/``diag`` work, so the
     contraction order is chosen with ``have_d=False``. Attach the result with
-    ``stats.with_efb(efb, count)``. Skipped batches are not in ``M``.
+    ``stats.with_efb(efb, count)``. Skipped batches are not in ``M``. Normalisation layers
+    (``norm_layers="diag"``) have no EFB sums and are not in the result.
     """
     if basis is None:
         raise ValueError("collect_efb needs an eigenbasis (laplace_core.eigenbasis(stats))")
     res = _run(
         model, batches, kfac=False, basis=basis, fisher=fisher, mc_samples=mc_samples, generator=generator,
         dtype=dtype, likelihood=likelihood, progress=progress, max_chunk_elements=max_chunk_elements,
-        flush_examples=flush_examples, efb_order=_efb_order,
+        flush_examples=flush_examples, efb_order=_efb_order, norm_layers=norm_layers,
     )
-    return {k: t[3] for k, t in res.layers.items()}, res.count
+    return {k: t[3] for k, t in res.layers.items() if not res.infos[k].diag_only}, res.count

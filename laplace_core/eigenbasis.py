@@ -132,6 +132,8 @@ def layer_eigenbasis(A_sum: torch.Tensor, G_sum: torch.Tensor, count: int, *, na
 
 def eigenbasis(stats: CurvatureStatistics) -> Eigenbasis:
     """Eigenbasis for every layer of ``stats`` (single process; the Ray pipeline
-    spreads the same :func:`layer_eigenbasis` calls over workers)."""
-    layers = {k: layer_eigenbasis(v.A, v.G, stats.count, name=k) for k, v in stats.layers.items()}
+    spreads the same :func:`layer_eigenbasis` calls over workers). Normalisation layers
+    (diagonal only, no factors) have none."""
+    layers = {k: layer_eigenbasis(v.A, v.G, stats.count, name=k) for k, v in stats.layers.items()
+              if not stats.infos[k].diag_only}
     return Eigenbasis(layers=layers, clamped={k: b.clamped for k, b in layers.items()})

@@ -45,8 +45,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, jvp, vmap
 
-from .hooks import capture, layer_inputs, layer_output_grads
-from .layers import find_layers, get_matrix, perturbed
+from .hooks import capture, layer_inputs, layer_output_grads, norm_grads, reference_attention
+from .layers import LayerKind, find_layers, get_matrix, layer_kind, owner_params, perturbed
 from .predictive import SampleCache, _eval_mode, check_layers, sample_seed
 from .structures.base import LayerPosterior, Posterior
 from .structures.diag import DiagLayer
@@ -74,18 +74,23 @@ _PI8 = math.pi / 8.0
 
 # =========================================================================== helpers
 def _modules(model: nn.Module, modules: Mapping[str, nn.Module] | None) -> dict[str, nn.Module]:
-    return dict(find_layers(model)[0] if modules is None else modules)
+    return dict(find_layers(model, norm_layers="diag")[0] if modules is None else modules)
 
 
-def _param_keys(model: nn.Module, modules: Mapping[str, nn.Module]) -> dict[str, tuple[str, str | None]]:
-    """``layer name -> (weight key, bias key or None)`` in ``model.named_parameters()`` naming."""
+def _param_keys(model: nn.Module, modules: Mapping[str, nn.Module]) -> dict[str, tuple[tuple[str, torch.Tensor] | None, ...]]:
+    """``layer name -> ((weight key, parameter), (bias key, parameter) or None, rows)``: the
+    owning parameters in ``model.named_parameters()`` naming, and the rows (dim 0) of them
+    that the layer's ``W~`` covers (all of them for a module; one group of a grouped conv)."""
     ids = {id(p): k for k, p in model.named_parameters(remove_duplicate=False)}
     out = {}
     for name, mod in modules.items():
-        wk = ids.get(id(mod.weight))
+        owner, _, wa, ba, rows = owner_params(mod, name)
+        w = getattr(owner, wa)
+        wk = ids.get(id(w))
         if wk is None:
             raise ValueError(f"layer {name!r} is not a submodule of the model")
-        out[name] = (wk, None if mod.bias is None else ids[id(mod.bias)])
+        b = None if ba is None else getattr(owner, ba)
+        out[name] = ((wk, w), None if b is None else (ids[id(b)], b), rows)
     return out
 
 
@@ -136,18 +141,28 @@ def glm_jvp(
     k = _check_deltas(modules, deltas)
     keys = _param_keys(model, modules)
     primals, tangents = {}, {}
+    lead = () if k is None else (k,)
     for name, d in deltas.items():
         mod = modules[name]
-        wk, bk = keys[name]
+        wp, bp, rows = keys[name]
         w_t, b_t = _split_delta(mod, d.to(dtype=mod.weight.dtype, device=mod.weight.device))
-        primals[wk], tangents[wk] = mod.weight.detach(), w_t
-        if bk is not None:
-            primals[bk], tangents[bk] = mod.bias.detach(), b_t
+        for kp, t in ((wp, w_t), (bp, b_t)):
+            if kp is None:
+                continue
+            key, p = kp
+            primals[key] = p.detach()
+            if rows == slice(None):
+                tangents[key] = t
+                continue
+            # a layer view (conv group): its rows of the owning parameter's tangent
+            if key not in tangents:
+                tangents[key] = p.new_zeros(*lead, *p.shape)
+            tangents[key][(slice(None),) * len(lead) + (rows,)] = t
 
     def f(p):
         return functional_call(model, p, (x,))
 
-    with torch.no_grad(), _eval_mode(model):
+    with torch.no_grad(), _eval_mode(model), reference_attention(model):
         if k is None:
             out, jv = jvp(f, (primals,), (tangents,))
         else:
@@ -191,7 +206,9 @@ def output_jacobian_pieces(
     ``a``: layer input rows (``W~`` layout, bias column included); ``g[c]``: gradient of
     ``Σ_k f_c(x_k)`` w.r.t. the layer output, i.e. per example ``∂f_c(x_k)/∂z_{k,t}``
     (examples are independent in eval mode). ``J_l[k, c] = Σ_t g[c, k, t] a[k, t]^T``.
-    One forward and ``C`` backward passes.
+    One forward and ``C`` backward passes. A normalisation layer (kind ``"norm"``) has no
+    ``(a, g)`` factorisation: its entry is ``(None, J [C, B, m, n])``, the per-example
+    Jacobian rows from :func:`laplace_core.hooks.norm_grads`.
     """
     modules = _modules(model, modules)
     with _eval_mode(model), capture(model, modules) as cap, torch.enable_grad():
@@ -208,8 +225,12 @@ def output_jacobian_pieces(
             e[:, c] = 1
             grads = cap.backward(out, e, retain_graph=c < C - 1)
             for k, mod in modules.items():
-                gs[k].append(layer_output_grads(mod, grads[k]).detach())
-        pieces = {k: (layer_inputs(mod, cap.inputs[k]).detach(), torch.stack(gs[k])) for k, mod in modules.items()}
+                if layer_kind(mod) is LayerKind.NORM:
+                    gs[k].append(norm_grads(mod, cap.inputs[k], grads[k]).detach())
+                else:
+                    gs[k].append(layer_output_grads(mod, grads[k]).detach())
+        pieces = {k: (None if layer_kind(mod) is LayerKind.NORM else layer_inputs(mod, cap.inputs[k]).detach(),
+                      torch.stack(gs[k])) for k, mod in modules.items()}
     return out.detach(), pieces
 
 
@@ -273,19 +294,22 @@ def glm_covariance(
     generic = []
     for k, lp in posterior.layers.items():
         a, g = pieces[k]
-        if not joint and closed_form and a.shape[1] == 1:
+        if not joint and closed_form and a is not None and a.shape[1] == 1:
             part = _closed_form(lp, a[:, 0].to(f64), g[:, :, 0].to(f64))
             if part is not None:
                 cov += part
                 continue
         generic.append(k)
     if generic:
-        per = C * sum(pieces[k][0].shape[2] * pieces[k][1].shape[3] for k in generic)
+        per = C * sum(math.prod(posterior.layers[k].shape) for k in generic)
         bs = _chunk(B, per, max_elements)
         for i0 in range(0, B, bs):
             Jl = {}
             for k in generic:
                 a, g = pieces[k]
+                if a is None:  # normalisation layer: g is J itself, [C, B, m, n]
+                    Jl[k] = g[:, i0:i0 + bs].to(f64).transpose(0, 1)
+                    continue
                 a_, g_ = a[i0:i0 + bs].to(f64), g[:, i0:i0 + bs].to(f64)
                 Jl[k] = torch.einsum("cbtm,btn->bcmn", g_, a_)  # (b, C, m, n)
             b = next(iter(Jl.values())).shape[0]
@@ -313,7 +337,7 @@ def kfac_glm_covariance(
     cov = torch.zeros(B, C, C, dtype=torch.float64, device=out.device)
     for k, lp in posterior.layers.items():
         a, g = pieces[k]
-        if not isinstance(lp, KronLayer) or a.shape[1] != 1:
+        if not isinstance(lp, KronLayer) or a is None or a.shape[1] != 1:
             raise ValueError(f"layer {k!r}: eq. 15 needs a KFAC layer on a (B, n) input; use glm_covariance")
         cov += _closed_form(lp, a[:, 0].double(), g[:, :, 0].double())
     return cov

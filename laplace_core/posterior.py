@@ -12,6 +12,11 @@ method         per-layer precision                                              
 ``inf``        low rank ``(U_a ⊗ U_g) N Λ_L/M (..)^T`` + ``diag(N D + τ)``       eigenbasis + EFB pass
 =============  ===============================================================  =====================
 
+Normalisation layers (kind ``"norm"``, collected with ``norm_layers="diag"``; see
+:mod:`laplace_core.layers`) carry only the exact Fisher diagonal: their block is always
+``diag`` (``P = N diag/M + τ``), whatever the method of the other layers, so every
+method's posterior then has a diagonal part for them.
+
 Hyperparameter searches rebuild the same posterior under new ``(N, τ)`` with
 :func:`with_hyper`, which reuses the stored normalised pieces (``Λ/M``, ``D``,
 eigenvectors) and never redoes an eigendecomposition of a Kronecker factor.
@@ -126,6 +131,8 @@ def _check_rank(name: str, rank) -> None:
 
 def _check_basis(basis: Eigenbasis, stats: CurvatureStatistics) -> None:
     for k, info in stats.infos.items():
+        if info.diag_only:
+            continue
         if k not in basis:
             raise ValueError(f"eigenbasis has no entry for layer {k!r}")
         b = basis[k]
@@ -193,9 +200,11 @@ def build_posterior(
     layers: dict[str, LayerPosterior] = {}
     clipped: dict[str, int] = {}
     for k, ls in stats64.layers.items():
-        x = _layer_input(ls, stats64, basis[k] if name in _NEEDS_BASIS else None, name, dtype)
+        diag_only = stats.infos[k].diag_only  # normalisation layer: a diagonal block for every method
+        lname = "diag" if diag_only else name
+        x = _layer_input(ls, stats64, basis[k] if lname in _NEEDS_BASIS else None, lname, dtype)
         try:
-            layers[k], clipped[k] = METHODS[name](x, N, tau, rank, max_l)
+            layers[k], clipped[k] = METHODS[lname](x, N, tau, rank, max_l)
         except ValueError as e:
             raise ValueError(f"layer {k!r}: {e}") from None
 
@@ -203,9 +212,12 @@ def build_posterior(
         "clipped_D": int(sum(clipped.values())),
         "clamped_eigenvalues": _clamped(basis) if name in _NEEDS_BASIS else 0,
     }
+    norm = [k for k, i in stats.infos.items() if i.diag_only]
+    if norm:
+        info["diag_norm_layers"] = len(norm)
     if name == "inf":
         info["clipped_D_per_layer"] = {k: int(v) for k, v in clipped.items()}
-        info["kept"] = {k: int(lp.rank) for k, lp in layers.items()}
+        info["kept"] = {k: int(lp.rank) for k, lp in layers.items() if hasattr(lp, "rank")}
     return Posterior(method=name, layers=layers, n_data=N, prior_precision=tau,
                      rank=None if rank is None else int(rank), info=info)
 

@@ -194,7 +194,7 @@ class MCPredictor:
         self.n_samples = n_samples
         self.seed = seed
         self.likelihood = likelihood
-        self.modules = dict(find_layers(model)[0] if modules is None else modules)
+        self.modules = dict(find_layers(model, norm_layers="diag")[0] if modules is None else modules)
         check_layers(self.modules, posterior)
         self._samples = SampleCache(posterior, seed, n_samples, cache_bytes, factored=sample_space != "weights")
         self.used: dict[str, str] = {}

@@ -24,6 +24,11 @@ other draw (Diag, INF, subnet: no factored form) is added to the weights, as bef
 The GEMMs run in the posterior's dtype, like the weight-space delta, and the result is
 cast to the layer's output dtype. Nothing of size ``(mn) x anything`` is formed; the
 extra memory is ``r x n`` per input-space layer.
+
+Layer views (:mod:`laplace_core.layers`: conv groups, attention projections) always take
+the weight route, whatever ``space`` says: a tapped projection has no module call to hook,
+and a conv group is never cheaper in input space (``m/g`` outputs against ``T`` columns;
+depthwise: one output).
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ import torch
 import torch.nn.functional as tF
 from torch import nn
 
-from .layers import perturbed
+from .layers import LayerView, perturbed
 from .structures.base import ScaleFactors
 
 __all__ = ["SAMPLE_SPACES", "input_space_cheaper", "draw_costs", "applied"]
@@ -115,6 +120,10 @@ def applied(
         raise ValueError(f"unknown sample space {space!r}; valid: {', '.join(SAMPLE_SPACES)}")
     plain = {k: v for k, v in draw.items() if not isinstance(v, ScaleFactors)}
     factored = {k: v for k, v in draw.items() if isinstance(v, ScaleFactors)}
+    views = [k for k in factored if isinstance(modules[k], LayerView)]  # always the weight route
+    plain.update({k: factored.pop(k).matrix().reshape(draw[k].core.shape[-2:]) for k in views})
+    if used is not None:
+        used.update({k: "weights" for k in views})
     if space == "weights":
         plain.update({k: f.matrix().reshape(f.core.shape[-2:]) for k, f in factored.items()})
         factored = {}

@@ -14,6 +14,12 @@ method          stores                                      numbers
                 ``Λ_L = Λ[I][:, J]``, ``D`` (``m x n``)
 ==============  ==========================================  =================================
 
+Normalisation layers (kind ``"norm"``, ``norm_layers="diag"``) have a diagonal block under
+every method: each method stores ``mn`` numbers for them (INF: ``D`` only, exact).
+
+Coverage (:attr:`SizeReport.coverage`): weights under the posterior (``Σ mn``), weights left
+at MAP and the module types they are in (from the model, when one is given).
+
 Table 3 of the paper follows the same rule (resnet18: Diag 11,679,912 = every Conv/Linear weight
 and bias, BatchNorm excluded; KFAC 95,013,546 = ``Σ n² + m²``; EFB = KFAC + Diag).
 Sizes are reported in MB = 2^20 bytes at 4 bytes per number (float32), so resnet18's
@@ -49,6 +55,7 @@ __all__ = [
     "inf_lower_bound",
     "count_sizes",
     "model_sizes",
+    "parameters_at_map",
     "statistics_sizes",
     "to_mb",
     "format_table",
@@ -162,6 +169,8 @@ class SizeReport:
     excluded: dict[str, str] = field(default_factory=dict)
     model: str | None = None
     inf_from_statistics: bool = False
+    at_map: dict[str, int] | None = None  # module type -> parameters left at MAP (None: no model given)
+    norm_layers: str = "map"
 
     @property
     def totals(self) -> dict[str, int | None]:
@@ -181,6 +190,20 @@ class SizeReport:
     def num_weights(self) -> int:
         """Weights (incl. biases) under the posterior, ``Σ mn``."""
         return sum(ls.m * ls.n for ls in self.layers)
+
+    @property
+    def coverage(self) -> dict[str, Any]:
+        """``weights_under_posterior``, ``weights_at_map``, ``total_parameters``, ``fraction``
+        (under / total) and ``at_map_by_type`` (module type -> parameters at MAP); the last
+        four are ``None`` without a model."""
+        under = self.num_weights
+        if self.at_map is None:
+            return {"weights_under_posterior": under, "weights_at_map": None, "total_parameters": None,
+                    "fraction": None, "at_map_by_type": None, "norm_layers": self.norm_layers}
+        at_map = sum(self.at_map.values())
+        return {"weights_under_posterior": under, "weights_at_map": at_map, "total_parameters": under + at_map,
+                "fraction": under / max(1, under + at_map), "at_map_by_type": dict(self.at_map),
+                "norm_layers": self.norm_layers}
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per method: ``method``, ``numbers`` (None when unknown), ``mb``, ``note``."""
@@ -222,6 +245,7 @@ class SizeReport:
             "methods": {r.pop("method"): r for r in self.rows()},
             "layers": [ls.to_json() for ls in self.layers],
             "excluded": dict(self.excluded),
+            "coverage": self.coverage,
         }
 
 
@@ -252,13 +276,19 @@ def count_sizes(
     if eigenvalues is not None:
         if rank is None:
             raise ValueError("eigenvalues were given but no rank K: the INF count needs both")
-        missing = [k for k in infos if k not in eigenvalues]
+        missing = [k for k, i in infos.items() if k not in eigenvalues and not i.diag_only]
         if missing:
             raise ValueError(f"EFB eigenvalues missing for layers {missing[:5]}")
         sparsify = sparsify or _default_sparsify()
     layers = []
     for name, info in infos.items():
         m, n = info.shape
+        if info.diag_only:  # normalisation layer: a diagonal block under every method
+            c = shape_counts(m, n)["diag"]
+            layers.append(LayerSizes(name, m, n, {k: c for k in ("diag", "kfac", "kfac_exact", "efb")},
+                                     c if eigenvalues is not None else None, None, None,
+                                     c if rank is not None else None))
+            continue
         counts = shape_counts(m, n)
         inf = rows = cols = lower = None
         if rank is not None:
@@ -291,7 +321,8 @@ def statistics_sizes(
     rank is given (``Λ = efb / efb_count``)."""
     eig = None
     if rank is not None and stats.has_efb:
-        eig = {k: v.efb / stats.efb_count for k, v in stats.layers.items()}  # type: ignore[operator]
+        eig = {k: v.efb / stats.efb_count for k, v in stats.layers.items()  # type: ignore[operator]
+               if not stats.infos[k].diag_only}
     return count_sizes(stats.infos, rank=rank, eigenvalues=eig, excluded=stats.excluded, model=model, sparsify=sparsify)
 
 
@@ -302,24 +333,45 @@ def model_sizes(
     stats: CurvatureStatistics | None = None,
     name: str | None = None,
     sparsify: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    norm_layers: str = "map",
 ) -> SizeReport:
     """Counts for ``model``'s curvature layers (``find_layers``; works on the meta device).
 
     With ``stats`` (same layers and shapes as the model, else ``ValueError``) and ``rank``,
-    the INF count is exact.
+    the INF count is exact. ``norm_layers``: as in :func:`laplace_core.layers.find_layers`.
+    The report's coverage counts the parameters left at MAP per module type.
     """
+    import dataclasses
+
     from .layers import find_layers
 
-    _, infos, excluded = find_layers(model)
+    _, infos, excluded = find_layers(model, norm_layers=norm_layers)
+    at_map = parameters_at_map(model, excluded)
     if stats is None:
-        return count_sizes(infos, rank=rank, excluded=excluded, model=name)
+        rep = count_sizes(infos, rank=rank, excluded=excluded, model=name)
+        return dataclasses.replace(rep, at_map=at_map, norm_layers=norm_layers)
     want = {k: v.shape for k, v in infos.items()}
     have = {k: v.shape for k, v in stats.infos.items()}
     if want != have:
         diff = sorted(set(want.items()) ^ set(have.items()))[:3]
         raise ValueError(f"statistics do not match the model's layers (name, (m, n)) differences: {diff}")
     rep = statistics_sizes(stats, rank=rank, model=name, sparsify=sparsify)
-    return SizeReport(rep.layers, rep.rank, dict(excluded), name, rep.inf_from_statistics)
+    return SizeReport(rep.layers, rep.rank, dict(excluded), name, rep.inf_from_statistics, at_map, norm_layers)
+
+
+def parameters_at_map(model: nn.Module, excluded: Mapping[str, str]) -> dict[str, int]:
+    """Module type -> trainable parameters it owns directly, over the ``excluded`` modules
+    (those left at MAP), most first. Works on the meta device."""
+    mods = dict(model.named_modules())
+    out: dict[str, int] = {}
+    for name in excluded:
+        mod = mods.get(name)
+        if mod is None:
+            continue
+        k = sum(p.numel() for p in mod.parameters(recurse=False) if p.requires_grad)
+        if k:
+            out[type(mod).__name__] = out.get(type(mod).__name__, 0) + int(k)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def format_table(report: SizeReport) -> str:
@@ -332,6 +384,11 @@ def format_table(report: SizeReport) -> str:
         f"curvature layers: {len(report.layers)}, weights under the posterior: {report.num_weights:,}; "
         f"excluded (point estimate): {len(report.excluded)}"
     )
+    cov = report.coverage
+    if cov["total_parameters"] is not None:
+        by = ", ".join(f"{k} {v:,}" for k, v in cov["at_map_by_type"].items()) or "none"
+        lines.append(f"coverage: {100 * cov['fraction']:.2f}% of {cov['total_parameters']:,} parameters under the "
+                     f"posterior (norm layers: {cov['norm_layers']}); at MAP: {cov['weights_at_map']:,} ({by})")
     lines += [head, "-" * len(head)]
     for r in report.rows():
         if r["numbers"] is None and "lower_bound" in r:

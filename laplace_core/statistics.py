@@ -13,6 +13,9 @@ With ``mc_samples = S`` sampled labels per example, every output-gradient
 quantity (``G``, ``diag``, ``efb``) is averaged over the ``S`` draws, so each
 example still counts once in ``count``.
 
+Normalisation layers (kind ``"norm"``, :mod:`laplace_core.layers`) carry only ``diag``
+(``A``, ``G`` and ``efb`` are ``None``): their posterior is diagonal whatever the method.
+
 ``count`` is ``M`` for ``A``, ``G`` and ``diag``; ``efb_count`` is the number of
 examples behind ``efb`` (the second pass may run on a subset). Averages are taken
 only when a posterior is built. Everything here is a plain sum, so two shards
@@ -27,7 +30,8 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["LayerInfo", "LayerStatistics", "CurvatureStatistics"]
+__all__ = ["LayerInfo", "LayerStatistics", "CurvatureStatistics", "sum_fields", "flat_sums", "layers_from_sums",
+           "zero_layer"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,11 @@ class LayerInfo:
     def numel(self) -> int:
         return self.out_features * self.in_features
 
+    @property
+    def diag_only(self) -> bool:
+        """A normalisation layer: only the Fisher diagonal, a diagonal posterior block."""
+        return self.kind == "norm"
+
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["weight_shape"] = list(self.weight_shape)
@@ -76,19 +85,22 @@ class LayerInfo:
 @dataclass(frozen=True)
 class LayerStatistics:
     """Sums for one layer. Shapes: ``A`` (n, n), ``G`` (m, m), ``diag`` (m, n),
-    ``efb`` (m, n) or ``None`` when no eigenbasis pass has run."""
+    ``efb`` (m, n) or ``None`` when no eigenbasis pass has run. A normalisation layer
+    has ``A = G = None`` (only its diagonal is collected)."""
 
-    A: torch.Tensor
-    G: torch.Tensor
+    A: torch.Tensor | None
+    G: torch.Tensor | None
     diag: torch.Tensor
     efb: torch.Tensor | None = None
 
     def merge(self, other: "LayerStatistics") -> "LayerStatistics":
         if (self.efb is None) != (other.efb is None):
             raise ValueError("cannot merge statistics with and without EFB sums")
+        if (self.A is None) != (other.A is None):
+            raise ValueError("cannot merge statistics with and without KFAC factors")
         return LayerStatistics(
-            A=self.A + other.A,
-            G=self.G + other.G,
+            A=None if self.A is None else self.A + other.A,
+            G=None if self.G is None else self.G + other.G,
             diag=self.diag + other.diag,
             efb=None if self.efb is None else self.efb + other.efb,
         )
@@ -100,10 +112,38 @@ class LayerStatistics:
         return LayerStatistics(A=cv(self.A), G=cv(self.G), diag=cv(self.diag), efb=cv(self.efb))
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"A": self.A, "G": self.G, "diag": self.diag}
+        out = {"diag": self.diag} if self.A is None else {"A": self.A, "G": self.G, "diag": self.diag}
         if self.efb is not None:
             out["efb"] = self.efb
         return out
+
+
+def sum_fields(info: LayerInfo) -> tuple[str, ...]:
+    """The pass-1 sums a layer has: ``("A", "G", "diag")``, or ``("diag",)`` for a
+    normalisation layer (diagonal only)."""
+    return ("diag",) if info.diag_only else ("A", "G", "diag")
+
+
+def flat_sums(layers: Mapping[str, LayerStatistics], infos: Mapping[str, LayerInfo]) -> list[torch.Tensor]:
+    """Every layer's pass-1 sums in ``infos`` order, :func:`sum_fields` each (for all-reduces)."""
+    return [getattr(layers[k], f) for k, i in infos.items() for f in sum_fields(i)]
+
+
+def layers_from_sums(tensors: list[torch.Tensor], infos: Mapping[str, LayerInfo]) -> dict[str, LayerStatistics]:
+    """Inverse of :func:`flat_sums`."""
+    out, it = {}, iter(tensors)
+    for k, i in infos.items():
+        got = {f: next(it) for f in sum_fields(i)}
+        out[k] = LayerStatistics(A=got.get("A"), G=got.get("G"), diag=got["diag"])
+    return out
+
+
+def zero_layer(info: LayerInfo, dtype: torch.dtype, device) -> LayerStatistics:
+    """Zero sums of one layer (a shard that saw no examples)."""
+    m, n = info.shape
+    z = {f: torch.zeros(*{"A": (n, n), "G": (m, m), "diag": (m, n)}[f], dtype=dtype, device=device)
+         for f in sum_fields(info)}
+    return LayerStatistics(A=z.get("A"), G=z.get("G"), diag=z["diag"])
 
 
 @dataclass(frozen=True)
@@ -168,17 +208,22 @@ class CurvatureStatistics:
         return dataclasses.replace(self, layers={k: v.to(dtype, device) for k, v in self.layers.items()})
 
     def with_efb(self, efb: Mapping[str, torch.Tensor], efb_count: int) -> "CurvatureStatistics":
-        """Copy with EFB sums (m x n per layer) from a second pass attached."""
+        """Copy with EFB sums (m x n per layer) from a second pass attached (none for the
+        diagonal-only normalisation layers)."""
         layers = {}
         for k, v in self.layers.items():
-            if k not in efb:
+            if self.infos[k].diag_only:
+                layers[k] = v
+                continue
+            if k not in efb or efb[k] is None:
                 raise ValueError(f"EFB sums missing for layer {k!r}")
             layers[k] = dataclasses.replace(v, efb=efb[k])
         return dataclasses.replace(self, layers=layers, efb_count=int(efb_count))
 
     @property
     def has_efb(self) -> bool:
-        return self.efb_count > 0 and all(v.efb is not None for v in self.layers.values())
+        return self.efb_count > 0 and all(
+            v.efb is not None for k, v in self.layers.items() if not self.infos[k].diag_only)
 
     # ------------------------------------------------------------------ (de)serialisation
     def meta(self) -> dict[str, Any]:
@@ -210,11 +255,11 @@ class CurvatureStatistics:
             raise ValueError("not an infoform statistics file (format tag missing)")
         infos = {d["name"]: LayerInfo.from_json(d) for d in meta["layers"]}
         layers = {}
-        for name in infos:
+        for name, info in infos.items():
             try:
                 layers[name] = LayerStatistics(
-                    A=tensors[f"{name}/A"],
-                    G=tensors[f"{name}/G"],
+                    A=None if info.diag_only else tensors[f"{name}/A"],
+                    G=None if info.diag_only else tensors[f"{name}/G"],
                     diag=tensors[f"{name}/diag"],
                     efb=tensors.get(f"{name}/efb"),
                 )

@@ -35,9 +35,9 @@ import torch
 from torch import nn
 
 from .collect import _check_fisher, _likelihood, _split, output_gradients, sample_targets
-from .hooks import capture, layer_inputs, layer_output_grads
+from .hooks import capture, layer_inputs, layer_output_grads, norm_grads
 from .keyed_rng import KeyedSampler
-from .layers import find_layers
+from .layers import LayerKind, find_layers, layer_kind
 from .statistics import CurvatureStatistics
 from .structures.base import Posterior, vec
 from .structures.diag import DiagLayer, check_hyper
@@ -262,7 +262,10 @@ def _ggn_output_grads(out: torch.Tensor, likelihood: str) -> torch.Tensor:
 def _layer_selected_grads(mod, x_in, g_out, rows, cols, max_chunk: int) -> torch.Tensor:
     """Per-example gradient entries ``d_k[rows, cols]`` (``(B, S_l)``) with
     ``d_k = Σ_t g_{k,t} a_{k,t}^T``: gathered products when ``T S_l <= m n``, else
-    ``d_k`` formed by a batched matmul and gathered. Chunked over examples."""
+    ``d_k`` formed by a batched matmul and gathered. Chunked over examples. A normalisation
+    layer's ``d_k`` comes from :func:`laplace_core.hooks.norm_grads`."""
+    if layer_kind(mod) is LayerKind.NORM:
+        return norm_grads(mod, x_in, g_out)[:, rows, cols]
     a3 = layer_inputs(mod, x_in)  # (B, T, n)
     g3 = layer_output_grads(mod, g_out)  # (B, T, m)
     B, T, n = a3.shape
@@ -318,7 +321,7 @@ def collect_subnet_fisher(
         raise ValueError(f"unknown subnet fisher {fisher!r}; valid: {', '.join(SUBNET_FISHER_TYPES)}")
     if likelihood not in ("classification", "regression"):
         raise ValueError(f"unknown likelihood {likelihood!r}; valid: classification, regression")
-    modules, infos, _ = find_layers(model)
+    modules, infos, _ = find_layers(model, norm_layers="diag")  # masks may select normalisation weights too
     names = _check_masks(masks, modules, infos)
     S = subnet_size({k: masks[k] for k in names})
     if S == 0:

@@ -3,7 +3,7 @@
 Subcommands live in the explicit registry :data:`SUBCOMMANDS` (name -> function that adds
 its parser). Each parser sets ``func``; ``func(args) -> int`` is the exit code.
 
-* ``infoform sizes --model NAME [--rank K] [--stats URI] [--json]``: numbers stored per
+* ``infoform sizes --model NAME [--rank K] [--stats URI] [--norm-layers map|diag] [--json]``: numbers stored per
   posterior method for any torchvision classifier, built with ``weights=None`` on the
   ``meta`` device (no weights, no data, offline). See :mod:`laplace_core.sizes`.
 * ``infoform run ...``: the Ray job, exactly ``jobs/imagenet_inf.py`` (:mod:`pipelines.job`,
@@ -92,6 +92,9 @@ def add_sizes_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank", type=_positive_int, default=None, help="INF rank K (top-K EFB eigenvalues per layer)")
     p.add_argument("--stats", default=None, metavar="URI", help="statistics with EFB sums (CurvatureStatistics.save)")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for an s3:// --stats")
+    p.add_argument("--norm-layers", choices=("map", "diag"), default="map",
+                   help="normalisation layers (BatchNorm/LayerNorm/GroupNorm, layer scales): at MAP (default, "
+                        "Table 3) or under a diagonal posterior")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_sizes)
 
@@ -116,7 +119,8 @@ def cmd_sizes(args: argparse.Namespace) -> int:
     try:
         if args.model is not None:
             model, _ = build_torchvision_model(args.model, num_classes=args.num_classes)
-            report = sizes.model_sizes(model, rank=args.rank, stats=stats, name=args.model)
+            report = sizes.model_sizes(model, rank=args.rank, stats=stats, name=args.model,
+                                       norm_layers=args.norm_layers)
         else:
             report = sizes.statistics_sizes(stats, rank=args.rank, model=None)
     except ValueError as e:

@@ -132,6 +132,7 @@ class PosteriorSpec:
     subnet_rule: str = "wasserstein"  # laplace_core.subnet.SELECTION_RULES; wasserstein_live skips dead units
     subnet_memory_gb: float = 4.0  # budget for the S x S float64 Fisher, checked before any cluster work
     subnet_checkpoint_s: float | None = 600.0  # save the running S x S sum after a partition this often (0: each; None: never)
+    norm_layers: str = "map"  # map: normalisation layers stay at MAP (the papers' protocol); diag: a diagonal block for them
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,8 @@ class RunConfig:
             raise ConfigError("evaluate.placement_timeout_s must be > 0 (seconds)")
         if self.curvature.num_workers < 1:
             raise ConfigError("curvature.num_workers must be >= 1")
+        if self.posterior.norm_layers not in ("map", "diag"):
+            raise ConfigError(f"unknown posterior.norm_layers {self.posterior.norm_layers!r}; valid: map, diag")
         if self.posterior.rank is not None and self.posterior.rank < 1:
             raise ConfigError("posterior.rank must be >= 1 (or null for full rank)")
         if "subnet" in self.posterior.methods:

@@ -54,7 +54,7 @@ import torch
 
 from laplace_core.eigenbasis import Eigenbasis, LayerBasis, layer_eigenbasis
 from laplace_core.io import load_tensors, save_tensors
-from laplace_core.layers import find_layers
+from laplace_core.layers import check_norm_layers, find_layers
 from laplace_core.statistics import CurvatureStatistics
 
 from . import storage
@@ -147,6 +147,7 @@ class CurvatureConfig:
     bucket_mb: float = 64.0
     log_every_s: float = 10.0
     fault_injection: FaultInjection | None = None
+    norm_layers: str = "map"  # laplace_core.layers.NORM_LAYER_MODES: "diag" adds normalisation layers (diagonal)
 
     def __post_init__(self):
         if isinstance(self.fault_injection, Mapping):
@@ -160,6 +161,7 @@ class CurvatureConfig:
             raise ValueError(f"mc_samples must be >= 1, got {self.mc_samples}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        check_norm_layers(self.norm_layers)
         for m in self.methods:
             if m not in METHOD_NAMES:
                 raise ValueError(f"unknown posterior method {m!r}; valid: {', '.join(METHOD_NAMES)}")
@@ -297,7 +299,7 @@ def _distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, d
     rank broadcasts its packed results (one collective per rank)."""
     import torch.distributed as dist
 
-    shapes = {k: info.shape for k, info in stats.infos.items()}
+    shapes = {k: info.shape for k, info in stats.infos.items() if not info.diag_only}  # norm layers: no factors
     plan = assign_layers(shapes, world)
     t0 = time.perf_counter()
     # on the worker's device (a GPU's float64 eigh of resnet50's factors: ~1.5 s, against
@@ -338,7 +340,7 @@ def _distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, d
             got[k] = mine[k] if src == rank else LayerBasis(U_A.clone(), S_A.clone(), U_G.clone(), S_G.clone(), clamped)
     rec["eigen_broadcast_s"] = time.perf_counter() - t0
     rec["eigen_broadcast_bytes"] = nbytes
-    layers = {k: got[k] for k in stats.layers}
+    layers = {k: got[k] for k in stats.layers if k in shapes}
     return Eigenbasis(layers=layers, clamped={k: b.clamped for k, b in layers.items()})
 
 
@@ -359,7 +361,7 @@ def _train_loop(config: dict) -> None:
     t0 = time.perf_counter()
     model = load_model(job.model.name, job.model.weights, job.model.num_classes, endpoint_url=job.store)
     model = model.to(device=device, dtype=DTYPES[cfg.model_dtype]).eval()
-    _, infos, excluded = find_layers(model)
+    _, infos, excluded = find_layers(model, norm_layers=cfg.norm_layers)
     rec["model_load_s"] = time.perf_counter() - t0
 
     kind1.bind(model, infos, excluded)

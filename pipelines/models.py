@@ -42,6 +42,9 @@ __all__ = [
     "read_state_dict",
     "check_state_dict",
     "load_model",
+    "model_coverage",
+    "vit_tiny_test",
+    "convnext_tiny_test",
 ]
 
 
@@ -73,10 +76,33 @@ def tiny_cnn(num_classes: int | None = None) -> nn.Module:
     )
 
 
+def vit_tiny_test(num_classes: int | None = None) -> nn.Module:
+    """A ``vit_b_16``-shaped torchvision ``VisionTransformer`` cut down for tests: 32x32 images,
+    8x8 patches (16 tokens + class token), 1 encoder block, 2 heads, width 16, MLP 32.
+    Its attention (``nn.MultiheadAttention``: packed q/k/v projection and ``out_proj``) and
+    LayerNorms are the real ones."""
+    from torchvision.models import VisionTransformer
+
+    return VisionTransformer(image_size=32, patch_size=8, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32,
+                             num_classes=10 if num_classes is None else int(num_classes))
+
+
+def convnext_tiny_test(num_classes: int | None = None) -> nn.Module:
+    """A ``convnext_tiny``-shaped torchvision ``ConvNeXt`` cut down for tests: two stages of one
+    block (widths 8 and 16), so depthwise 7x7 convolutions, ``LayerNorm2d`` and layer scales."""
+    from torchvision.models import ConvNeXt
+    from torchvision.models.convnext import CNBlockConfig
+
+    return ConvNeXt([CNBlockConfig(8, 16, 1), CNBlockConfig(16, None, 1)],
+                    num_classes=10 if num_classes is None else int(num_classes))
+
+
 # name -> builder(num_classes or None). torchvision names are resolved separately.
 EXTRA_MODELS: dict[str, Callable[[int | None], nn.Module]] = {
     "demo_cnn": _demo_cnn,
     "tiny_cnn": tiny_cnn,
+    "vit_tiny_test": vit_tiny_test,
+    "convnext_tiny_test": convnext_tiny_test,
 }
 
 _ENUM_RE = re.compile(r"^[A-Za-z0-9_]+_Weights\.[A-Za-z0-9_]+$")
@@ -254,3 +280,21 @@ def load_model(
         check_state_dict(model, sd)
         model.load_state_dict(sd, strict=True)
     return model.eval()
+
+
+def model_coverage(name: str, num_classes: int | None = None, norm_layers: str = "map") -> dict:
+    """:attr:`laplace_core.sizes.SizeReport.coverage` of model ``name`` (built without weights,
+    on the ``meta`` device where its constructor allows): weights under the posterior, weights
+    left at MAP and their module types, plus ``summary``, the same in one line."""
+    from laplace_core.sizes import model_sizes
+
+    try:
+        with torch.device("meta"):
+            model = _build(name, num_classes)
+    except NotImplementedError:  # constructors that read tensor values (regnet)
+        model = _build(name, num_classes)
+    cov = model_sizes(model, norm_layers=norm_layers).coverage
+    by = ", ".join(f"{k} {v:,}" for k, v in cov["at_map_by_type"].items()) or "none"
+    cov["summary"] = (f"{100 * cov['fraction']:.2f}% of {cov['total_parameters']:,} parameters under the posterior "
+                      f"(norm layers: {norm_layers}); at MAP: {cov['weights_at_map']:,} ({by})")
+    return cov

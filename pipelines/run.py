@@ -318,6 +318,13 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
                                extensions=(".jpg",) if plan.demo is not None else None)
         ood_idx = _limit(scan(ood_cfg), cfg.data.ood_limit)
     parts = partition(train_idx, partition_size=cfg.data.partition_size)
+    try:  # weights under the posterior / left at MAP (laplace_core.sizes), shown in the summary and report
+        from .models import model_coverage
+
+        model_info["coverage"] = model_coverage(spec.name, spec.num_classes or len(classes),
+                                                cfg.posterior.norm_layers)["summary"]
+    except ValueError as e:
+        model_info["coverage"] = f"not computed: {e}"
     data_info = {
         "train": train_idx.summary(),
         "search": {"split": cfg.data.val_split, "num_files": len(search_idx)},
@@ -344,12 +351,14 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
         num_workers=c.num_workers, use_gpu=c.use_gpu, cpus_per_worker=c.cpus_per_worker, fisher=c.fisher,
         mc_samples=c.mc_samples, seed=c.seed, batch_size=c.batch_size, methods=layer_methods,
         efb_fraction=c.efb_fraction, max_failures=c.max_failures, torch_threads=c.torch_threads or 1,
-        checkpoint_every_s=c.checkpoint_every_s,
+        checkpoint_every_s=c.checkpoint_every_s, norm_layers=cfg.posterior.norm_layers,
     )
     # the checkpoint interval does not change the sums: not part of the stage's fingerprint
     curv_fp = {"model": to_dict(spec), "train": train_idx.fingerprint,
                "curvature": {k: v for k, v in to_dict(c).items() if k != "checkpoint_every_s"},
                "image": [cfg.data.image_size, cfg.data.resize_size], "methods": list(methods)}
+    if cfg.posterior.norm_layers != "map":  # fingerprints of default runs unchanged
+        curv_fp["norm_layers"] = cfg.posterior.norm_layers
     if subnet_cfg is not None:  # the selection (S, n_data, tau) and the Fisher type shape the subnet pass
         curv_fp["subnet"] = dataclasses.asdict(subnet_cfg)
 

@@ -100,3 +100,55 @@ def test_sizes_with_statistics_file(tmp_path, capsys):
     assert out["methods"]["inf"]["numbers"] == post.num_stored()
     for meth in ("diag", "kfac", "kfac_exact", "efb"):
         assert out["methods"][meth]["numbers"] == lc.build_posterior(stats, meth).num_stored(), meth
+
+
+COVERAGE_MODELS = ("resnet50", "densenet121", "vit_b_16", "swin_t", "convnext_tiny", "efficientnet_b0",
+                   "mobilenet_v3_large", "resnext50_32x4d", "regnet_y_400mf")
+
+
+def _sizes_json(capsys, *args):
+    assert main(["sizes", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", COVERAGE_MODELS)
+def test_sizes_norm_layers_diag_covers_the_torchvision_zoo(capsys, name):
+    """--norm-layers diag: at least 99.5% of the parameters (counted here from the model) are
+    under the posterior (attention projections, grouped/depthwise convs, norm layers)."""
+    torchvision = pytest.importorskip("torchvision")
+    out = _sizes_json(capsys, "--model", name, "--norm-layers", "diag")
+    try:
+        with torch.device("meta"):
+            model = torchvision.models.get_model(name, weights=None)
+    except NotImplementedError:  # regnet reads tensor values in its constructor
+        model = torchvision.models.get_model(name, weights=None)
+    total = sum(p.numel() for p in model.parameters())
+    assert out["num_weights"] >= 0.995 * total, (name, out["num_weights"] / total)
+    cov = out["coverage"]
+    assert cov["total_parameters"] == total and cov["weights_under_posterior"] == out["num_weights"]
+    assert cov["weights_at_map"] == total - out["num_weights"] == sum(cov["at_map_by_type"].values())
+    assert "BatchNorm2d" not in cov["at_map_by_type"] and "LayerNorm" not in cov["at_map_by_type"]
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "resnet152", "densenet121", "densenet161"])
+def test_sizes_default_keeps_the_table3_counts(capsys, name):
+    """The default (norm layers at MAP) counts exactly the Linear / Conv2d layers, as in
+    Lee et al. (2020) Table 3: BatchNorm parameters are reported at MAP."""
+    torchvision = pytest.importorskip("torchvision")
+    out = _sizes_json(capsys, "--model", name)
+    with torch.device("meta"):
+        model = torchvision.models.get_model(name, weights=None)
+    diag, kfac = param_counts(model)
+    assert out["methods"]["diag"]["numbers"] == out["num_weights"] == diag
+    assert out["methods"]["kfac"]["numbers"] == kfac
+    bn = sum(p.numel() for m in model.modules() if isinstance(m, nn.BatchNorm2d) for p in m.parameters())
+    assert out["coverage"]["at_map_by_type"] == {"BatchNorm2d": bn}
+
+
+def test_sizes_table_lists_coverage_and_bad_norm_layers_exit_2(capsys):
+    assert main(["sizes", "--model", "vit_b_16"]) == 0
+    text = capsys.readouterr().out
+    assert "coverage: " in text and "at MAP: " in text and "LayerNorm" in text
+    with pytest.raises(SystemExit) as e:
+        main(["sizes", "--model", "resnet18", "--norm-layers", "full"])
+    assert e.value.code == 2

@@ -58,6 +58,7 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "--output s3://bucket/runs/r50": ("parse", "needs a GPU cluster and S3: Ray's CLI + the job's parser"),
     "infoform sizes --model resnet18 --rank 100": ("here", "test_sizes_commands_run"),
     "infoform sizes --model densenet121 --json": ("here", "test_sizes_commands_run"),
+    "infoform sizes --model vit_b_16 --norm-layers diag --json": ("here", "test_sizes_commands_run"),
     "infoform sizes": ("here", "test_sizes_commands_run (the section heading)"),
     "infoform run ...": ("here", "test_infoform_run_is_the_job"),
     "ray start --head": ("run", "tests/jobs/test_job.py"),
@@ -223,6 +224,10 @@ def test_sizes_commands_run(capsys):
     assert main(["sizes", "--model", "densenet121", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert "diag" in json.dumps(report)
+    assert main(["sizes", "--model", "vit_b_16", "--norm-layers", "diag", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert round(100 * report["coverage"]["fraction"], 2) == 99.82  # the figure README.md quotes
+    assert "vit_b_16 99.82%" in " ".join(README.read_text().split())
 
 
 def test_infoform_run_is_the_job(capsys):

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from laplace_core.eigenbasis import Eigenbasis
-from laplace_core.statistics import CurvatureStatistics, LayerStatistics
+from laplace_core.statistics import CurvatureStatistics, LayerStatistics, sum_fields
 
 from .comm import pack_symmetric, packed_size, unpack_symmetric
 from .engine import PassKind
@@ -28,9 +28,10 @@ from .workers import DTYPES
 __all__ = ["Pass1Kind", "EfbKind", "SubnetFisherKind", "pass1_payload_numbers", "efb_payload_numbers"]
 
 
-def pass1_payload_numbers(shapes: Sequence[tuple[int, int]]) -> int:
-    """Numbers pass 1 all-reduces per reduce: ``n(n+1)/2 + m(m+1)/2 + m n`` per ``(m, n)`` layer."""
-    return int(sum(packed_size(n) + packed_size(m) + m * n for m, n in shapes))
+def pass1_payload_numbers(shapes: Sequence[tuple[int, int]], diag_only: Sequence[tuple[int, int]] = ()) -> int:
+    """Numbers pass 1 all-reduces per reduce: ``n(n+1)/2 + m(m+1)/2 + m n`` per ``(m, n)`` layer,
+    ``m n`` per normalisation layer (``diag_only``: its Fisher diagonal alone)."""
+    return int(sum(packed_size(n) + packed_size(m) + m * n for m, n in shapes) + sum(m * n for m, n in diag_only))
 
 
 def efb_payload_numbers(shapes: Sequence[tuple[int, int]]) -> int:
@@ -39,8 +40,10 @@ def efb_payload_numbers(shapes: Sequence[tuple[int, int]]) -> int:
 
 
 class Pass1Kind(PassKind):
-    """Pass 1. State: per layer ``[A upper triangle, G upper triangle, diag]`` in ``stats_dtype``.
-    :meth:`bind` gives it the model and its layers once they are loaded."""
+    """Pass 1. State: per layer ``[A upper triangle, G upper triangle, diag]`` in ``stats_dtype``
+    (a normalisation layer under ``norm_layers: diag``: ``[diag]`` alone,
+    :func:`laplace_core.statistics.sum_fields`). :meth:`bind` gives it the model and its layers
+    once they are loaded."""
 
     name = "pass1"
     pass_no = 1
@@ -57,14 +60,17 @@ class Pass1Kind(PassKind):
         self.model, self.infos, self.excluded = model, dict(infos), dict(excluded)
         return self
 
+    def _slots(self) -> list[tuple[str, str]]:
+        """``(layer, field)`` of every state tensor, in order."""
+        return [(k, f) for k, info in self.infos.items() for f in sum_fields(info)]
+
     def zero(self, device) -> list[torch.Tensor]:
         dt = DTYPES[self.cfg.stats_dtype]
         out = []
-        for info in self.infos.values():
-            m, n = info.shape
-            out += [torch.zeros(packed_size(n), dtype=dt, device=device),
-                    torch.zeros(packed_size(m), dtype=dt, device=device),
-                    torch.zeros(m, n, dtype=dt, device=device)]
+        for k, f in self._slots():
+            m, n = self.infos[k].shape
+            size = {"A": (packed_size(n),), "G": (packed_size(m),), "diag": (m, n)}[f]
+            out.append(torch.zeros(size, dtype=dt, device=device))
         return out
 
     def collect(self, state: list[torch.Tensor], batches: Iterator) -> tuple[int, int, int]:
@@ -73,33 +79,30 @@ class Pass1Kind(PassKind):
 
         c = self.cfg
         local = collect_statistics(self.model, batches, fisher=c.fisher, mc_samples=c.mc_samples,
-                                   generator=KeyedSampler(c.seed), dtype=DTYPES[c.stats_dtype])
-        for i, k in enumerate(self.infos):
-            ls = local.layers[k]
-            state[3 * i].add_(pack_symmetric(ls.A.to(state[3 * i].device)))
-            state[3 * i + 1].add_(pack_symmetric(ls.G.to(state[3 * i].device)))
-            state[3 * i + 2].add_(ls.diag.to(state[3 * i].device))
+                                   generator=KeyedSampler(c.seed), dtype=DTYPES[c.stats_dtype],
+                                   norm_layers=c.norm_layers)
+        for s, (k, f) in zip(state, self._slots()):
+            t = getattr(local.layers[k], f).to(s.device)
+            s.add_(t if f == "diag" else pack_symmetric(t))
         return local.count, local.skipped_batches, local.skipped_examples
 
     def to_tensors(self, flat: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
-        for i, k in enumerate(self.infos):
-            out[f"{k}/A_triu"], out[f"{k}/G_triu"], out[f"{k}/diag"] = flat[3 * i], flat[3 * i + 1], flat[3 * i + 2]
-        return out
+        names = {"A": "A_triu", "G": "G_triu", "diag": "diag"}
+        return {f"{k}/{names[f]}": t for (k, f), t in zip(self._slots(), flat)}
 
     def from_tensors(self, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        if set(tensors) != set(self.to_tensors([None] * (3 * len(self.infos)))):
+        keys = list(self.to_tensors([None] * len(self._slots())))
+        if set(tensors) != set(keys):
             raise ValueError("pass-1 checkpoint: its layers do not match the model's")
-        return [tensors[f"{k}/{f}"] for k in self.infos for f in ("A_triu", "G_triu", "diag")]
+        return [tensors[k] for k in keys]
 
     def statistics(self, state: Sequence[torch.Tensor], counts: Mapping[str, int]) -> CurvatureStatistics:
         """The reduced :class:`CurvatureStatistics` (full, exactly symmetric ``A`` and ``G``) on the CPU."""
-        layers = {}
-        for i, (k, info) in enumerate(self.infos.items()):
-            m, n = info.shape
-            layers[k] = LayerStatistics(A=unpack_symmetric(state[3 * i].cpu(), n),
-                                        G=unpack_symmetric(state[3 * i + 1].cpu(), m),
-                                        diag=state[3 * i + 2].cpu().clone())
+        got: dict[str, dict[str, torch.Tensor]] = {k: {} for k in self.infos}
+        for (k, f), t in zip(self._slots(), state):
+            m, n = self.infos[k].shape
+            got[k][f] = t.cpu().clone() if f == "diag" else unpack_symmetric(t.cpu(), n if f == "A" else m)
+        layers = {k: LayerStatistics(A=g.get("A"), G=g.get("G"), diag=g["diag"]) for k, g in got.items()}
         return CurvatureStatistics(layers=layers, infos=dict(self.infos), count=int(counts["count"]),
                                    skipped_batches=int(counts["skipped_batches"]),
                                    skipped_examples=int(counts["skipped_examples"]), fisher=self.cfg.fisher,
@@ -123,7 +126,8 @@ class EfbKind(PassKind):
         self.basis: Eigenbasis | None = None
 
     def bind(self, model, infos: Mapping, basis: Eigenbasis | None) -> "EfbKind":
-        self.model, self.infos, self.basis = model, dict(infos), basis
+        # normalisation layers (norm_layers: diag) have no Kronecker eigenbasis and no EFB sums
+        self.model, self.infos, self.basis = model, {k: i for k, i in infos.items() if not i.diag_only}, basis
         return self
 
     def zero(self, device) -> list[torch.Tensor]:
@@ -136,7 +140,7 @@ class EfbKind(PassKind):
 
         c = self.cfg
         efb, n = collect_efb(self.model, batches, self.basis, fisher=c.fisher, mc_samples=c.mc_samples,
-                             generator=KeyedSampler(c.seed), dtype=DTYPES[c.stats_dtype])
+                             generator=KeyedSampler(c.seed), dtype=DTYPES[c.stats_dtype], norm_layers=c.norm_layers)
         for s, k in zip(state, self.infos):
             s.add_(efb[k].to(s.device))
         return (n,)

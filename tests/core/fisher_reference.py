@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, jacrev, vmap
 
-from laplace_core.layers import find_layers
+from laplace_core.layers import find_layers, owner_params
 
-__all__ = ["per_example_grads", "exact_fisher_blocks", "exact_fisher_diag", "vec"]
+__all__ = ["per_example_grads", "exact_fisher_blocks", "exact_fisher_diag", "vec", "dense_jacobian", "dense_covariance"]
 
 
 def vec(mat: torch.Tensor) -> torch.Tensor:
@@ -41,19 +41,24 @@ def _log_lik(out: torch.Tensor, target: torch.Tensor, likelihood: str) -> torch.
 
 
 def per_example_grads(model: nn.Module, x: torch.Tensor, targets: torch.Tensor,
-                      likelihood: str = "classification") -> dict[str, torch.Tensor]:
+                      likelihood: str = "classification", norm_layers: str = "map") -> dict[str, torch.Tensor]:
     """Per-example gradients of ``log p(targets | model(x))`` in ``W~`` layout.
 
     ``x``: (M, ...). ``targets``: (M,)/(M, out...) for one label per example, or
     (S, M)/(S, M, out...) for ``S`` draws (regression outputs must be (M, C)). Returns ``{name: (M, m, n)}`` or
     ``{name: (S, M, m, n)}`` for each layer of :func:`find_layers`.
     """
-    modules, infos, _ = find_layers(model)
+    modules, infos, _ = find_layers(model, norm_layers=norm_layers)
     params = {}
+    where = {}  # layer name -> (weight key, bias key or None, rows) of the owning parameters
     for name, mod in modules.items():
-        params[f"{name}.weight" if name else "weight"] = mod.weight.detach()
-        if mod.bias is not None:
-            params[f"{name}.bias" if name else "bias"] = mod.bias.detach()
+        owner, oname, wa, ba, rows = owner_params(mod, name)
+        wk = f"{oname}.{wa}" if oname else wa
+        bk = None if ba is None else (f"{oname}.{ba}" if oname else ba)
+        params[wk] = getattr(owner, wa).detach()
+        if bk is not None:
+            params[bk] = getattr(owner, ba).detach()
+        where[name] = (wk, bk, rows)
     others = {k: v.detach() for k, v in model.named_parameters() if k not in params}
     buffers = {k: v for k, v in model.named_buffers()}
     # classification targets: (M,) or (S, M); regression targets: (M, C) or (S, M, C)
@@ -77,10 +82,11 @@ def per_example_grads(model: nn.Module, x: torch.Tensor, targets: torch.Tensor,
         m_out = infos[name].out_features
         per = []
         for gd in draws:
-            w = gd[f"{name}.weight" if name else "weight"]
+            wk, bk, rows = where[name]
+            w = gd[wk][:, rows]
             mat = w.reshape(w.shape[0], m_out, -1)
-            if mod.bias is not None:
-                b = gd[f"{name}.bias" if name else "bias"]
+            if bk is not None:
+                b = gd[bk][:, rows]
                 mat = torch.cat([mat, b.reshape(b.shape[0], m_out, 1)], dim=2)
             per.append(mat)
         st = torch.stack(per)  # (S, M, m, n)
@@ -93,9 +99,9 @@ def _as_draws(d: torch.Tensor, per_draw: bool) -> torch.Tensor:
 
 
 def exact_fisher_blocks(model: nn.Module, x: torch.Tensor, targets: torch.Tensor,
-                        likelihood: str = "classification") -> dict[str, torch.Tensor]:
+                        likelihood: str = "classification", norm_layers: str = "map") -> dict[str, torch.Tensor]:
     """Exact per-layer Fisher block ``Σ_{s,k} vec(d_{s,k}) vec(d_{s,k})^T / (S M)``, (mn, mn)."""
-    grads = per_example_grads(model, x, targets, likelihood)
+    grads = per_example_grads(model, x, targets, likelihood, norm_layers)
     out = {}
     for name, d in grads.items():
         d4 = d if d.dim() == 4 else d.unsqueeze(0)
@@ -106,11 +112,42 @@ def exact_fisher_blocks(model: nn.Module, x: torch.Tensor, targets: torch.Tensor
 
 
 def exact_fisher_diag(model: nn.Module, x: torch.Tensor, targets: torch.Tensor,
-                      likelihood: str = "classification") -> dict[str, torch.Tensor]:
+                      likelihood: str = "classification", norm_layers: str = "map") -> dict[str, torch.Tensor]:
     """Exact Fisher diagonal as a SUM over examples, averaged over draws: ``Σ_k (1/S) Σ_s d∘d`` (m, n)."""
-    grads = per_example_grads(model, x, targets, likelihood)
+    grads = per_example_grads(model, x, targets, likelihood, norm_layers)
     out = {}
     for name, d in grads.items():
         d4 = d if d.dim() == 4 else d.unsqueeze(0)
         out[name] = d4.square().sum(1).mean(0)
     return out
+
+
+def dense_jacobian(model, x, names, norm_layers="map"):
+    """``[B, C, D]``: jacrev over the owning parameters, each layer's rows in vec(W~) order."""
+    modules = find_layers(model, norm_layers=norm_layers)[0]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    jac = jacrev(lambda p: functional_call(model, p, (x,)))(params)
+    blocks = []
+    for name in names:
+        _, owner, wa, ba, rows = owner_params(modules[name], name)
+        B, C = x.shape[0], jac[f"{owner}.{wa}"].shape[1]
+        w = jac[f"{owner}.{wa}"][:, :, rows].reshape(B, C, modules[name].weight.shape[0], -1)
+        if ba is not None:
+            w = torch.cat([w, jac[f"{owner}.{ba}"][:, :, rows].reshape(B, C, -1, 1)], dim=3)
+        blocks.append(vec(w))
+    return torch.cat(blocks, dim=2)
+
+
+def dense_covariance(post):
+    """``Σ`` (D x D) in :func:`dense_jacobian`'s layer / vec order: the block-diagonal inverse of
+    every layer's ``to_dense()``; subnet: the ``S x S`` inverse at the selected positions."""
+    if post.method == "subnet":
+        offs, o = [], 0
+        for lp in post.layers.values():
+            offs.append(o)
+            o += lp.shape[0] * lp.shape[1]
+        idx = torch.cat([lp.index + off for lp, off in zip(post.layers.values(), offs)])
+        full = torch.zeros(post.d_total, post.d_total, dtype=torch.float64)
+        full[idx[:, None], idx[None, :]] = torch.linalg.inv(post.to_dense())
+        return full
+    return torch.block_diag(*[torch.linalg.inv(lp.to_dense()) for lp in post.layers.values()])

@@ -16,7 +16,7 @@ class Toy(nn.Module):
         self.c1 = nn.Conv2d(3, 4, 3)  # bias: m=4, n=28
         self.c2 = nn.Conv2d(4, 6, (2, 3), bias=False)  # m=6, n=24
         self.bn = nn.BatchNorm2d(6)  # excluded
-        self.g = nn.Conv2d(6, 6, 1, groups=2)  # grouped: excluded
+        self.g = nn.Conv2d(6, 6, 1, groups=2)  # grouped: two 3 x (3 + 1) layers
         self.l1 = nn.Linear(5, 7)  # m=7, n=6
         self.l2 = nn.Linear(7, 3, bias=False)  # m=3, n=7
 
@@ -25,14 +25,15 @@ def independent_counts(model):
     """Count from the parameters themselves, without find_layers."""
     diag = kfac = efb = 0
     for mod in model.modules():
-        if type(mod) in (nn.Linear, nn.Conv2d) and getattr(mod, "groups", 1) == 1:
-            m = mod.weight.shape[0]
-            n = mod.weight.numel() // m + (mod.bias is not None)
+        if type(mod) in (nn.Linear, nn.Conv2d):
+            g = getattr(mod, "groups", 1)  # a grouped conv is g independent layers
+            m = mod.weight.shape[0] // g
+            n = mod.weight.numel() // (m * g) + (mod.bias is not None)
             nparams = sum(p.numel() for p in mod.parameters(recurse=False))
-            assert nparams == m * n
+            assert nparams == g * m * n
             diag += nparams
-            kfac += m * m + n * n
-            efb += m * m + n * n + nparams
+            kfac += g * (m * m + n * n)
+            efb += g * (m * m + n * n + m * n)
     return {"diag": diag, "kfac": kfac, "kfac_exact": efb, "efb": efb}
 
 
@@ -51,9 +52,9 @@ def test_model_sizes_match_parameter_count():
     want = independent_counts(model)
     assert {k: v for k, v in rep.totals.items() if k != "inf"} == want
     assert rep.totals["inf"] is None and rep.inf_lower_bound is None
-    assert set(rep.excluded) == {"bn", "g"}
-    assert [ls.name for ls in rep.layers] == ["c1", "c2", "l1", "l2"]
-    assert [(ls.m, ls.n) for ls in rep.layers] == [(4, 28), (6, 24), (7, 6), (3, 7)]
+    assert set(rep.excluded) == {"bn"}
+    assert [ls.name for ls in rep.layers] == ["c1", "c2", "g.group0", "g.group1", "l1", "l2"]
+    assert [(ls.m, ls.n) for ls in rep.layers] == [(4, 28), (6, 24), (3, 4), (3, 4), (7, 6), (3, 7)]
 
 
 def test_meta_device_model_gives_same_counts():

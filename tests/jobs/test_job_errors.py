@@ -110,6 +110,11 @@ def test_infoform_run_is_the_same_entry_point():
     _one_line_error(res, "infoform run: error", "unknown preset")
 
 
+def test_unknown_norm_layers_mode():
+    _one_line_error(_run("--preset", "smoke", "--set", "posterior.norm_layers=full"), "posterior.norm_layers",
+                    "map, diag")
+
+
 # --------------------------------------------------------------------------- S3 preflight
 @pytest.fixture(scope="module")
 def s3_layout(moto_s3, weights):
