@@ -43,13 +43,18 @@ def buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int
 
 def allreduce_sum(tensors: list[torch.Tensor], bucket_bytes: int, rec: dict) -> list[torch.Tensor]:
     """SUM-all-reduce of ``tensors`` (same dtype/device) in flattened buckets of at most
-    ``bucket_bytes``. Returns new tensors with the summed values (views into the buckets);
-    adds seconds, payload bytes and calls to ``rec`` (:func:`new_comm_record`)."""
+    ``bucket_bytes``. Returns tensors with the summed values: views into the buckets, or, for
+    a contiguous tensor alone in its bucket (a large factor, a packed subnet Fisher), the
+    tensor itself, reduced in place (no copy of the largest payloads). Adds seconds, payload
+    bytes and calls to ``rec`` (:func:`new_comm_record`)."""
     import torch.distributed as dist
 
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for group in buckets(tensors, bucket_bytes):
-        flat = torch.cat([tensors[i].reshape(-1) for i in group])
+        if len(group) == 1 and tensors[group[0]].is_contiguous():
+            flat = tensors[group[0]].view(-1)  # in place
+        else:
+            flat = torch.cat([tensors[i].reshape(-1) for i in group])
         t0 = time.perf_counter()
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         if flat.is_cuda:
