@@ -43,13 +43,18 @@ def buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int
 
 def allreduce_sum(tensors: list[torch.Tensor], bucket_bytes: int, rec: dict) -> list[torch.Tensor]:
     """SUM-all-reduce of ``tensors`` (same dtype/device) in flattened buckets of at most
-    ``bucket_bytes``. Returns new tensors with the summed values (views into the buckets);
-    adds seconds, payload bytes and calls to ``rec`` (:func:`new_comm_record`)."""
+    ``bucket_bytes``. Returns tensors with the summed values: views into the buckets, or, for
+    a contiguous tensor alone in its bucket (a large factor, a packed subnet Fisher), the
+    tensor itself, reduced in place (no copy of the largest payloads). Adds seconds, payload
+    bytes and calls to ``rec`` (:func:`new_comm_record`)."""
     import torch.distributed as dist
 
     out: list[torch.Tensor | None] = [None] * len(tensors)
     for group in buckets(tensors, bucket_bytes):
-        flat = torch.cat([tensors[i].reshape(-1) for i in group])
+        if len(group) == 1 and tensors[group[0]].is_contiguous():
+            flat = tensors[group[0]].view(-1)  # in place
+        else:
+            flat = torch.cat([tensors[i].reshape(-1) for i in group])
         t0 = time.perf_counter()
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         if flat.is_cuda:
@@ -80,6 +85,10 @@ def packed_size(n: int) -> int:
 
 
 _INDEX_CACHE: dict[tuple[int, str], torch.Tensor] = {}
+#: Up to this size the upper triangle is gathered with one cached index tensor (``n (n+1)/2``
+#: int64, 16.8 MiB at 2048); larger matrices (the 4608 x 4608 factors, an ``S x S`` subnet
+#: Fisher) are packed row by row, so no index larger than the matrix itself is ever formed.
+INDEX_MAX_N = 2048
 
 
 def _triu_flat_index(n: int, device) -> torch.Tensor:
@@ -88,8 +97,6 @@ def _triu_flat_index(n: int, device) -> torch.Tensor:
     if idx is None:
         r, c = torch.triu_indices(n, n, device=device)
         idx = r * n + c
-        if len(_INDEX_CACHE) > 256:
-            _INDEX_CACHE.clear()
         _INDEX_CACHE[key] = idx
     return idx
 
@@ -100,7 +107,14 @@ def pack_symmetric(mat: torch.Tensor) -> torch.Tensor:
     n = mat.shape[0]
     if mat.dim() != 2 or mat.shape[1] != n:
         raise ValueError(f"pack_symmetric needs a square matrix, got shape {tuple(mat.shape)}")
-    return mat.reshape(-1).index_select(0, _triu_flat_index(n, mat.device))
+    if n <= INDEX_MAX_N:
+        return mat.reshape(-1).index_select(0, _triu_flat_index(n, mat.device))
+    out = torch.empty(packed_size(n), dtype=mat.dtype, device=mat.device)
+    off = 0
+    for i in range(n):
+        out[off: off + n - i] = mat[i, i:]
+        off += n - i
+    return out
 
 
 def unpack_symmetric(packed: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,9 +124,17 @@ def unpack_symmetric(packed: torch.Tensor, n: int, out: torch.Tensor | None = No
         raise ValueError(f"{packed.numel()} packed numbers do not make an upper triangle of {n} x {n}")
     if out is None:
         out = torch.empty(n, n, dtype=packed.dtype, device=packed.device)
-    idx = _triu_flat_index(n, out.device)
-    flat = out.view(-1)
-    flat.index_copy_(0, idx, packed.reshape(-1).to(device=out.device, dtype=out.dtype))
-    r, c = idx // n, idx % n
-    flat.index_copy_(0, c * n + r, packed.reshape(-1).to(device=out.device, dtype=out.dtype))
+    src = packed.reshape(-1).to(device=out.device, dtype=out.dtype)
+    if n <= INDEX_MAX_N:
+        idx = _triu_flat_index(n, out.device)
+        flat = out.view(-1)
+        flat.index_copy_(0, idx, src)
+        flat.index_copy_(0, (idx % n) * n + idx // n, src)
+        return out
+    off = 0
+    for i in range(n):
+        seg = src[off: off + n - i]
+        out[i, i:] = seg
+        out[i:, i] = seg
+        off += n - i
     return out

@@ -159,7 +159,9 @@ class EfbKind(PassKind):
 
 class SubnetFisherKind(PassKind):
     """The subnet pass. State: one ``S x S`` matrix (``collect_subnet_fisher`` adds into it in
-    place); reduced and checkpointed as its upper triangle (``fisher_triu``)."""
+    place); reduced (in place, see :func:`~pipelines.distributed.comm.allreduce_sum`) and
+    checkpointed as its upper triangle (``fisher_triu``), so a reduce holds ``1.5 S²`` numbers
+    per worker at its peak."""
 
     name = "subnet"
     pass_no = 3

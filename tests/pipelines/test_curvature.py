@@ -363,3 +363,23 @@ def test_config_errors():
         load_config("smoke", ["curvature.checkpoint_every_s=-1"])
     with pytest.raises(ValueError, match="unknown fault_injection keys"):
         CurvatureConfig(fault_injection={"partition": 1, "once_marker": "x", "when": 3})
+
+
+@pytest.mark.parametrize("n", [1, 3, 9])
+def test_symmetric_packing_round_trip(n, monkeypatch):
+    """Upper triangle row by row (``torch.triu_indices`` order), both paths (cached index; row by
+    row above ``INDEX_MAX_N``, here lowered to 4); unpacking rebuilds the matrix exactly."""
+    from pipelines.distributed import comm
+
+    monkeypatch.setattr(comm, "INDEX_MAX_N", 4)
+    g = torch.Generator().manual_seed(n)
+    a = torch.randn(n, n, generator=g, dtype=torch.float64)
+    a = a + a.T
+    p = comm.pack_symmetric(a)
+    r, c = torch.triu_indices(n, n)
+    assert p.numel() == comm.packed_size(n) == n * (n + 1) // 2 and torch.equal(p, a[r, c])
+    assert torch.equal(comm.unpack_symmetric(p, n), a)
+    out = torch.full((n, n), float("nan"), dtype=torch.float64)
+    assert comm.unpack_symmetric(p, n, out=out) is out and torch.equal(out, a)
+    with pytest.raises(ValueError, match="upper triangle"):
+        comm.unpack_symmetric(p[:-1] if n > 1 else torch.zeros(2), n)
