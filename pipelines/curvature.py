@@ -72,7 +72,7 @@ from .distributed import (
     load_checkpoint,
     make_trainer,
     model_ref,
-    partition_dataset,
+    put_sources,
     path_keys,
     worker_setup,
 )
@@ -466,14 +466,15 @@ def run_curvature(
 
     passes = {"pass1": tuple(ids), "pass2": tuple(efb_ids)}
     done = {name: finished_partitions(output_uri, name, fp, store) for name in passes}
-    datasets = {}
-    for name, pids in passes.items():
-        for pid in pids:
-            if pid not in done[name]:
-                datasets[dataset_name(name, pid)] = partition_dataset(by_id[pid], data_config)
+    # index partitions: each rank builds the dataset of its share when its pass reaches the
+    # partition (every partition is there, should a rank resume from an older checkpoint);
+    # ready-made Ray Datasets go to the trainer as they are
+    sources, ready = put_sources(by_id, ids, data_config)
+    datasets = {dataset_name(name, pid): ready[pid] for name, pids in passes.items() for pid in pids
+                if pid in ready and pid not in done[name]}
 
     job = Job(model=model, cfg=cfg, output_uri=output_uri, store=store, passes=passes, rows=rows, run_id=run_id,
-              use_gpu=bool(use_gpu), fingerprint=fp)
+              use_gpu=bool(use_gpu), fingerprint=fp, sources=sources)
     trainer = make_trainer(_train_loop, {"job": job}, cfg, bool(use_gpu), f"curvature-{run_id}", output_uri, datasets)
     t0 = time.perf_counter()
     trainer.fit()

@@ -59,7 +59,7 @@ import os
 import posixpath
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
@@ -72,6 +72,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "MIN_DECODE_TASKS",
+    "rank_share",
     "decode_batch",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
@@ -303,6 +304,20 @@ class Partition(_Entries):
     @property
     def name(self) -> str:
         return f"part-{self.id:05d}-of-{self.num_partitions:05d}"
+
+
+def rank_share(source: "DatasetIndex | Partition", rank: int, world: int):
+    """Entries ``rank, rank + world, ...`` of ``source`` (the same type), or ``None`` when there
+    are none: the deterministic share of one of ``world`` workers that read ``source`` side by
+    side (the shares are disjoint and together are ``source``)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, {world}), got {rank}")
+    if rank >= len(source):
+        return None
+    kw: dict[str, Any] = {"paths": source.paths[rank::world], "labels": source.labels[rank::world]}
+    if source.locations:
+        kw["locations"] = tuple(source.locations[rank::world])
+    return replace(source, **kw)
 
 
 def partition(

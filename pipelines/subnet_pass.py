@@ -71,7 +71,7 @@ from .distributed import (
     index_partitions,
     make_trainer,
     model_ref,
-    partition_dataset,
+    put_sources,
     unpack_symmetric,
     worker_setup,
 )
@@ -394,10 +394,10 @@ def run_subnet_pass(
     found = ckpt.load_checkpoint(partial, fp, endpoint_url, PARTIAL_FORMAT, tag="subnet")
     done = set(found[1]["done"]) if found is not None else set()
     del found
-    datasets = {dataset_name(SubnetFisherKind.name, pid): partition_dataset(by_id[pid], data_config)
-                for pid in ids if pid not in done}
+    sources, ready = put_sources(by_id, ids, data_config)  # index partitions: read by the ranks when reached
+    datasets = {dataset_name(SubnetFisherKind.name, pid): ready[pid] for pid in ids if pid in ready and pid not in done}
     job = Job(model=model, cfg=cfg, output_uri=output_uri, store=endpoint_url, passes={SubnetFisherKind.name: tuple(ids)},
-              rows=rows, run_id=run_id, use_gpu=bool(use_gpu), fingerprint=fp)
+              rows=rows, run_id=run_id, use_gpu=bool(use_gpu), fingerprint=fp, sources=sources)
     trainer = make_trainer(_subnet_loop, {"job": job, "subnet": scfg, "masks": masks, "meta": meta, "uri": uri,
                                           "partial_uri": partial},
                             cfg, bool(use_gpu), run_id, output_uri, datasets)

@@ -25,6 +25,7 @@ from .workers import (
     model_ref,
     partition_dataset,
     path_keys,
+    put_sources,
     worker_setup,
 )
 
@@ -32,5 +33,5 @@ __all__ = [
     "DTYPES", "FaultInjection", "Job", "ModelRef", "PassKind", "PassResult", "PassRun", "Progress",
     "allreduce_sum", "broadcast_object", "buckets", "dataset_name", "fingerprint", "gpu_shortfall",
     "index_partitions", "list_checkpoints", "load_checkpoint", "make_trainer", "model_ref", "pack_symmetric",
-    "packed_size", "partition_dataset", "path_keys", "save_checkpoint", "unpack_symmetric", "worker_setup",
+    "packed_size", "partition_dataset", "path_keys", "put_sources", "save_checkpoint", "unpack_symmetric", "worker_setup",
 ]

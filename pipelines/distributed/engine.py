@@ -222,9 +222,28 @@ class PassRun:
             self._open(self.todo[0])
         return self
 
+    def _sources(self) -> dict:
+        """The index partitions and the decode settings (:func:`.workers.put_sources`), fetched once."""
+        if getattr(self, "_src", None) is None:
+            import ray
+            import ray.data
+
+            self._src = ray.get(self.job.sources) if self.job.sources is not None else {"partitions": {}}
+            ray.data.DataContext.get_current().enable_progress_bars = False  # the engine logs progress
+        return self._src
+
     def _open(self, pid: int) -> None:
         import ray.train
 
+        from ..data import build_dataset, rank_share
+
+        src = self._sources()
+        if pid in src["partitions"]:  # this rank's share, as a dataset made now (nothing before)
+            share = rank_share(src["partitions"][pid], self.rank, self.world)
+            shard = iter(()) if share is None else build_dataset(share, src["data_config"])
+            counter = _Counter()
+            self.opened[pid] = (counter, _FirstBatch(self._batches(shard, pid, counter)))
+            return
         name = dataset_name(self.kind.name, pid)
         try:
             shard = ray.train.get_dataset_shard(name)

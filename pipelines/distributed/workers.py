@@ -19,7 +19,8 @@ import torch
 from .. import storage
 
 __all__ = ["DTYPES", "FaultInjection", "ModelRef", "Job", "model_ref", "make_trainer", "lossless_data_config",
-           "gpu_shortfall", "worker_setup", "index_partitions", "partition_dataset", "path_keys", "fingerprint"]
+           "gpu_shortfall", "worker_setup", "index_partitions", "partition_dataset", "path_keys", "fingerprint",
+           "put_sources"]
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
 
@@ -68,7 +69,10 @@ class Job:
     batch size, Fisher type, seed, dtypes, bucket size, log interval, fault injection).
     ``passes``: pass name -> the partition ids it covers, in order. ``rows``: expected rows
     per partition (``None``: unknown). ``store``: the store settings for every artifact.
-    ``extra``: what a pass kind needs beyond that (picklable)."""
+    ``extra``: what a pass kind needs beyond that (picklable). ``sources``: an object ref of
+    ``{"partitions": {pid: Partition}, "data_config": DataConfig}`` from
+    :func:`put_sources`; each rank then builds the dataset of its share of a partition when
+    the pass reaches it (no dataset, split coordinator or decode pipeline exists before)."""
 
     model: ModelRef
     cfg: Any
@@ -80,6 +84,21 @@ class Job:
     use_gpu: bool
     fingerprint: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    sources: Any = None
+
+
+def put_sources(by_id: dict, pids, data_config) -> tuple[Any, dict]:
+    """``(object ref of the index partitions among pids, Ray Datasets among them by pid)``:
+    partitions given as indexes (``pipelines.data`` Partition / DatasetIndex) are read lazily by
+    the ranks (:class:`pipelines.distributed.engine.PassRun`); ready-made Ray Datasets go to the
+    trainer as they are."""
+    import ray
+    import ray.data
+
+    lazy = {pid: by_id[pid] for pid in pids if not isinstance(by_id[pid], ray.data.Dataset)}
+    ready = {pid: by_id[pid] for pid in pids if isinstance(by_id[pid], ray.data.Dataset)}
+    ref = ray.put({"partitions": lazy, "data_config": data_config}) if lazy else None
+    return ref, ready
 
 
 def fingerprint(obj: Any) -> str:

@@ -192,6 +192,42 @@ def test_partitions_fixed_and_stable(bad_tree):
         partition(idx, num_partitions=n + 1)
 
 
+def test_rank_shares_are_disjoint_and_cover_the_partition(bad_tree):
+    """What each of ``world`` Train workers reads of a partition (``rank_share``): entries
+    ``rank::world``, disjoint, together the partition; ``None`` for a rank with nothing to read."""
+    from pipelines.data import rank_share
+
+    part = partition(scan(DataConfig(root=str(bad_tree.root))), num_partitions=3)[2]  # 5 entries
+    for world in (1, 2, 3, 5, 7):
+        shares = [rank_share(part, r, world) for r in range(world)]
+        got = [s for s in shares if s is not None]
+        assert len(got) == min(world, len(part)) and all(shares[r] is None for r in range(len(part), world))
+        assert sorted(p for s in got for p in s.paths) == sorted(part.paths)
+        assert sum(len(s) for s in got) == len(part) and all(type(s) is type(part) and s.id == part.id for s in got)
+        pairs = {(p, y) for s in got for p, y in zip(s.paths, s.labels)}
+        assert pairs == set(zip(part.paths, part.labels))
+    with pytest.raises(ValueError, match="rank must be in"):
+        rank_share(part, 2, 2)
+
+
+def test_index_partitions_reach_the_workers_as_indexes_not_datasets(bad_tree, ray_session):
+    """The curvature and subnet passes give the trainer no dataset for index partitions (no
+    split coordinator per partition up front): one object ref with every partition and the
+    decode settings; only ready-made Ray Datasets go to the trainer."""
+    from pipelines.distributed import put_sources
+
+    cfg = DataConfig(root=str(bad_tree.root))
+    parts = partition(scan(cfg), num_partitions=3)
+    by_id = {p.id: p for p in parts}
+    ref, ready = put_sources(by_id, list(by_id), cfg)
+    assert ready == {}
+    got = ray_session.get(ref)
+    assert got["data_config"] == cfg and [p.paths for p in got["partitions"].values()] == [p.paths for p in parts]
+    ds = build_dataset(parts[0], cfg)
+    ref, ready = put_sources({0: ds, 1: parts[1]}, [0, 1], cfg)
+    assert list(ready) == [0] and ready[0] is ds and list(ray_session.get(ref)["partitions"]) == [1]
+
+
 # ----------------------------------------------------------------------------- decoding (no Ray)
 
 
