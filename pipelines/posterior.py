@@ -87,3 +87,18 @@ def build_and_save(
         if name == "subnet":
             out[name].update({k: post.info[k] for k in ("subnet_size", "d_total", "prior_scale") if k in post.info})
     return out
+
+
+def inf_clipping_at(uri: str, n_data: float, prior_precision: float) -> dict[str, Any]:
+    """INF's clipping of ``N D + τ`` (see :mod:`laplace_core.structures.inf`) for the saved
+    posterior at ``uri`` under ``(N, τ)`` (e.g. the search's choice): ``clipped_D``,
+    ``clipped_D_fraction``, ``diag_rel_error`` (the Fisher diagonal's relative error after
+    clipping; 0 = Lemma 2's exact diagonal), ``n_data``, ``prior_precision``."""
+    from laplace_core.io import load_posterior
+    from laplace_core.posterior import with_hyper
+
+    post = with_hyper(load_posterior(uri), n_data, prior_precision)
+    info = post.info
+    return {"clipped_D": int(info.get("clipped_D", 0)), "clipped_D_fraction": float(info.get("clipped_D_fraction", 0.0)),
+            "diag_rel_error": float(info.get("diag_rel_error", 0.0)), "n_data": float(n_data),
+            "prior_precision": float(prior_precision)}

@@ -525,6 +525,20 @@ class _endpoint_env:
         return False
 
 
+def _inf_clipping(posteriors: dict[str, Any], chosen: dict[str, Any]) -> dict[str, Any] | None:
+    """INF's clipped ``D`` entries and diagonal error at the chosen ``(N, τ)`` (None without both)."""
+    uri, c = (posteriors.get("inf") or {}).get("uri"), chosen.get("inf")
+    if not uri or not c:
+        return None
+    from .posterior import inf_clipping_at
+
+    try:
+        return inf_clipping_at(uri, 10.0 ** c["log10_n"], 10.0 ** c["log10_tau"])
+    except (OSError, ValueError, KeyError) as e:
+        _log(f"INF clipping at the chosen (N, tau) not computed: {e}")
+        return None
+
+
 def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: dict[str, Any], output: str):
     curv = results.get("curvature") or {}
     post = results.get("posterior") or {}
@@ -540,6 +554,7 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
             skipped[k] = {"count": int(v.get("count", 0)), "examples": v.get("examples", [])}
     chosen = {m: {"log10_n": c_["log10_n"], "log10_tau": c_["log10_tau"]}
               for m, c_ in (srch.get("chosen") or {}).items() if c_}
+    inf_clip = _inf_clipping(posteriors, chosen)
     return {
         "title": f"infoform report: {spec.name}" + (" (demo)" if cfg.data.demo else ""),
         "run_id": _fingerprint(to_dict(cfg))[:8],
@@ -550,7 +565,9 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
         "timings": {s: (results.get(s) or {}).get("seconds") for s in STAGES if results.get(s)},
         "posterior_sizes": sizes,
         "skipped_images": skipped,
-        "clipped_d_entries": {m: int(p.get("clipped_D", 0) or 0) for m, p in posteriors.items()},
+        "clipped_d_entries": {m: int(p.get("clipped_D", 0) or 0) for m, p in posteriors.items()}
+        | ({"inf": inf_clip["clipped_D"]} if inf_clip else {}),
+        "inf_clipping": inf_clip,
         "clamped_eigenvalues": int(curv.get("clamped_eigenvalues", 0) or 0),
         "failed_search_configs": int(srch.get("failed", 0) or 0),
         "chosen": chosen,
