@@ -109,10 +109,15 @@ def _is_weights_file(weights: str | None) -> bool:
 def preflight(cfg: RunConfig) -> None:
     """Everything that can be checked before any cluster work: model names, weights
     files, data and OOD roots. Raises ``ValueError``/``FileNotFoundError`` in one line."""
-    from .models import EXTRA_MODELS, model_names, resolve_weights_enum, _is_enum_name
+    from .models import EXTRA_MODELS, is_factory, model_names, resolve_factory, resolve_weights_enum, _is_enum_name
 
     valid = set(model_names())
     for spec in cfg.all_models():
+        if is_factory(spec.name):  # a user's package.module:callable; it builds its own model
+            resolve_factory(spec.name)
+            if spec.weights is not None and not storage.exists(spec.weights, _endpoint(cfg)):
+                raise FileNotFoundError(f"weights file not found: {spec.weights}")
+            continue
         if spec.name not in valid:
             fam = sorted(n for n in valid if n.startswith(("resnet", "densenet"))) + sorted(EXTRA_MODELS)
             raise ValueError(f"unknown model {spec.name!r}; valid: {', '.join(fam)} (or any torchvision classifier)")
@@ -199,6 +204,10 @@ def _data_config(cfg: RunConfig, plan: _DataPlan, split: str | None, *, limit=No
     )
     if plan.mean is not None:
         kw["mean"], kw["std"] = plan.mean, plan.std
+    if cfg.data.mean is not None:  # data.mean / data.std from the preset or --set override the default
+        kw["mean"] = cfg.data.mean
+    if cfg.data.std is not None:
+        kw["std"] = cfg.data.std
     if classes is not None:
         kw["classes"] = tuple(classes)
     if extensions is not None:
