@@ -127,8 +127,15 @@ def job_args(root: Path, letters: Path, weights: Path, output: Path, configs: in
 def run_job(argv: list[str]) -> None:
     """The job's own path (``pipelines.job``: parse, preflight, ``pipelines.run.run``) in this
     process; Ray is joined if already up, else started locally."""
+    import os
+
     from pipelines.job import config_from_args, get_args_parser
     from pipelines.run import preflight, run
+
+    # Ray workers must import the model factory (benchmarks.paper.lenet): the repository on their path
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(ROOT) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *paths])
 
     cfg = config_from_args(get_args_parser().parse_args(argv))
     preflight(cfg)
@@ -162,16 +169,17 @@ def reproduce(out: Path, *, configs: int, search_mc: int, eval_mc: int, epochs: 
     """Data, LeNets, the job, the ensemble; ``splits``: images per class (default
     :data:`benchmarks.paper.mnist_data.SPLITS`)."""
     t0 = time.perf_counter()
-    data = out / "data"
+    tag = "-".join(str(v) for v in (splits or mnist_data.SPLITS).values())
+    data = out / f"data-{tag}"
     info = {"mnist": mnist_data.write_mnist(data / "mnist", splits=splits),
             "letters": mnist_data.write_letters(data / "letters", n_per_letter=n_letters)}
     xtr, ytr = mnist_data.load_split(data / "mnist" / "train")
-    nets = [cached_lenet(out / "weights" / f"lenet-seed{s}-e{epochs}.safetensors", xtr, ytr, s, epochs)
-            for s in range(members)]
+    wdir = out / f"weights-{tag}"
+    nets = [cached_lenet(wdir / f"lenet-seed{s}-e{epochs}.safetensors", xtr, ytr, s, epochs) for s in range(members)]
     with torch.no_grad():
         train_acc = float((nets[0](xtr).argmax(1) == ytr).double().mean())
-    output = out / f"run-{configs}"
-    run_job(job_args(data / "mnist", data / "letters", out / "weights" / f"lenet-seed0-e{epochs}.safetensors",
+    output = out / f"run-{configs}-{'-'.join(str(v) for v in (splits or mnist_data.SPLITS).values())}"
+    run_job(job_args(data / "mnist", data / "letters", wdir / f"lenet-seed0-e{epochs}.safetensors",
                      output, configs, search_mc, eval_mc, extra))
     res = read_job(output)
     xte, yte = mnist_data.load_split(data / "mnist" / "test")
@@ -225,10 +233,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--search-mc", type=int, default=10, help="MC samples per search configuration")
     p.add_argument("--eval-mc", type=int, default=30, help="MC samples in the final evaluation")
     p.add_argument("--epochs", type=int, default=30, help="LeNet training epochs (over-fitting)")
+    p.add_argument("--members", type=int, default=5, help="deep-ensemble size (the MAP is member 0)")
+    p.add_argument("--per-class", type=int, nargs=3, default=list(mnist_data.SPLITS.values()),
+                   metavar=("TRAIN", "VAL", "TEST"), help="MNIST images per class in each split (at most 500 in all)")
+    p.add_argument("--letters", type=int, default=100, help="rendered OOD images per letter A-J")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="folder for table2.json and table2.md")
     p.add_argument("--work", default=str(ROOT / "runs" / "paper-table2"), help="data, weights and the job's output")
     args = p.parse_args(argv)
-    res = reproduce(Path(args.work), configs=args.configs, search_mc=args.search_mc, eval_mc=args.eval_mc, epochs=args.epochs)
+    splits = dict(zip(("train", "val", "test"), args.per_class))
+    res = reproduce(Path(args.work), configs=args.configs, search_mc=args.search_mc, eval_mc=args.eval_mc,
+                    epochs=args.epochs, members=args.members, n_letters=args.letters, splits=splits)
+    res["splits_per_class"] = splits
     md = markdown(res)
     write(Path(args.out), "table2", res, md)
     print(md)
