@@ -175,13 +175,14 @@ def reproduce(out: Path, *, configs: int, search_mc: int, eval_mc: int, epochs: 
             "letters": mnist_data.write_letters(data / "letters", n_per_letter=n_letters)}
     xtr, ytr = mnist_data.load_split(data / "mnist" / "train")
     wdir = out / f"weights-{tag}"
-    nets = [cached_lenet(wdir / f"lenet-seed{s}-e{epochs}.safetensors", xtr, ytr, s, epochs) for s in range(members)]
+    nets = [cached_lenet(wdir / f"lenet-seed0-e{epochs}.safetensors", xtr, ytr, 0, epochs)]
     with torch.no_grad():
         train_acc = float((nets[0](xtr).argmax(1) == ytr).double().mean())
-    output = out / f"run-{configs}-{'-'.join(str(v) for v in (splits or mnist_data.SPLITS).values())}"
+    output = out / f"run-{configs}-{tag}"
     run_job(job_args(data / "mnist", data / "letters", wdir / f"lenet-seed0-e{epochs}.safetensors",
                      output, configs, search_mc, eval_mc, extra))
     res = read_job(output)
+    nets += [cached_lenet(wdir / f"lenet-seed{s}-e{epochs}.safetensors", xtr, ytr, s, epochs) for s in range(1, members)]
     xte, yte = mnist_data.load_split(data / "mnist" / "test")
     xood, _ = mnist_data.load_split(data / "letters")
     res["rows"]["ensemble"] = scores(_probs(nets, xte), yte, _probs(nets, xood))
