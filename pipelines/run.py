@@ -534,7 +534,7 @@ class _endpoint_env:
         return False
 
 
-def _inf_clipping(posteriors: dict[str, Any], chosen: dict[str, Any]) -> dict[str, Any] | None:
+def _inf_clipping(posteriors: dict[str, Any], chosen: dict[str, Any], ep: str | None = None) -> dict[str, Any] | None:
     """INF's clipped ``D`` entries and diagonal error at the chosen ``(N, τ)`` (None without both)."""
     uri, c = (posteriors.get("inf") or {}).get("uri"), chosen.get("inf")
     if not uri or not c:
@@ -542,9 +542,10 @@ def _inf_clipping(posteriors: dict[str, Any], chosen: dict[str, Any]) -> dict[st
     from .posterior import inf_clipping_at
 
     try:
-        return inf_clipping_at(uri, 10.0 ** c["log10_n"], 10.0 ** c["log10_tau"])
-    except (OSError, ValueError, KeyError) as e:
-        _log(f"INF clipping at the chosen (N, tau) not computed: {e}")
+        with _endpoint_env(ep):
+            return inf_clipping_at(uri, 10.0 ** c["log10_n"], 10.0 ** c["log10_tau"])
+    except Exception as e:  # a report detail: never fail the run over it
+        _log(f"INF clipping at the chosen (N, tau) not computed: {type(e).__name__}: {e}")
         return None
 
 
@@ -563,7 +564,7 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
             skipped[k] = {"count": int(v.get("count", 0)), "examples": v.get("examples", [])}
     chosen = {m: {"log10_n": c_["log10_n"], "log10_tau": c_["log10_tau"]}
               for m, c_ in (srch.get("chosen") or {}).items() if c_}
-    inf_clip = _inf_clipping(posteriors, chosen)
+    inf_clip = _inf_clipping(posteriors, chosen, _endpoint(cfg))
     return {
         "title": f"infoform report: {spec.name}" + (" (demo)" if cfg.data.demo else ""),
         "run_id": _fingerprint(to_dict(cfg))[:8],
