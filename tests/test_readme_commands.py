@@ -84,7 +84,7 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "<python API block>": ("here", "test_python_api_block_runs"),
     "python benchmarks/paper/table1.py --splits 20": ("parse", "benchmark (minutes); tests/core/test_paper_table1.py runs 2 splits"),
     "python benchmarks/paper/figure4.py": ("parse", "benchmark (a minute)"),
-    "python benchmarks/paper/table2.py --configs 20 --search-mc 5 --eval-mc 20 --epochs 15 --members 5 "
+    "python benchmarks/paper/table2.py --configs 20 --search-mc 5 --eval-mc 20 --epochs 40 --members 5 "
     "--per-class 100 100 100 --letters 50": ("parse", "benchmark (the job end to end); "
                                              "tests/pipelines/test_paper_table2.py runs a smaller one"),
     "python benchmarks/paper/table2.py --configs 300": ("parse", "the paper's 300 configurations (not run here: hours "

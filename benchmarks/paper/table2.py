@@ -178,7 +178,7 @@ def reproduce(out: Path, *, configs: int, search_mc: int, eval_mc: int, epochs: 
     nets = [cached_lenet(wdir / f"lenet-seed0-e{epochs}.safetensors", xtr, ytr, 0, epochs)]
     with torch.no_grad():
         train_acc = float((nets[0](xtr).argmax(1) == ytr).double().mean())
-    output = out / f"run-{configs}-{tag}"
+    output = out / f"run-{configs}-{tag}-e{epochs}"
     run_job(job_args(data / "mnist", data / "letters", wdir / f"lenet-seed0-e{epochs}.safetensors",
                      output, configs, search_mc, eval_mc, extra))
     res = read_job(output)
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", type=int, default=300, help="random (N, tau) per method (paper: 300)")
     p.add_argument("--search-mc", type=int, default=10, help="MC samples per search configuration")
     p.add_argument("--eval-mc", type=int, default=30, help="MC samples in the final evaluation")
-    p.add_argument("--epochs", type=int, default=30, help="LeNet training epochs (over-fitting)")
+    p.add_argument("--epochs", type=int, default=40, help="LeNet training epochs (over-fitting)")
     p.add_argument("--members", type=int, default=5, help="deep-ensemble size (the MAP is member 0)")
     p.add_argument("--per-class", type=int, nargs=3, default=list(mnist_data.SPLITS.values()),
                    metavar=("TRAIN", "VAL", "TEST"), help="MNIST images per class in each split (at most 500 in all)")

@@ -14,11 +14,11 @@ pytest.importorskip("mlxtend")
 def test_table2_claims_through_the_job(ray_session, tmp_path):
     from benchmarks.paper import table2
 
-    res = table2.reproduce(tmp_path, configs=8, search_mc=4, eval_mc=8, epochs=15, members=2, n_letters=20,
+    res = table2.reproduce(tmp_path, configs=8, search_mc=4, eval_mc=8, epochs=40, members=2, n_letters=20,
                            splits={"train": 100, "val": 30, "test": 30},
                            extra=["evaluate.num_actors=1", "curvature.num_workers=1", "data.partition_size=1000"])
     r = res["rows"]
-    assert res["train_accuracy"] >= 0.98  # (nearly) over-fit, as the paper's LeNet
+    assert res["train_accuracy"] >= 0.99  # over-fit, as the paper's LeNet
     # the job's MAP row is the same network scored by the benchmark's own definitions
     for k in ("accuracy", "ece", "ood_entropy_mean"):
         assert r["map"][k] == pytest.approx(res["map_check"][k], abs=2e-3), k
