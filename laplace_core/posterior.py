@@ -39,7 +39,8 @@ from .structures.efb import EFBLayer, KronExactLayer
 from .structures.inf import MAX_L, InfLayer
 from .structures.kron import KronLayer
 
-__all__ = ["Method", "METHODS", "WHOLE_METHODS", "ALL_METHODS", "build_posterior", "with_hyper", "resolve_method"]
+__all__ = ["Method", "METHODS", "WHOLE_METHODS", "ALL_METHODS", "build_posterior", "with_hyper", "resolve_method",
+           "inf_clipping_info"]
 
 
 class Method(str, Enum):
@@ -166,9 +167,9 @@ def build_posterior(
     ``None`` is full rank, refused when ``m n > max_l``. Everything is computed in
     float64 and stored as ``dtype``.
 
-    ``info`` holds ``clipped_D`` (negative ``D`` entries clipped, Lemma 3; total and
-    ``clipped_D_per_layer``), ``clamped_eigenvalues`` (negative factor eigenvalues
-    clamped by the eigenbasis) and, for ``inf``, ``kept`` (``L`` per layer).
+    ``info`` holds ``clipped_D`` (INF entries where ``N D + τ`` was raised to its floor at
+    this ``(N, τ)``; see :func:`inf_clipping_info`), ``clamped_eigenvalues`` (negative factor
+    eigenvalues clamped by the eigenbasis) and, for ``inf``, ``kept`` (``L`` per layer).
 
     ``method="subnet"`` (Daxberger et al. 2021) needs ``subnet_fisher=(F_sum, count, masks)``
     from :func:`laplace_core.subnet.collect_subnet_fisher` / ``select_subnetwork`` and
@@ -216,10 +217,28 @@ def build_posterior(
     if norm:
         info["diag_norm_layers"] = len(norm)
     if name == "inf":
-        info["clipped_D_per_layer"] = {k: int(v) for k, v in clipped.items()}
+        info.update(inf_clipping_info(layers))
         info["kept"] = {k: int(lp.rank) for k, lp in layers.items() if hasattr(lp, "rank")}
     return Posterior(method=name, layers=layers, n_data=N, prior_precision=tau,
                      rank=None if rank is None else int(rank), info=info)
+
+
+def inf_clipping_info(layers: Mapping[str, LayerPosterior]) -> dict:
+    """INF's clipping at the layers' ``(N, τ)``: ``clipped_D`` (entries where ``N D + τ`` was
+    raised to ``DP_FLOOR τ``), ``clipped_D_per_layer``, ``clipped_D_fraction`` (of all ``D``
+    entries) and ``diag_rel_error`` (``||diag(F_INF) − diag/M||_F / ||diag/M||_F`` over all
+    layers; 0 where nothing was clipped: Lemma 2's exact diagonal)."""
+    inf = {k: lp for k, lp in layers.items() if hasattr(lp, "clipped_D")}  # not norm layers' Diag blocks
+    per = {k: int(lp.clipped_D) for k, lp in inf.items()}
+    total = sum(lp.shape[0] * lp.shape[1] for lp in inf.values())
+    norm = sum(float(getattr(lp, "diag_sq_norm", 0.0)) for lp in layers.values())
+    err = sum(float(getattr(lp, "diag_sq_error", 0.0)) for lp in layers.values())
+    return {
+        "clipped_D": int(sum(per.values())),
+        "clipped_D_per_layer": per,
+        "clipped_D_fraction": sum(per.values()) / total if total else 0.0,
+        "diag_rel_error": (err / norm) ** 0.5 if norm > 0 else 0.0,
+    }
 
 
 def _build_subnet(stats, subnet_fisher, rank, n_data, prior_precision, dtype) -> Posterior:
@@ -285,4 +304,7 @@ def with_hyper(posterior: Posterior, n_data: float, prior_precision: float) -> P
             layers[k] = lp.with_hyper(N, tau)
         except ValueError as e:
             raise ValueError(f"layer {k!r}: {e}") from None
-    return dataclasses.replace(posterior, layers=layers, n_data=N, prior_precision=tau, info=dict(posterior.info))
+    info = dict(posterior.info)
+    if posterior.method == Method.INF.value:  # the clipped entries of N D + τ depend on (N, τ)
+        info.update(inf_clipping_info(layers))
+    return dataclasses.replace(posterior, layers=layers, n_data=N, prior_precision=tau, info=info)

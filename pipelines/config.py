@@ -53,9 +53,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A torchvision classifier (``resnet50``, ``densenet121``, ... or ``demo_cnn``) and its
-    weights: a local/remote state-dict file, a torchvision weights enum name, or ``None``
-    (``demo_cnn`` only: trained on the spot on the demo data)."""
+    """A torchvision classifier (``resnet50``, ``densenet121``, ... or ``demo_cnn``), or a
+    model of one's own as ``package.module:callable`` (any importable callable returning an
+    ``nn.Module``), and its weights: a local/remote state-dict file, a torchvision weights
+    enum name, or ``None`` (``demo_cnn``: trained on the spot on the demo data; a factory:
+    the model as it returns it)."""
 
     name: str = "resnet50"
     weights: str | None = None
@@ -66,7 +68,9 @@ class ModelSpec:
 class DataSpec:
     """Where the images are. ``root`` holds ``train/``, ``val/`` (folders, or flat files +
     ``labels_csv``) and optionally ``test/``; ``ood`` is an image folder of
-    out-of-distribution images. ``demo: true`` writes and uses the bundled demo data."""
+    out-of-distribution images. ``demo: true`` writes and uses the bundled demo data.
+    ``mean`` / ``std``: the per-channel input normalisation ``(x/255 − mean) / std`` of the
+    eval transform (null: ImageNet's, or the demo's own for the demo data)."""
 
     root: str | None = None
     train_split: str = "train"
@@ -83,6 +87,8 @@ class DataSpec:
     test_limit: int | None = None
     ood_limit: int | None = None
     partition_size: int = 20_000
+    mean: tuple[float, float, float] | None = None
+    std: tuple[float, float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -230,6 +236,8 @@ class RunConfig:
             raise ConfigError("curvature.efb_fraction must be in (0, 1]")
         if self.curvature.checkpoint_every_s is not None and not self.curvature.checkpoint_every_s >= 0:
             raise ConfigError("curvature.checkpoint_every_s must be >= 0 (0: after every partition) or null (at the end)")
+        if self.data.std is not None and not all(v > 0 for v in self.data.std):
+            raise ConfigError(f"data.std must be positive per channel, got {list(self.data.std)}")
         if not self.data.demo and not self.data.root:
             raise ConfigError("data.root is required (or use --preset demo)")
         try:

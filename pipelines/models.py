@@ -9,6 +9,13 @@ entries of :data:`EXTRA_MODELS` (``"demo_cnn"`` -> ``pipelines.demo_data.small_c
 imported lazily). An unknown name raises a one-line ``ValueError`` listing the
 ResNet/DenseNet names (and pointing at the full list).
 
+A user's own model is a factory string ``"package.module:callable"``: any importable
+callable returning an ``nn.Module``, called as ``callable()`` or, when ``num_classes`` is
+given, ``callable(num_classes=num_classes)`` (:func:`resolve_factory`). The module must be
+importable where the job runs (the job's working directory is on the path). A missing
+module or attribute, a factory that raises or one that returns something other than an
+``nn.Module`` give a one-line ``ValueError``.
+
 ``weights`` is one of
 
 * ``None`` — random initialisation (tests, shape-only tools);
@@ -45,6 +52,8 @@ __all__ = [
     "model_coverage",
     "vit_tiny_test",
     "convnext_tiny_test",
+    "is_factory",
+    "resolve_factory",
 ]
 
 
@@ -119,12 +128,52 @@ def model_names() -> list[str]:
     return sorted(set(_torchvision_names()) | set(EXTRA_MODELS))
 
 
+def is_factory(name: str) -> bool:
+    """``"package.module:callable"`` (a user's model factory) rather than a registry name."""
+    return ":" in name
+
+
+def resolve_factory(name: str) -> Callable[..., nn.Module]:
+    """The callable of ``"package.module:callable"`` (attribute paths ``a.b`` allowed after
+    the colon); one-line ``ValueError`` for a malformed string, a module that does not
+    import or a missing attribute."""
+    import importlib
+
+    mod_name, _, attr = name.partition(":")
+    if not mod_name or not attr or ":" in attr:
+        raise ValueError(f"model factory {name!r} must look like package.module:callable")
+    try:
+        obj = importlib.import_module(mod_name)
+    except Exception as e:  # ImportError, or the module's own error at import time
+        raise ValueError(f"model factory {name!r}: cannot import module {mod_name!r} "
+                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"model factory {name!r}: {mod_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"model factory {name!r}: {attr!r} is not callable")
+    return obj
+
+
+def _build_factory(name: str, num_classes: int | None) -> nn.Module:
+    fn = resolve_factory(name)
+    try:
+        model = fn() if num_classes is None else fn(num_classes=int(num_classes))
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise ValueError(f"model factory {name!r} raised {type(e).__name__}: {msg}") from None
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model factory {name!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
 def _unknown_model(name: str) -> ValueError:
     common = [n for n in _torchvision_names() if n.startswith(("resnet", "densenet", "wide_resnet", "resnext"))]
     return ValueError(
         f"unknown model {name!r}; valid ResNet/DenseNet names: {', '.join(sorted(common))}; "
-        f"also {', '.join(sorted(EXTRA_MODELS))} and every torchvision classification model "
-        f"(pipelines.models.model_names())"
+        f"also {', '.join(sorted(EXTRA_MODELS))}, every torchvision classification model "
+        f"(pipelines.models.model_names()) and package.module:callable (a factory of your own)"
     )
 
 
@@ -257,8 +306,19 @@ def load_model(
     """Build model ``name``, load ``weights`` and return it in ``eval()`` mode on CPU.
 
     ``num_classes=None`` means the architecture's default, or, with a state-dict
-    file, the output size of the file's last Linear layer.
+    file, the output size of the file's last Linear layer. A factory string
+    ``"package.module:callable"`` builds the model by calling it (see the module docstring);
+    its state dict, if given, must fit the returned model exactly.
     """
+    if is_factory(name):
+        if weights is not None and is_enum_name(weights):
+            raise ValueError(f"model {name!r} is a factory; give a state-dict file, not torchvision weights {weights!r}")
+        model = _build_factory(name, num_classes)
+        if weights is not None:
+            sd = read_state_dict(weights, endpoint_url=endpoint_url)
+            check_state_dict(model, sd)
+            model.load_state_dict(sd, strict=True)
+        return model.eval()
     if name not in EXTRA_MODELS and name not in _torchvision_names():
         raise _unknown_model(name)
     if weights is None:

@@ -106,3 +106,18 @@ def build_posteriors(
     basis = load_eigenbasis(basis_uri(output_uri), endpoint_url) if any(m in BASIS_METHODS for m in names) else None
     return build_and_save(stats, basis, names, rank, output_uri, n_data=n_data, prior_precision=prior_precision,
                           endpoint_url=endpoint_url)
+
+
+def inf_clipping_at(uri: str, n_data: float, prior_precision: float, endpoint_url: Store = None) -> dict[str, Any]:
+    """INF's clipping of ``N D + τ`` (see :mod:`laplace_core.structures.inf`) for the saved
+    posterior at ``uri`` under ``(N, τ)`` (e.g. the search's choice): ``clipped_D``,
+    ``clipped_D_fraction``, ``diag_rel_error`` (the Fisher diagonal's relative error after
+    clipping; 0 = Lemma 2's exact diagonal), ``n_data``, ``prior_precision``."""
+    from laplace_core.io import load_posterior
+    from laplace_core.posterior import with_hyper
+
+    post = with_hyper(load_posterior(uri, fsspec_options(uri, endpoint_url)), n_data, prior_precision)
+    info = post.info
+    return {"clipped_D": int(info.get("clipped_D", 0)), "clipped_D_fraction": float(info.get("clipped_D_fraction", 0.0)),
+            "diag_rel_error": float(info.get("diag_rel_error", 0.0)), "n_data": float(n_data),
+            "prior_precision": float(prior_precision)}

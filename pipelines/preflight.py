@@ -145,10 +145,15 @@ def _check_enum_weights(name: str, cfg: RunConfig) -> None:
 
 
 def _check_models(cfg: RunConfig, opts: storage.StorageOptions, world: bool = True) -> None:
-    from .models import EXTRA_MODELS, is_enum_name, model_names, resolve_weights_enum
+    from .models import EXTRA_MODELS, is_enum_name, is_factory, model_names, resolve_factory, resolve_weights_enum
 
     valid = set(model_names())
     for spec in cfg.all_models():
+        if is_factory(spec.name):  # a user's package.module:callable; it builds its own model
+            resolve_factory(spec.name)
+            if spec.weights is not None and world:
+                check_uri(spec.weights, "weights file", opts)
+            continue
         if spec.name not in valid:
             fam = sorted(n for n in valid if n.startswith(("resnet", "densenet"))) + sorted(EXTRA_MODELS)
             raise PreflightError(f"unknown model {spec.name!r}; valid: {', '.join(fam)} (or any torchvision classifier)")

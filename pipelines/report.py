@@ -772,7 +772,13 @@ def _counts(summary: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[tupl
     for key, label in (("clipped_d_entries", "Clipped D entries (INF diagonal correction)"),
                        ("clamped_eigenvalues", "Clamped eigenvalues (tiny negatives set to 0)")):
         total, parts = _count_with_parts(summary, key)
-        out.append((label, _fmt(total, "int"), [f"{k}: {v:,}" for k, v in parts.items() if v]))
+        lines = [f"{k}: {v:,}" for k, v in parts.items() if v]
+        clip = summary.get("inf_clipping") if key == "clipped_d_entries" else None
+        if isinstance(clip, Mapping):
+            lines.append(f"INF at the chosen N = {clip['n_data']:.3g}, τ = {clip['prior_precision']:.3g}: "
+                         f"{clip['clipped_D_fraction']:.2%} of D clipped, diagonal relative error "
+                         f"{clip['diag_rel_error']:.3g}")
+        out.append((label, _fmt(total, "int"), lines))
     nf, failed = _failed_configs(summary, rows)
     lines = []
     for r in failed[:_EXAMPLES_SHOWN]:

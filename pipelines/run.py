@@ -190,6 +190,10 @@ def _data_config(cfg: RunConfig, plan: _DataPlan, split: str | None, *, limit=No
     )
     if plan.mean is not None:
         kw["mean"], kw["std"] = plan.mean, plan.std
+    if cfg.data.mean is not None:  # data.mean / data.std from the preset or --set override the default
+        kw["mean"] = cfg.data.mean
+    if cfg.data.std is not None:
+        kw["std"] = cfg.data.std
     if classes is not None:
         kw["classes"] = tuple(classes)
     if extensions is not None:
@@ -500,6 +504,20 @@ def _read_search(output: str, methods, ep):
     return read_search_table(uri, ep)
 
 
+def _inf_clipping(posteriors: dict[str, Any], chosen: dict[str, Any], ep: storage.Store = None) -> dict[str, Any] | None:
+    """INF's clipped ``D`` entries and diagonal error at the chosen ``(N, τ)`` (None without both)."""
+    uri, c = (posteriors.get("inf") or {}).get("uri"), chosen.get("inf")
+    if not uri or not c:
+        return None
+    from .posterior import inf_clipping_at
+
+    try:
+        return inf_clipping_at(uri, 10.0 ** c["log10_n"], 10.0 ** c["log10_tau"], ep)
+    except Exception as e:  # a report detail: never fail the run over it
+        _log(f"INF clipping at the chosen (N, tau) not computed: {type(e).__name__}: {e}")
+        return None
+
+
 def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: dict[str, Any], output: str):
     curv = results.get("curvature") or {}
     post = results.get("posterior") or {}
@@ -515,6 +533,7 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
             skipped[k] = {"count": int(v.get("count", 0)), "examples": v.get("examples", [])}
     chosen = {m: {"log10_n": c_["log10_n"], "log10_tau": c_["log10_tau"]}
               for m, c_ in (srch.get("chosen") or {}).items() if c_}
+    inf_clip = _inf_clipping(posteriors, chosen, _endpoint(cfg))
     return {
         "title": f"infoform report: {spec.name}" + (" (demo)" if cfg.data.demo else ""),
         "run_id": _fingerprint(to_dict(cfg))[:8],
@@ -525,7 +544,9 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
         "timings": {s: (results.get(s) or {}).get("seconds") for s in STAGES if results.get(s)},
         "posterior_sizes": sizes,
         "skipped_images": skipped,
-        "clipped_d_entries": {m: int(p.get("clipped_D", 0) or 0) for m, p in posteriors.items()},
+        "clipped_d_entries": {m: int(p.get("clipped_D", 0) or 0) for m, p in posteriors.items()}
+        | ({"inf": inf_clip["clipped_D"]} if inf_clip else {}),
+        "inf_clipping": inf_clip,
         "clamped_eigenvalues": int(curv.get("clamped_eigenvalues", 0) or 0),
         "failed_search_configs": int(srch.get("failed", 0) or 0),
         "chosen": chosen,

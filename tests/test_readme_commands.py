@@ -18,6 +18,7 @@ README no longer has, fails :func:`test_every_readme_command_is_mapped`.
 | ``infoform run ...`` | run here with ``--dry-run``; the job itself in tests/jobs/test_job.py |
 | ``make core-demo`` | parse: the Makefile target and ``jobs/core_demo.py``'s parser (minutes of CPU) |
 | ``python benchmarks/*.py ...`` | parse: each script's own argparse with the README's arguments (benchmarks take minutes) |
+| ``python benchmarks/paper/*.py ...`` | parse, as above; reduced versions run in tests/core/test_paper_table1.py and tests/pipelines/test_paper_table2.py |
 | Python API block | run here on a tiny CNN |
 
 infra/README.md's commands are checked by tests/jobs/test_infra.py.
@@ -83,6 +84,13 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "--set evaluate.gpus_per_actor=0.5":
         ("parse", "the GPU throughput run: needs a CUDA device and the synthetic tree"),
     "<python API block>": ("here", "test_python_api_block_runs"),
+    "python benchmarks/paper/table1.py --splits 20": ("parse", "benchmark (minutes); tests/core/test_paper_table1.py runs 2 splits"),
+    "python benchmarks/paper/figure4.py": ("parse", "benchmark (a minute)"),
+    "python benchmarks/paper/table2.py --configs 20 --search-mc 5 --eval-mc 20 --epochs 40 --members 5 "
+    "--per-class 100 100 100 --letters 50": ("parse", "benchmark (the job end to end); "
+                                             "tests/pipelines/test_paper_table2.py runs a smaller one"),
+    "python benchmarks/paper/table2.py --configs 300": ("parse", "the paper's 300 configurations (not run here: hours "
+                                                         "on 2 shared cores)"),
 }
 
 # For "run" entries: a fragment of the runner's source that shows it runs the command.

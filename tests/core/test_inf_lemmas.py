@@ -1,7 +1,7 @@
 """INF's guarantees (Lee et al. 2020) on real statistics of small trained networks.
 
 * Lemma 2: INF has the exact Fisher diagonal, at full rank and for every top-K cut
-  (entries whose ``D`` was clipped, Lemma 3, can only be larger).
+  (entries where ``N D + τ`` was raised to its floor ``DP_FLOOR (N diag/M + τ)`` can only be larger).
 * Lemma 1 / Corollary 1: Frobenius errors against the exact per-layer Fisher block satisfy
   ``KFAC >= EFB >= INF (full rank)``.
 
@@ -26,6 +26,7 @@ from laplace_core.collect import collect_statistics
 from laplace_core.eigenbasis import eigenbasis
 from laplace_core.posterior import build_posterior
 from laplace_core.structures.base import vec
+from laplace_core.structures.inf import DP_FLOOR
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fisher_reference import exact_fisher_blocks  # noqa: E402
@@ -90,22 +91,33 @@ def test_frobenius_ordering_kfac_efb_inf(setup):
         assert err["kfac_exact"] > err["inf"] + 1e-6 * scale, (name, err)
 
 
+@pytest.mark.parametrize("n_data", [N_DATA, 1e6])
 @pytest.mark.parametrize("rank", [None, 1, 2, 5, 10, 25, 1000])
-def test_inf_diagonal_is_exact(setup, rank):
+def test_inf_diagonal_is_exact(setup, rank, n_data):
+    """Exact wherever ``N D + τ >= DP_FLOOR (N diag/M + τ)``; at ``N = 1e6`` every negative ``D`` entry is
+    clipped (the test checks that some are), at ``N = 50`` none on these nets."""
     stats, basis, exact = setup
-    post = build_posterior(stats, "inf", rank=rank, n_data=N_DATA, prior_precision=TAU, basis=basis)
-    clipped_total = 0
+    post = build_posterior(stats, "inf", rank=rank, n_data=n_data, prior_precision=TAU, basis=basis)
+    clipped_total, entries, err2, norm2 = 0, 0, 0.0, 0.0
     for name, F in exact.items():
         lp = post.layers[name]
-        got = torch.diagonal(_fisher(post, name))
+        got = (torch.diagonal(post.to_dense(name)) - TAU) / n_data
         want = torch.diagonal(F)
         D_raw = vec(stats.layers[name].diag / stats.count) - (
             vec((lp.U_g * lp.U_g) @ lp.lam_L @ (lp.U_a * lp.U_a).T))
-        clipped = D_raw < 0
+        exact_diag = vec(stats.layers[name].diag / stats.count)
+        clipped = n_data * D_raw + TAU < DP_FLOOR * (n_data * exact_diag + TAU)
         clipped_total += int(clipped.sum())
+        entries += clipped.numel()
         tol = 1e-10 * float(want.abs().max())
         assert torch.allclose(got[~clipped], want[~clipped], rtol=1e-9, atol=tol), name
         assert bool((got >= want - tol).all()), name
+        err2 += float((got - want).square().sum())
+        norm2 += float(want.square().sum())
         if rank is not None:
             assert lp.rank >= min(rank, lp.shape[0] * lp.shape[1])
     assert post.info["clipped_D"] == clipped_total
+    assert post.info["clipped_D_fraction"] == pytest.approx(clipped_total / entries, rel=1e-12)
+    assert post.info["diag_rel_error"] == pytest.approx((err2 / norm2) ** 0.5, rel=1e-6, abs=1e-12)
+    if n_data == 1e6 and rank is None:  # full rank: trace D = 0, so some D < 0 and clipped
+        assert clipped_total > 0 and post.info["diag_rel_error"] > 0

@@ -11,7 +11,8 @@ from laplace_core.posterior import build_posterior
 from laplace_core.sparsify import sparsify
 from laplace_core.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
 from laplace_core.structures.base import vec
-from laplace_core.structures.inf import diagonal_correction
+from laplace_core.posterior import with_hyper
+from laplace_core.structures.inf import DP_FLOOR, diagonal_correction, diagonal_precision
 
 F64 = torch.float64
 
@@ -79,12 +80,14 @@ def test_bad_k_and_input():
         sparsify(torch.tensor([[float("nan"), 1.0]], dtype=F64), 1)
 
 
+@pytest.mark.parametrize("N", [30.0, 3e4])
 @pytest.mark.parametrize("k", list(range(1, 21)) + [None])
-def test_diagonal_is_exact_after_the_cut(k):
+def test_diagonal_is_exact_after_the_cut(k, N):
     """Lemma 2: with D recomputed from the kept part only, INF's Fisher diagonal equals
-    the exact diagonal diag/M wherever D was not clipped; clipped entries only add."""
+    the exact diagonal diag/M wherever ``N D + τ`` stayed above ``DP_FLOOR (N diag/M + τ)``; clipped
+    entries only add."""
     stats = _stats()
-    N, tau = 30.0, 0.5
+    tau = 0.5
     post = build_posterior(stats, "inf", rank=k, n_data=N, prior_precision=tau)
     lp = post.layers["l"]
     fisher = (torch.diagonal(lp.to_dense()) - tau) / N  # INF's Fisher diagonal (average scale)
@@ -96,18 +99,46 @@ def test_diagonal_is_exact_after_the_cut(k):
     U = torch.kron(b.U_A[:, cols], b.U_G[:, rows])
     low = torch.diagonal(U @ torch.diag(vec(lam[rows][:, cols])) @ U.T)
     D_raw = exact - low
-    clipped = D_raw < 0
+    clipped = N * D_raw + tau < DP_FLOOR * (N * exact + tau)
     assert int(clipped.sum()) == lp.clipped_D == post.info["clipped_D"]
     assert torch.allclose(fisher[~clipped], exact[~clipped], rtol=1e-10, atol=1e-12)
-    assert torch.allclose(fisher[clipped], low[clipped], rtol=1e-10, atol=1e-12)
+    floor = low + (DP_FLOOR * (N * exact + tau) - tau) / N  # N D + τ raised to the floor
+    assert torch.allclose(fisher[clipped], floor[clipped], rtol=1e-10, atol=1e-12)
     assert bool((fisher >= exact - 1e-12).all())
+    if k is None and N > 1e3:  # full rank: trace D = 0, so negative entries exist and get clipped
+        assert lp.clipped_D > 0
 
 
-def test_diagonal_correction_counts_clipped_entries():
+def test_diagonal_correction_is_unclipped_and_the_floor_depends_on_n_and_tau():
     U_g = torch.eye(2, dtype=F64)
     U_a = torch.eye(2, dtype=F64)
     lam = torch.tensor([[1.0, 0.0], [0.0, 3.0]], dtype=F64)
     diag = torch.tensor([[2.0, 1.0], [1.0, 1.0]], dtype=F64)
-    D, clipped = diagonal_correction(diag, U_g, U_a, lam)
-    assert clipped == 1
-    assert D.tolist() == [[1.0, 1.0], [1.0, 0.0]]
+    D = diagonal_correction(diag, U_g, U_a, lam)
+    assert D.tolist() == [[1.0, 1.0], [1.0, -2.0]]  # Lemma 2 exact, negative entry kept
+    low = diag - D
+    Dp, clipped = diagonal_precision(D, low, 0.1, 1.0)  # 0.1 * -2 + 1 = 0.8 > 0.01 * 1.1: kept
+    assert not bool(clipped.any()) and float(Dp[1, 1]) == pytest.approx(0.8)
+    Dp, clipped = diagonal_precision(D, low, 10.0, 1.0)  # 10 * -2 + 1 < 0: raised to the floor
+    assert clipped.tolist() == [[False, False], [False, True]]
+    assert float(Dp[1, 1]) == pytest.approx(DP_FLOOR * (10.0 * 1.0 + 1.0)) and float(Dp[0, 0]) == 11.0
+
+
+def test_clipping_is_recounted_by_with_hyper():
+    """The clipped set depends on ``(N, τ)``: a posterior built at small ``N`` (nothing
+    clipped, diagonal exact) re-targeted to a large ``N`` clips, and back again."""
+    stats = _stats()
+    small = build_posterior(stats, "inf", n_data=1e-3, prior_precision=1.0)
+    assert small.info["clipped_D"] == 0 and small.info["diag_rel_error"] == 0.0
+    big = with_hyper(small, 1e5, 1.0)
+    D = big.layers["l"].D
+    exact = stats.layers["l"].diag / stats.count
+    want = int((1e5 * D + 1.0 < DP_FLOOR * (1e5 * exact + 1.0)).sum())
+    assert want > 0 and big.info["clipped_D"] == want == big.layers["l"].clipped_D
+    assert big.info["clipped_D_fraction"] == pytest.approx(want / D.numel())
+    assert big.info["diag_rel_error"] > 0
+    direct = build_posterior(stats, "inf", n_data=1e5, prior_precision=1.0)
+    assert direct.info["clipped_D"] == want
+    assert direct.info["diag_rel_error"] == pytest.approx(big.info["diag_rel_error"], rel=1e-12)
+    back = with_hyper(big, 1e-3, 1.0)
+    assert back.info["clipped_D"] == 0 and torch.equal(back.layers["l"].D, D)

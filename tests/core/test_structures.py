@@ -21,7 +21,7 @@ from laplace_core.eigenbasis import layer_eigenbasis
 from laplace_core.posterior import METHODS, Method, build_posterior, with_hyper
 from laplace_core.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
 from laplace_core.structures.base import unvec, vec
-from laplace_core.structures.inf import InfLayer
+from laplace_core.structures.inf import DP_FLOOR, InfLayer
 from laplace_core.structures.registry import LAYER_CLASSES, layer_class
 
 F64 = torch.float64
@@ -133,18 +133,23 @@ def test_exact_prior_kfac_and_efb_dense_forms(stats):
 
 
 def test_inf_full_rank_precision_is_efb_plus_diagonal_correction(stats):
-    """Full-rank INF = EFB precision + diag(N D), D = diag/M - diag(EFB/M) clipped at 0."""
-    N, tau = 50.0, 0.2
-    pe = build_posterior(stats, "efb", n_data=N, prior_precision=tau)
-    pi = build_posterior(stats, "inf", n_data=N, prior_precision=tau)
-    clipped = 0
-    for name, ls in stats.layers.items():
-        Pe = pe.to_dense(name)
-        D = vec(ls.diag / stats.count) - (torch.diagonal(Pe) - tau) / N
-        clipped += int((D < 0).sum())
-        want = Pe + N * torch.diag(D.clamp_min(0))
-        assert torch.allclose(pi.to_dense(name), want, rtol=1e-10, atol=1e-10)
-    assert pi.info["clipped_D"] == clipped
+    """Full-rank INF = EFB precision + diag(N D), D = diag/M - diag(EFB/M), with N D + τ
+    raised to DP_FLOOR (N diag/M + τ) where it would fall below (at N = 5e4 some entries are)."""
+    tau = 0.2
+    for N in (50.0, 5e4):
+        pe = build_posterior(stats, "efb", n_data=N, prior_precision=tau)
+        pi = build_posterior(stats, "inf", n_data=N, prior_precision=tau)
+        clipped = 0
+        for name, ls in stats.layers.items():
+            Pe = pe.to_dense(name)
+            D = vec(ls.diag / stats.count) - (torch.diagonal(Pe) - tau) / N
+            floor = DP_FLOOR * (N * vec(ls.diag / stats.count) + tau)
+            clipped += int((N * D + tau < floor).sum())
+            want = Pe - tau * torch.eye(len(D), dtype=Pe.dtype) + torch.diag(torch.maximum(N * D + tau, floor))
+            assert torch.allclose(pi.to_dense(name), want, rtol=1e-10, atol=1e-10)
+        assert pi.info["clipped_D"] == clipped
+        if N > 1e3:
+            assert clipped > 0
 
 
 @pytest.mark.parametrize("method,rank", [("diag", None), ("kfac", None), ("kfac_exact", None), ("efb", None),

@@ -1,0 +1,2 @@
+"""Reproductions of Lee et al. (2020)'s own results with the shipped code (see README,
+"Paper results, reproduced"): Table 1 / Figure 3, Figure 4 and Table 2."""
