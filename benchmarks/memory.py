@@ -159,7 +159,7 @@ def _rss_child(a) -> dict:
     model, batches = peers._setup(_SetupArgs(a.rss_model, a.size, a.batch, a.fit_batches))
     x = batches[0][0]
     if a.kind in ("ours_kfac", "ours_inf"):
-        from laplace_core.io import load_posterior
+        from laplace_core.structures.base import load_posterior
         from laplace_core.predictive import MCPredictor
 
         post = load_posterior(a.post)

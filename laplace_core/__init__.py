@@ -38,7 +38,7 @@ _EXPORTS = {
     "with_hyper": "posterior",
     "Posterior": "structures.base",
     "sparsify": "sparsify",
-    "load_posterior": "io",
+    "load_posterior": "structures.base",
     "save_tensors": "io",
     "load_tensors": "io",
     "MetricSuite": "metrics",

@@ -54,6 +54,9 @@ __all__ = [
     "sample_targets",
     "output_gradients",
     "efb_contraction_order",
+    "likelihood_for",
+    "check_fisher",
+    "split_batch",
 ]
 
 FISHER_TYPES = ("mc", "empirical")
@@ -142,13 +145,15 @@ class _Regression:
 LIKELIHOODS: dict[str, object] = {"classification": _Classification(), "regression": _Regression()}
 
 
-def _likelihood(name: str):
+def likelihood_for(name: str):
+    """The likelihood object of ``LIKELIHOODS[name]`` (one-line error for an unknown name)."""
     if name not in LIKELIHOODS:
         raise ValueError(f"unknown likelihood {name!r}; valid: {', '.join(LIKELIHOODS)}")
     return LIKELIHOODS[name]
 
 
-def _check_fisher(fisher: str, mc_samples: int) -> int:
+def check_fisher(fisher: str, mc_samples: int) -> int:
+    """Validate ``fisher`` and ``mc_samples``; the number of label draws per example (1 for empirical)."""
     if fisher not in FISHER_TYPES:
         raise ValueError(f"unknown fisher {fisher!r}; valid: {', '.join(FISHER_TYPES)}")
     if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
@@ -174,8 +179,8 @@ def sample_targets(
     :func:`collect_statistics` draws for a batch, so a test can reproduce its labels
     with a generator in the same state.
     """
-    lik = _likelihood(likelihood)
-    S = _check_fisher(fisher, mc_samples)
+    lik = likelihood_for(likelihood)
+    S = check_fisher(fisher, mc_samples)
     out = out.detach()
     labels = lik.check(out, labels, fisher)
     if fisher == "empirical":
@@ -185,7 +190,7 @@ def sample_targets(
 
 def output_gradients(out: torch.Tensor, targets: torch.Tensor, likelihood: str = "classification") -> torch.Tensor:
     """``∂ log p(targets[s, k] | out[k]) / ∂ out[k]`` stacked as ``(S, *out.shape)``."""
-    return _likelihood(likelihood).output_grad(out.detach(), targets)
+    return likelihood_for(likelihood).output_grad(out.detach(), targets)
 
 
 # =========================================================================== per-layer work
@@ -420,7 +425,7 @@ class _GroupedConv:
 
 
 # =========================================================================== batches
-def _split(batch, i: int) -> tuple[torch.Tensor, object, object]:
+def split_batch(batch, i: int) -> tuple[torch.Tensor, object, object]:
     """``(x, y, keys)``; ``keys`` (per-example integer ids for keyed MC sampling) come from
     a dict batch's ``"key"`` entry or the third element of an ``(x, y, keys)`` tuple."""
     if isinstance(batch, Mapping):
@@ -489,8 +494,8 @@ def _run(
     efb_order: str | None,
     norm_layers: str = "map",
 ) -> _PassResult:
-    lik = _likelihood(likelihood)
-    S = _check_fisher(fisher, mc_samples)
+    lik = likelihood_for(likelihood)
+    S = check_fisher(fisher, mc_samples)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     if efb_order is not None and efb_order not in EFB_ORDERS:
@@ -546,7 +551,7 @@ def _run(
         with capture(model, modules) as cap, torch.enable_grad():
             for i, batch in enumerate(batches):
                 n_batches += 1
-                x, y, keys = _split(batch, i)
+                x, y, keys = split_batch(batch, i)
                 if not isinstance(x, torch.Tensor):
                     x = torch.as_tensor(x)
                 if x.dim() == 0 or x.shape[0] == 0:

@@ -47,7 +47,7 @@ from torch.func import functional_call, jvp, vmap
 
 from .hooks import capture, layer_inputs, layer_output_grads, norm_grads, reference_attention
 from .layers import LayerKind, find_layers, get_matrix, layer_kind, owner_params, perturbed
-from .predictive import SampleCache, _eval_mode, check_layers, sample_seed
+from .predictive import SampleCache, eval_mode, check_layers, sample_seed
 from .structures.base import LayerPosterior, Posterior
 from .structures.diag import DiagLayer
 from .structures.efb import EigenDiagLayer
@@ -162,7 +162,7 @@ def glm_jvp(
     def f(p):
         return functional_call(model, p, (x,))
 
-    with torch.no_grad(), _eval_mode(model), reference_attention(model):
+    with torch.no_grad(), eval_mode(model), reference_attention(model):
         if k is None:
             out, jv = jvp(f, (primals,), (tangents,))
         else:
@@ -190,7 +190,7 @@ def glm_fd(
     modules = _modules(model, modules)
     if _check_deltas(modules, deltas) is not None:
         raise ValueError("glm_fd takes unbatched (m, n) deltas")
-    with torch.no_grad(), _eval_mode(model):
+    with torch.no_grad(), eval_mode(model):
         f0 = model(x) if base is None else base
         with perturbed(modules, {k: eps * d for k, d in deltas.items()}):
             f1 = model(x)
@@ -211,7 +211,7 @@ def output_jacobian_pieces(
     Jacobian rows from :func:`laplace_core.hooks.norm_grads`.
     """
     modules = _modules(model, modules)
-    with _eval_mode(model), capture(model, modules) as cap, torch.enable_grad():
+    with eval_mode(model), capture(model, modules) as cap, torch.enable_grad():
         out = model(x)
         if out.dim() != 2:
             raise ValueError(f"GLM predictive needs model output (B, C), got {tuple(out.shape)}")
@@ -427,7 +427,7 @@ class GLMPredictor:
     def logit_directions(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(f(x, θ*) [B, C], J η_t [K, B, C])`` for ``t < n_samples`` (JVP or finite differences)."""
         f0, rows = None, []
-        with torch.no_grad(), _eval_mode(self.model):
+        with torch.no_grad(), eval_mode(self.model):
             f0 = self.model(x)
         for t0 in range(0, self.n_samples, self.chunk):
             ts = range(t0, min(self.n_samples, t0 + self.chunk))
@@ -453,7 +453,7 @@ class GLMPredictor:
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """Classification: probabilities ``[B, C]`` (model dtype). Regression: the mean ``f(x, θ*)``."""
         if self.likelihood == "regression":
-            with torch.no_grad(), _eval_mode(self.model):
+            with torch.no_grad(), eval_mode(self.model):
                 return self.model(x)
         if self.link == "mc":
             f0, jv = self.logit_directions(x)

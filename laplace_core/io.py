@@ -14,7 +14,9 @@ manifest last, so a reader never sees a manifest whose tensors are missing; an
 interrupted re-save leaves a checksum mismatch, which is reported, never a silent
 mix. Loading never unpickles: JSON and ``safetensors.torch.load`` on bytes.
 Remote credentials come from the environment (standard AWS chain for s3) and are
-never logged. Everything else about reaching a store (an S3-compatible endpoint, addressing
+never logged (a posterior is loaded by :meth:`laplace_core.structures.base.Posterior.load`,
+which reads its artifact through :func:`load_tensors`; this module knows no structure).
+Everything else about reaching a store (an S3-compatible endpoint, addressing
 style, region) is passed explicitly as ``storage_options``: fsspec's keyword arguments for
 the URI's filesystem, ignored for local paths. Nothing here reads or writes ``os.environ``.
 """
@@ -32,7 +34,7 @@ from fsspec.implementations.local import LocalFileSystem
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-__all__ = ["FORMAT", "VERSION", "TENSORS_FILE", "MANIFEST_FILE", "save_tensors", "load_tensors", "load_posterior"]
+__all__ = ["FORMAT", "VERSION", "TENSORS_FILE", "MANIFEST_FILE", "save_tensors", "load_tensors"]
 
 FORMAT = "infoform.tensors"
 VERSION = 1
@@ -161,18 +163,3 @@ def load_tensors(uri: str, storage_options: Mapping[str, Any] | None = None) -> 
         if list(t.shape) != list(e["shape"]) or str(t.dtype).removeprefix("torch.") != e["dtype"]:
             raise ValueError(f"{uri}: tensor {k!r} is {t.dtype}{list(t.shape)}, manifest says {e['dtype']}{e['shape']}")
     return tensors, manifest["meta"]
-
-
-def load_posterior(uri: str, storage_options: Mapping[str, Any] | None = None):
-    """Load a :class:`~laplace_core.structures.base.Posterior` saved with ``Posterior.save``."""
-    from .structures.base import Posterior
-
-    tensors, meta = load_tensors(uri, storage_options)
-    if not isinstance(meta, dict) or meta.get("format") != "infoform.posterior":
-        raise ValueError(f"{uri}: artifact is not a posterior (meta format {meta.get('format') if isinstance(meta, dict) else None!r})")
-    if meta.get("version") != 1:
-        raise ValueError(f"{uri}: unsupported posterior version {meta.get('version')!r}")
-    try:
-        return Posterior.from_state_dict({"meta": meta, "tensors": tensors})
-    except KeyError as e:
-        raise ValueError(f"{uri}: posterior artifact is missing {e.args[0]!r}") from None

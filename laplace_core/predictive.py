@@ -51,6 +51,7 @@ __all__ = [
     "map_predict",
     "mc_predict",
     "MCPredictor",
+    "eval_mode",
 ]
 
 LIKELIHOODS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -101,7 +102,7 @@ def draw_sample_factored(posterior: Posterior, seed: int, t: int) -> dict[str, A
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module) -> Iterator[None]:
     """``model.eval()`` inside, every module's training flag restored on exit."""
     flags = [(m, m.training) for m in model.modules()]
     model.eval()
@@ -115,7 +116,7 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 def map_predict(model: nn.Module, x: torch.Tensor, likelihood: str = "classification") -> torch.Tensor:
     """``softmax(f(x; θ*))``: ``x`` ``[B, ...]`` -> probabilities ``[B, C]`` (eval mode, no grad)."""
     link = _link(likelihood)
-    with torch.no_grad(), _eval_mode(model):
+    with torch.no_grad(), eval_mode(model):
         return link(model(x))
 
 
@@ -213,7 +214,7 @@ class MCPredictor:
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[B, ...]`` -> ``(1/K) Σ_t softmax(f(x; θ* + δ_t))`` ``[B, C]``."""
         total = None
-        with torch.no_grad(), _eval_mode(self.model):
+        with torch.no_grad(), eval_mode(self.model):
             for t in range(self.n_samples):
                 with self._applied(t):
                     p = self._forward(x)
@@ -228,7 +229,7 @@ class MCPredictor:
             raise ValueError("predict_batches needs a re-iterable sequence of batches, not a one-shot iterator")
         totals: list[torch.Tensor] = []
         dtypes: list[torch.dtype] = []
-        with torch.no_grad(), _eval_mode(self.model):
+        with torch.no_grad(), eval_mode(self.model):
             for t in range(self.n_samples):
                 with self._applied(t):
                     j = -1

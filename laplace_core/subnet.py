@@ -34,7 +34,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from .collect import _check_fisher, _likelihood, _split, output_gradients, sample_targets
+from .collect import check_fisher, likelihood_for, split_batch, output_gradients, sample_targets
 from .hooks import capture, layer_inputs, layer_output_grads, norm_grads
 from .keyed_rng import KeyedSampler
 from .layers import LayerKind, find_layers, layer_kind
@@ -347,7 +347,7 @@ def collect_subnet_fisher(
     try:
         with capture(model, modules) as cap, torch.enable_grad():
             for i, batch in enumerate(batches):
-                x, y, keys = _split(batch, i)
+                x, y, keys = split_batch(batch, i)
                 x = torch.as_tensor(x)
                 x = x.to(device=device, dtype=cdtype if x.dtype.is_floating_point else x.dtype)
                 out = model(x)
@@ -363,9 +363,9 @@ def collect_subnet_fisher(
                     keys = torch.as_tensor(keys).reshape(-1)
                     if keys.shape[0] != x.shape[0]:
                         raise ValueError(f"batch {i}: {keys.shape[0]} keys for {x.shape[0]} examples")
-                    lik = _likelihood(likelihood)
+                    lik = likelihood_for(likelihood)
                     lik.check(od, y, fisher)
-                    targets = lik.sample_keyed(od, _check_fisher(fisher, mc_samples), generator.seed, keys)
+                    targets = lik.sample_keyed(od, check_fisher(fisher, mc_samples), generator.seed, keys)
                 else:
                     targets = sample_targets(od, y, fisher=fisher, mc_samples=mc_samples, generator=generator,
                                              likelihood=likelihood)

@@ -8,7 +8,7 @@ Flow::
 
 Parallelism: ``cfg.num_actors`` explicit Ray actors (:class:`EvalWorker`). Each one
 loads the model (``pipelines.models.load_model`` from a name + weights URI) and every
-posterior (``laplace_core.io.load_posterior``) **once**, then consumes one iterator of
+posterior (``laplace_core.load_posterior``) **once**, then consumes one iterator of
 ``in_ds.streaming_split(num_actors, equal=False)`` (and of the OOD dataset's split),
 and returns, per method (``"map"`` plus every posterior), a mergeable
 :class:`EvalAccumulator` as JSON — sums, counts and fixed-edge histograms, never
@@ -405,7 +405,7 @@ def load_posteriors(uris: Mapping[str, str], hyper: Mapping[str, Sequence[float]
                     endpoint_url: storage.Store = None) -> dict[str, Any]:
     """``method -> Posterior`` from artifact URIs; ``hyper[method] = (N, τ)`` re-targets a
     posterior with ``laplace_core.posterior.with_hyper`` (no eigendecomposition redone)."""
-    from laplace_core.io import load_posterior
+    from laplace_core.structures.base import load_posterior
     from laplace_core.posterior import with_hyper
 
     out = {}

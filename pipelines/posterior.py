@@ -113,7 +113,7 @@ def inf_clipping_at(uri: str, n_data: float, prior_precision: float, endpoint_ur
     posterior at ``uri`` under ``(N, τ)`` (e.g. the search's choice): ``clipped_D``,
     ``clipped_D_fraction``, ``diag_rel_error`` (the Fisher diagonal's relative error after
     clipping; 0 = Lemma 2's exact diagonal), ``n_data``, ``prior_precision``."""
-    from laplace_core.io import load_posterior
+    from laplace_core.structures.base import load_posterior
     from laplace_core.posterior import with_hyper
 
     post = with_hyper(load_posterior(uri, fsspec_options(uri, endpoint_url)), n_data, prior_precision)

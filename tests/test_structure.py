@@ -1,4 +1,5 @@
-"""Module structure of ``pipelines/``, read with ``ast`` (nothing is imported):
+"""Module structure of ``laplace_core/`` and ``pipelines/``, read with ``ast`` (nothing is
+imported; ``laplace_core`` never imports ``pipelines``, so no cycle can run between them):
 
 * no module imports another module's ``_private`` names (``from .x import _y``,
   ``from pipelines.x import _y``, ``x._y`` through ``import``-ed module objects is not
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("pipelines",)
+PACKAGES = ("laplace_core", "pipelines")
 
 
 def _module_name(path: Path) -> str:

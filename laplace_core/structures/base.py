@@ -213,14 +213,11 @@ class Posterior:
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> "Posterior":
-        from .registry import layer_class
-
+        layer_class, posterior_class = _STRUCTURES["layer"], _STRUCTURES["posterior"]
         meta = state["meta"]
         if meta.get("format") != "infoform.posterior":
             raise ValueError("not an infoform posterior (format tag missing)")
         if cls is Posterior:  # whole-network structures (e.g. "subnet") have their own class
-            from .registry import posterior_class
-
             target = posterior_class(meta.get("method"))
             if target is not Posterior:
                 return target.from_state_dict(state)
@@ -252,6 +249,23 @@ class Posterior:
         moved = {k: t.to(device=device) for k, t in sd["tensors"].items()}
         return type(self).from_state_dict({"meta": sd["meta"], "tensors": moved})
 
+    @classmethod
+    def load(cls, uri: str, storage_options: Mapping[str, Any] | None = None) -> "Posterior":
+        """The posterior saved with :meth:`save` at ``uri`` (checked by
+        :func:`laplace_core.io.load_tensors`: format, size, SHA-256); ``storage_options`` as there."""
+        from ..io import load_tensors
+
+        tensors, meta = load_tensors(uri, storage_options)
+        if not isinstance(meta, dict) or meta.get("format") != "infoform.posterior":
+            got = meta.get("format") if isinstance(meta, dict) else None
+            raise ValueError(f"{uri}: artifact is not a posterior (meta format {got!r})")
+        if meta.get("version") != 1:
+            raise ValueError(f"{uri}: unsupported posterior version {meta.get('version')!r}")
+        try:
+            return Posterior.from_state_dict({"meta": meta, "tensors": tensors})
+        except KeyError as e:
+            raise ValueError(f"{uri}: posterior artifact is missing {e.args[0]!r}") from None
+
     def save(self, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
         """Write the posterior as a :mod:`laplace_core.io` artifact; ``storage_options`` are
         fsspec's keyword arguments for a remote ``uri`` (ignored for local paths)."""
@@ -259,3 +273,19 @@ class Posterior:
 
         sd = self.state_dict()
         save_tensors(uri, sd["tensors"], sd["meta"], storage_options)
+
+
+#: The registry's resolvers (:func:`register_structures`, called by :mod:`.registry` when the
+#: package is imported, which Python does before this module can be used).
+_STRUCTURES: dict[str, Any] = {}
+
+
+def register_structures(layer_class, posterior_class) -> None:
+    """Give :meth:`Posterior.from_state_dict` the resolvers ``method -> LayerPosterior class``
+    and ``method -> Posterior (sub)class`` (:mod:`.registry`)."""
+    _STRUCTURES.update(layer=layer_class, posterior=posterior_class)
+
+
+def load_posterior(uri: str, storage_options: Mapping[str, Any] | None = None) -> Posterior:
+    """:meth:`Posterior.load`: a saved posterior of any structure."""
+    return Posterior.load(uri, storage_options)

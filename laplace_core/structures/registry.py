@@ -1,11 +1,12 @@
-"""Explicit registry ``method name -> LayerPosterior class`` (DESIGN §2).
+"""Explicit registry ``method name -> LayerPosterior class``.
 
-Used by :meth:`~laplace_core.structures.base.Posterior.from_state_dict` to rebuild
-layers from their saved ``method`` tag.
+Handed to :mod:`.base` when this package is imported (:func:`.base.register_structures`), so
+that :meth:`~laplace_core.structures.base.Posterior.from_state_dict` rebuilds layers from
+their saved ``method`` tag without :mod:`.base` importing the structures built on it.
 """
 from __future__ import annotations
 
-from .base import LayerPosterior
+from .base import LayerPosterior, register_structures
 from .diag import DiagLayer
 from .efb import EFBLayer, KronExactLayer
 from .inf import InfLayer
@@ -49,3 +50,6 @@ def posterior_class(method_name):
 
     loader = POSTERIOR_CLASSES.get(str(method_name))
     return Posterior if loader is None else loader()
+
+
+register_structures(layer_class, posterior_class)

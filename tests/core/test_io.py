@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from laplace_core.io import MANIFEST_FILE, TENSORS_FILE, load_posterior, load_tensors, save_tensors
+from laplace_core.io import MANIFEST_FILE, TENSORS_FILE, load_tensors, save_tensors
+from laplace_core.structures.base import load_posterior
 from laplace_core.posterior import METHODS, build_posterior
 from laplace_core.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
 from laplace_core.eigenbasis import eigenbasis

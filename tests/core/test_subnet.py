@@ -26,7 +26,7 @@ from torch import nn
 
 from laplace_core.collect import collect_statistics, sample_targets
 from laplace_core.glm import GLMPredictor, glm_covariance
-from laplace_core.io import load_posterior
+from laplace_core.structures.base import load_posterior
 from laplace_core.keyed_rng import KeyedSampler
 from laplace_core.layers import find_layers
 from laplace_core.posterior import build_posterior, with_hyper
@@ -281,11 +281,11 @@ def test_keyed_mc_subnet_fisher_uses_the_pass1_labels(problem):
     F, count = collect_subnet_fisher(model, keyed, masks, fisher="mc", mc_samples=3, generator=KeyedSampler(11),
                                      likelihood=lik)
     # reference: the same keyed draws made here, each fed as "empirical" labels
-    from laplace_core.collect import _likelihood
+    from laplace_core.collect import likelihood_for
     ref = torch.zeros_like(F)
     for x, y, keys in keyed:
         with torch.no_grad():
-            t = _likelihood(lik).sample_keyed(model(x), 3, 11, keys)
+            t = likelihood_for(lik).sample_keyed(model(x), 3, 11, keys)
         for s in range(3):
             Fs, _ = collect_subnet_fisher(model, [(x, t[s])], masks, fisher="empirical", likelihood=lik)
             ref += Fs / 3

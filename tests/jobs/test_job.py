@@ -229,7 +229,7 @@ def test_submitted_job_writes_every_artifact(submitted):
         metrics = _json(f"{out}/eval/{m}/metrics.json", ep)
         assert metrics["status"] == "ok" and 0.0 <= metrics["accuracy"] <= 1.0
         assert "ece_equal_width_15" in metrics
-    from laplace_core.io import load_posterior
+    from laplace_core.structures.base import load_posterior
     from pipelines import storage
 
     for m in SMOKE_METHODS:

@@ -31,7 +31,7 @@ import torch
 
 import imagegen
 from laplace_core.collect import collect_efb, collect_statistics
-from laplace_core.io import load_posterior
+from laplace_core.structures.base import load_posterior
 from laplace_core.keyed_rng import KeyedSampler
 from laplace_core.posterior import build_posterior
 from pipelines.config import ModelSpec

@@ -145,7 +145,7 @@ def test_selection_is_wasserstein_on_reduced_stats(setup, ray_run):
 def test_posterior_from_artifact(setup, ray_run):
     out = build_and_save(setup["stats"], None, ["subnet"], None, setup["out"], n_data=50.0, prior_precision=2.0)
     F, count, _, meta = load_subnet_fisher(subnet_uri(setup["out"]))
-    from laplace_core.io import load_posterior
+    from laplace_core.structures.base import load_posterior
 
     post = load_posterior(out["subnet"]["uri"])
     D = meta["d_total"]
