@@ -151,3 +151,24 @@ def dense_covariance(post):
         full[idx[:, None], idx[None, :]] = torch.linalg.inv(post.to_dense())
         return full
     return torch.block_diag(*[torch.linalg.inv(lp.to_dense()) for lp in post.layers.values()])
+
+
+def hand_patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """(B, T, c k k [+1]) patches of ``conv``'s input by explicit loops over output positions
+    (no F.unfold): the reference for KFC's expanded inputs."""
+    import torch.nn.functional as F
+
+    ph, pw = conv.padding
+    (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
+    xp = F.pad(x, (pw, pw, ph, ph))
+    H = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    W = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    rows = []
+    for i in range(H):
+        for j in range(W):
+            patch = xp[:, :, i * sh: i * sh + dh * (kh - 1) + 1: dh, j * sw: j * sw + dw * (kw - 1) + 1: dw]
+            r = patch.reshape(x.shape[0], -1)
+            if conv.bias is not None:
+                r = torch.cat([r, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1)
+            rows.append(r)
+    return torch.stack(rows, 1)

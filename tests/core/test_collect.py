@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from laplace_core.collect import collect_efb, collect_statistics, efb_contraction_order, sample_targets
@@ -19,7 +18,7 @@ from laplace_core.eigenbasis import eigenbasis
 from laplace_core.layers import find_layers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fisher_reference import exact_fisher_blocks, exact_fisher_diag, per_example_grads, vec  # noqa: E402
+from fisher_reference import exact_fisher_blocks, exact_fisher_diag, hand_patches, per_example_grads, vec  # noqa: E402
 
 F64 = torch.float64
 TOL = 1e-10  # relative to the largest entry of the reference
@@ -64,22 +63,6 @@ def _targets(model, x, y, fisher, S, seed):
     return sample_targets(out, y, fisher=fisher, mc_samples=S, generator=torch.Generator().manual_seed(seed))
 
 
-def _hand_patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """(B, T, n) patches by explicit loops over output positions (no F.unfold)."""
-    ph, pw = conv.padding
-    (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
-    xp = F.pad(x, (pw, pw, ph, ph))
-    H = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
-    W = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
-    rows = []
-    for i in range(H):
-        for j in range(W):
-            patch = xp[:, :, i * sh: i * sh + dh * (kh - 1) + 1: dh, j * sw: j * sw + dw * (kw - 1) + 1: dw]
-            r = patch.reshape(x.shape[0], -1)
-            if conv.bias is not None:
-                r = torch.cat([r, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1)
-            rows.append(r)
-    return torch.stack(rows, 1)
 
 
 def _inputs_and_output_grads(model, x, targets):
@@ -121,7 +104,7 @@ def test_kfac_sums_match_hand_written_sums(fisher, S):
     assert stats.count == 5 and stats.mc_samples == S and stats.fisher == fisher
     for name, mod in mods.items():
         if isinstance(mod, nn.Conv2d):
-            a = _hand_patches(mod, ins[name])  # (B, T, n)
+            a = hand_patches(mod, ins[name])  # (B, T, n)
             gs = [g.reshape(g.shape[0], g.shape[1], -1).transpose(1, 2) for g in grads[name]]
         else:
             a = ins[name][:, None, :]

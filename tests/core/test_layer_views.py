@@ -28,7 +28,9 @@ from laplace_core.structures.base import unvec, vec
 from laplace_core.subnet import build_subnet_posterior, collect_subnet_fisher, select_subnetwork
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fisher_reference import dense_covariance, dense_jacobian, exact_fisher_blocks, exact_fisher_diag  # noqa: E402
+from fisher_reference import (  # noqa: E402
+    dense_covariance, dense_jacobian, exact_fisher_blocks, exact_fisher_diag, hand_patches,
+)
 
 F64 = torch.float64
 TOL = 1e-10  # relative to the largest entry of the reference
@@ -99,22 +101,6 @@ def _explicit_attention(mha: nn.MultiheadAttention, qkv_store: dict):
     return run
 
 
-def _hand_patches(conv, x):
-    """(B, T, c k k [+1]) patches by loops over output positions (no unfold)."""
-    ph, pw = conv.padding
-    (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
-    xp = F.pad(x, (pw, pw, ph, ph))
-    H = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
-    W = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
-    rows = []
-    for i in range(H):
-        for j in range(W):
-            patch = xp[:, :, i * sh: i * sh + dh * (kh - 1) + 1: dh, j * sw: j * sw + dw * (kw - 1) + 1: dw]
-            r = patch.reshape(x.shape[0], -1)
-            if conv.bias is not None:
-                r = torch.cat([r, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1)
-            rows.append(r)
-    return torch.stack(rows, 1)
 
 
 def _reference_rows(model, x, targets):
@@ -143,7 +129,7 @@ def _reference_rows(model, x, targets):
                 gr = outs[conv].grad.reshape(B, mod.out_channels, -1).transpose(1, 2)
                 m, c = mod.out_channels // mod.groups, mod.in_channels // mod.groups
                 for k in range(mod.groups):
-                    a = _hand_patches(mod, ins[conv][:, k * c:(k + 1) * c])
+                    a = hand_patches(mod, ins[conv][:, k * c:(k + 1) * c])
                     rows.setdefault(f"{conv}.group{k}", (a, []))[1].append(gr[:, :, k * m:(k + 1) * m])
             seq = store["qkv"].grad.new_ones(B, store["qkv"].shape[1], 1)
             xin = torch.tanh(model.c2(torch.tanh(model.c1(x)))).flatten(2).transpose(1, 2).detach()
