@@ -130,7 +130,8 @@ def run_job(argv: list[str]) -> None:
     import os
 
     from pipelines.job import config_from_args, get_args_parser
-    from pipelines.run import preflight, run
+    from pipelines.preflight import preflight
+    from pipelines.run import run
 
     # Ray workers must import the model factory (benchmarks.paper.lenet): the repository on their path
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
