@@ -1,7 +1,7 @@
 """Overhead of Monte-Carlo evaluation over plain forward passes, per posterior method.
 
     ratio(method) = best time of the MC evaluation with K_mc samples over a fixed set
-                    (pipelines.evaluate.evaluate_shard: draw θ_t, set weights, forward,
+                    (pipelines.evaluation.evaluate.evaluate_shard: draw θ_t, set weights, forward,
                     float64 sums, metric updates)
                   / best time of K_mc plain forward passes of the MAP model over the same set,
                     measured right before and after it (interleaved; the machine may be shared)
@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import laplace_core as lc  # noqa: E402
-from pipelines.evaluate import EvalConfig, evaluate_shard  # noqa: E402
-from pipelines.models import load_model  # noqa: E402
+from pipelines.evaluation.evaluate import EvalConfig, evaluate_shard  # noqa: E402
+from pipelines.ingest.models import load_model  # noqa: E402
 
 
 def _log(msg: str) -> None:

@@ -1,14 +1,14 @@
-"""Scaling of the Ray MC evaluation (``pipelines.evaluate.evaluate``): 1 vs 2 (or more) actors
+"""Scaling of the Ray MC evaluation (``pipelines.evaluation.evaluate.evaluate``): 1 vs 2 (or more) actors
 on a fixed posterior.
 
     flock /tmp/infoform-ray.lock python benchmarks/eval_scaling.py [--size 32] [--split train]
         [--methods inf kfac] [--mc-samples 30] [--actors 1 2] [--repeats 2] [--out eval_scaling.json]
 
 Setup (driver process, no Ray, not timed): scikit-learn digits written as a ``size x size``
-ImageFolder (``pipelines.demo_data``), ``demo_cnn`` trained for ``--epochs`` epochs, curvature
+ImageFolder (``pipelines.ingest.demo_data``), ``demo_cnn`` trained for ``--epochs`` epochs, curvature
 on the train split in this process (MC Fisher, EFB pass) and one posterior per ``--methods``
 (INF at rank 100) saved as artifacts. Those fixed posteriors are then evaluated on
-``--split`` (Ray Data via ``pipelines.data.build_dataset``, no OOD set) with each actor
+``--split`` (Ray Data via ``pipelines.ingest.data.build_dataset``, no OOD set) with each actor
 count, one torch thread and ``--cpus-per-actor`` Ray CPUs per actor (the default 0.5 leaves
 Ray Data a CPU to decode with on a 2-core machine), the same seed, batch size and
 ``K_mc``; repetitions are interleaved (1, 2, 1, 2, ...) and medians reported.
@@ -47,7 +47,7 @@ NORM = (0.5, 0.5, 0.5)
 
 
 def _data_cfg(root: Path, split: str, size: int):
-    from pipelines.data import DataConfig
+    from pipelines.ingest.data import DataConfig
 
     return DataConfig(root=str(root / "digits"), split=split, image_size=size, resize_size=size,
                       mean=NORM, std=NORM, decode_batch_size=64)
@@ -58,7 +58,7 @@ def _fit(work: Path, a) -> tuple[dict, dict[str, str]]:
     import torch
 
     import laplace_core as lc
-    from pipelines import demo_data as dd
+    from pipelines.ingest import demo_data as dd
 
     dd.write_digits_imagefolder(work / "digits", size=a.size)
     model, info = dd.train_small_cnn(work / "digits", epochs=a.epochs, seed=0, cache_path=work / "cnn")
@@ -104,8 +104,8 @@ def main(argv=None) -> int:
 
     import ray
 
-    from pipelines.data import build_dataset, scan
-    from pipelines.evaluate import EvalConfig, evaluate
+    from pipelines.ingest.data import build_dataset, scan
+    from pipelines.evaluation.evaluate import EvalConfig, evaluate
 
     work = Path(tempfile.mkdtemp(prefix="infoform-evalscale-"))
     ray_tmp = tempfile.mkdtemp(prefix="res", dir="/tmp")

@@ -1,6 +1,6 @@
 """Scaling of the distributed curvature pass: 1 vs 2 (or more) CPU workers.
 
-Runs :func:`pipelines.curvature.run_curvature` on the same synthetic images with
+Runs :func:`pipelines.passes.curvature.run_curvature` on the same synthetic images with
 each worker count (one torch thread per worker) and prints, per run, the pass-1
 wall time, images/s, the time spent in the reduce (statistics all-reduce + counts and
 skip reports) and its share of the pass, the number of reduces, and the speedup over the
@@ -84,8 +84,8 @@ def main(argv=None) -> int:
     import ray
     import torch
 
-    from pipelines.curvature import CurvatureConfig, run_curvature
-    from pipelines.models import load_model
+    from pipelines.passes.curvature import CurvatureConfig, run_curvature
+    from pipelines.ingest.models import load_model
 
     work = tempfile.mkdtemp(prefix="infoform-scaling-")
     ray_tmp = tempfile.mkdtemp(prefix="rsc", dir="/tmp")

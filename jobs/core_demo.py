@@ -1,7 +1,7 @@
 """The core end to end on the offline demo data, in one process and without Ray.
 
 Steps: write the digits ImageFolder and the letters A-J OOD set under ``--workdir``
-(:mod:`pipelines.demo_data`); train (or load from cache) the small CNN; collect the curvature
+(:mod:`pipelines.ingest.demo_data`); train (or load from cache) the small CNN; collect the curvature
 statistics on the digits train split (pass 1: KFAC factors + exact Fisher diagonal), the
 eigenbasis, and the EFB eigenvalues (pass 2, per-example gradients in that basis); build every
 posterior (diag, kfac, kfac_exact, efb, inf at ``--rank``); draw samples; evaluate the MC
@@ -85,7 +85,7 @@ def main(args: argparse.Namespace) -> list[dict]:
     from laplace_core import sizes
     from laplace_core.collect import collect_efb
     from laplace_core.predictive import map_predict, mc_predict
-    from pipelines import demo_data as dd
+    from pipelines.ingest import demo_data as dd
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,7 +1,7 @@
 """``python -m pipelines`` = the ``infoform`` console script."""
 import sys
 
-from .cli import main
+from pipelines.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

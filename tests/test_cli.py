@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipelines.cli import main
+from pipelines.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -220,7 +220,7 @@ def test_ci_runs_make_test_which_runs_pytest():
 
 # --------------------------------------------------------------------------- run here
 def test_sizes_commands_run(capsys):
-    from pipelines.cli import main
+    from pipelines.cli.main import main
 
     assert main(["sizes", "--model", "resnet18", "--rank", "100"]) == 0
     out = capsys.readouterr().out
@@ -239,7 +239,7 @@ def test_sizes_commands_run(capsys):
 
 
 def test_infoform_run_is_the_job(capsys):
-    from pipelines.cli import main
+    from pipelines.cli.main import main
 
     assert main(["run", "--preset", "smoke", "--dry-run"]) == 0
     assert "preset: smoke" in capsys.readouterr().out
@@ -249,7 +249,7 @@ def test_python_api_block_runs(tmp_path, monkeypatch):
     """The README's Python API block, verbatim, on a tiny CNN with 2 batches of 8 images."""
     import torch
 
-    from pipelines.models import tiny_cnn
+    from pipelines.ingest.models import tiny_cnn
 
     block = next(body for lang, body in _blocks(README.read_text(encoding="utf-8")) if lang == "python")
     g = torch.Generator().manual_seed(1)
@@ -271,7 +271,7 @@ def test_python_api_block_runs(tmp_path, monkeypatch):
 def test_cluster_submission_parses():
     from ray.dashboard.modules.job.cli import job_cli_group
 
-    from pipelines.job import config_from_args, get_args_parser
+    from pipelines.cli.job import config_from_args, get_args_parser
 
     cmds = [c for c, (k, _) in EXERCISED.items() if k == "parse" and c.startswith("ray job submit")]
     assert cmds

@@ -19,7 +19,7 @@ import torch
 
 from laplace_core.io import load_tensors, save_tensors
 
-from .. import storage
+from pipelines.storage import uris as storage
 
 __all__ = ["MANIFEST", "list_checkpoints", "load_checkpoint", "save_checkpoint", "tensor_bytes"]
 

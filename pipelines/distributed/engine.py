@@ -35,7 +35,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from .. import storage
+from pipelines.storage import uris as storage
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import allreduce_sum, broadcast_object, new_comm_record
 from .progress import Progress
@@ -103,7 +103,7 @@ class _Counter:
     """Rows read, valid rows, batches, data-wait seconds and the skip report of one worker in one partition."""
 
     def __init__(self):
-        from ..data import SkipReport
+        from pipelines.ingest.data import SkipReport
 
         self.rows = 0
         self.valid = 0
@@ -150,7 +150,7 @@ class _Totals:
 
     @classmethod
     def from_meta(cls, meta: dict | None, count_names: Sequence[str]) -> "_Totals":
-        from ..data import SkipReport
+        from pipelines.ingest.data import SkipReport
 
         meta = meta or {}
         return cls(done=[int(p) for p in meta.get("done", [])],
@@ -235,7 +235,7 @@ class PassRun:
     def _open(self, pid: int) -> None:
         import ray.train
 
-        from ..data import build_dataset, rank_share
+        from pipelines.ingest.data import build_dataset, rank_share
 
         src = self._sources()
         if pid in src["partitions"]:  # this rank's share, as a dataset made now (nothing before)
@@ -258,7 +258,7 @@ class PassRun:
     def _batches(self, shard, pid: int, counter: _Counter):
         """``(x, y, keys)`` of the shard's valid rows on the device in the model dtype; counts
         rows and skips; the test-only fault injection point."""
-        from ..data import iter_valid_batches
+        from pipelines.ingest.data import iter_valid_batches
         from .workers import DTYPES
 
         job, rank, pass_no = self.job, self.rank, self.kind.pass_no
@@ -383,7 +383,7 @@ class PassRun:
         nc = len(k.count_names)
         rows = dict(zip(seg, nums[nc:nc + len(seg)]))
         invalid = dict(zip(seg, nums[nc + len(seg):]))
-        from ..data import SkipReport
+        from pipelines.ingest.data import SkipReport
 
         mine = SkipReport()
         for p in seg:

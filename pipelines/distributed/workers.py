@@ -2,7 +2,7 @@
 the ``TorchTrainer`` factory (lossless data split, gloo or NCCL, ``FailureConfig``), the
 worker set-up, the partition bookkeeping on the driver, and the test-only fault injection.
 
-Nothing here sets ``os.environ``: the store settings (:class:`pipelines.storage.StorageOptions`)
+Nothing here sets ``os.environ``: the store settings (:class:`pipelines.storage.uris.StorageOptions`)
 travel inside :class:`Job` and are passed explicitly to every read and write.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .. import storage
+from pipelines.storage import uris as storage
 
 __all__ = ["DTYPES", "FaultInjection", "ModelRef", "Job", "model_ref", "make_trainer", "lossless_data_config",
            "gpu_shortfall", "worker_setup", "index_partitions", "partition_dataset", "path_keys", "fingerprint",
@@ -65,7 +65,7 @@ class ModelRef:
 class Job:
     """Everything a worker needs; pickled into ``train_loop_config``.
 
-    ``cfg``: the runtime settings (a :class:`pipelines.curvature.CurvatureConfig`: workers,
+    ``cfg``: the runtime settings (a :class:`pipelines.passes.curvature.CurvatureConfig`: workers,
     batch size, Fisher type, seed, dtypes, bucket size, log interval, fault injection).
     ``passes``: pass name -> the partition ids it covers, in order. ``rows``: expected rows
     per partition (``None``: unknown). ``store``: the store settings for every artifact.
@@ -89,7 +89,7 @@ class Job:
 
 def put_sources(by_id: dict, pids, data_config) -> tuple[Any, dict]:
     """``(object ref of the index partitions among pids, Ray Datasets among them by pid)``:
-    partitions given as indexes (``pipelines.data`` Partition / DatasetIndex) are read lazily by
+    partitions given as indexes (``pipelines.ingest.data`` Partition / DatasetIndex) are read lazily by
     the ranks (:class:`pipelines.distributed.engine.PassRun`); ready-made Ray Datasets go to the
     trainer as they are."""
     import ray
@@ -116,10 +116,10 @@ def path_keys(paths: Sequence[str]) -> torch.Tensor:
 
 def worker_setup(job: Job) -> tuple[int, int, torch.device]:
     """``(rank, world_size, device)`` of this Ray Train worker; also sets the torch thread count
-    and the process's malloc settings (:mod:`pipelines.malloc`)."""
+    and the process's malloc settings (:mod:`pipelines.distributed.malloc`)."""
     import ray.train
 
-    from ..malloc import tune_malloc
+    from pipelines.distributed.malloc import tune_malloc
 
     tune_malloc()
     ctx = ray.train.get_context()
@@ -235,12 +235,12 @@ def _partition_rows(p) -> int | None:
 
 
 def partition_dataset(p, data_config):
-    """A partition as a Ray Dataset (``pipelines.data.build_dataset``), or ``p`` if it is one."""
+    """A partition as a Ray Dataset (``pipelines.ingest.data.build_dataset``), or ``p`` if it is one."""
     import ray.data
 
     if isinstance(p, ray.data.Dataset):
         return p
-    from ..data import build_dataset
+    from pipelines.ingest.data import build_dataset
 
     return build_dataset(p, data_config)
 

@@ -43,5 +43,5 @@ def test_probe_detects_ray():
 
 
 def test_cli_module_does_not_import_ray():
-    out = probe("import pipelines, pipelines.cli; pipelines.cli.build_parser()")
+    out = probe("import pipelines, pipelines.cli.main; pipelines.cli.main.build_parser()")
     assert out["ray"] == []

@@ -69,8 +69,8 @@ def _env() -> dict[str, str]:
 def _write_inputs(base: Path) -> dict[str, Path]:
     import torch
 
-    from pipelines.demo_data import small_cnn
-    from pipelines.models import tiny_cnn
+    from pipelines.ingest.demo_data import small_cnn
+    from pipelines.ingest.models import tiny_cnn
 
     data = base / "imagenet"
     imagegen.make_imagenet_tree(data, per_class=8, n_val=24, size=(24, 20))
@@ -218,7 +218,7 @@ def _independent_counts(model: str, weights: Path) -> dict[str, int]:
     Diag m*n; KFAC m^2 + n^2; EFB m^2 + n^2 + m*n (Lee et al. Table 3)."""
     from torch import nn
 
-    from pipelines.models import load_model
+    from pipelines.ingest.models import load_model
 
     net = load_model(model, str(weights))
     diag = kfac = 0
@@ -364,7 +364,7 @@ def test_audit_without_evaluations_writes_the_listing_only(audit_run, tmp_path):
 def test_failed_evaluation_is_listed_not_fatal(audit_run, tmp_path):
     """A method whose evaluation failed (metrics.json with status "failed", no numbers) is named
     in the comparison's notes and left out of its rows; the other rows and figures stay."""
-    from pipelines.report import load_eval_metrics, write_audit_report
+    from pipelines.report.report import load_eval_metrics, write_audit_report
 
     out, _, _ = audit_run
     per_model = {}
@@ -386,7 +386,7 @@ def test_duplicate_model_names_are_refused_before_any_cluster_work(tmp_path):
     w = tmp_path / "t.pt"
     import torch
 
-    from pipelines.models import tiny_cnn
+    from pipelines.ingest.models import tiny_cnn
 
     torch.save(tiny_cnn(4).state_dict(), w)
     (tmp_path / "data" / "train" / "a").mkdir(parents=True)
@@ -404,7 +404,7 @@ def test_model_flags_with_a_models_list_are_refused(tmp_path):
     w = tmp_path / "t.pt"
     import torch
 
-    from pipelines.models import tiny_cnn
+    from pipelines.ingest.models import tiny_cnn
 
     torch.save(tiny_cnn(4).state_dict(), w)
     (tmp_path / "data" / "train" / "a").mkdir(parents=True)

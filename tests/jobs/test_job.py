@@ -155,7 +155,7 @@ def s3_inputs(moto_s3, tmp_path_factory):
     import boto3
     import s3fs
 
-    from pipelines.demo_data import train_small_cnn, write_digits_imagefolder, write_letters_ood
+    from pipelines.ingest.demo_data import train_small_cnn, write_digits_imagefolder, write_letters_ood
 
     local = tmp_path_factory.mktemp("s3in")
     digits = write_digits_imagefolder(local / "digits", size=32, seed=0)
@@ -204,13 +204,13 @@ def submitted(ray_head, s3_inputs):
 
 
 def _json(uri: str, endpoint: str):
-    from pipelines import storage
+    from pipelines.storage import uris as storage
 
     return storage.read_json(uri, endpoint)
 
 
 def _text(uri: str, endpoint: str) -> str:
-    from pipelines import storage
+    from pipelines.storage import uris as storage
 
     return storage.read_bytes(uri, endpoint).decode("utf-8")
 
@@ -230,7 +230,7 @@ def test_submitted_job_writes_every_artifact(submitted):
         assert metrics["status"] == "ok" and 0.0 <= metrics["accuracy"] <= 1.0
         assert "ece_equal_width_15" in metrics
     from laplace_core.structures.base import load_posterior
-    from pipelines import storage
+    from pipelines.storage import uris as storage
 
     for m in SMOKE_METHODS:
         uri = f"{out}/posterior/{m}"
@@ -284,7 +284,7 @@ def test_one_allreduce_per_pass_of_exactly_the_payload(submitted):
     payload (A and G as upper triangles + the diagonal; the EFB sums), and rank 0 writes one
     pass-1 checkpoint of that payload; asserted from run.json."""
     from laplace_core.statistics import CurvatureStatistics
-    from pipelines import storage
+    from pipelines.storage import uris as storage
     from pipelines.distributed.kinds import efb_payload_numbers, pass1_payload_numbers
 
     out, ep, _, _ = submitted
@@ -308,7 +308,7 @@ def test_demo_preset_with_an_s3_output_runs_on_the_worker_node(ray_head, moto_s3
     Cut to a few configurations and samples (it is the data placement that is tested here)."""
     import boto3
 
-    from pipelines import storage
+    from pipelines.storage import uris as storage
 
     address, _ = ray_head
     bucket = f"demo-{os.getpid()}-{int(time.time())}"

@@ -67,8 +67,8 @@ def test_negative_actor_resources():
 def test_actor_resources_as_given_or_a_share_of_the_gpus():
     """Explicit ``evaluate.gpus_per_actor`` is used as is (no Ray needed); null asks the
     cluster (0 on CPU clusters: the jobs' tests; on the 1-GPU smoke run, 2 actors got 0.5 each)."""
-    from pipelines.config import EvalSpec
-    from pipelines.run import _actor_resources
+    from pipelines.config.schema import EvalSpec
+    from pipelines.cli.run import _actor_resources
 
     assert _actor_resources(EvalSpec(gpus_per_actor=0.25, cpus_per_actor=2)) == {"cpus_per_actor": 2.0,
                                                                                 "gpus_per_actor": 0.25}
@@ -177,9 +177,9 @@ def test_s3_preflight_answers_within_seconds(s3_layout):
     The good layout passes and leaves no probe object behind."""
     import time
 
-    from pipelines.job import config_from_args, get_args_parser
-    from pipelines.preflight import PreflightError, preflight
-    from pipelines import storage
+    from pipelines.cli.job import config_from_args, get_args_parser
+    from pipelines.cli.preflight import PreflightError, preflight
+    from pipelines.storage import uris as storage
 
     bucket, endpoint = s3_layout
     for name, (args, needles) in _s3_cases(bucket, endpoint).items():

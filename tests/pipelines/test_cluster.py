@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from pipelines.cluster import ClusterShape, check_gpu_request, check_paths, gpu_share, resolve_output
-from pipelines.config import load_config
+from pipelines.distributed.cluster import ClusterShape, check_gpu_request, check_paths, gpu_share, resolve_output
+from pipelines.config.schema import load_config
 from pipelines.errors import PreflightError
 
 #: Ray keeps fractional resources in units of 1e-4.
@@ -98,7 +98,7 @@ def test_relative_outputs_resolve_outside_rays_working_dir_copy(monkeypatch, tmp
 
 
 def test_address_without_job_submit_ships_the_working_dir(monkeypatch):
-    from pipelines.job import runtime_env_for
+    from pipelines.cli.job import runtime_env_for
 
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
     env = runtime_env_for("127.0.0.1:6379")
@@ -112,7 +112,7 @@ def test_address_without_job_submit_ships_the_working_dir(monkeypatch):
 def test_uncached_torchvision_weights_are_refused_in_preflight(monkeypatch, tmp_path):
     import torch
 
-    from pipelines.preflight import preflight
+    from pipelines.cli.preflight import preflight
 
     monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))  # an empty cache
     cfg = load_config("smoke", ["output=" + str(tmp_path / "out"), "model.name=resnet18",

@@ -1,4 +1,4 @@
-"""pipelines.curvature on a real local Ray: 2 Train workers over 4 partitions.
+"""pipelines.passes.curvature on a real local Ray: 2 Train workers over 4 partitions.
 
 Four ``TorchTrainer.fit`` calls in all (each costs ~11-16 s of Ray Train overhead here):
 
@@ -34,9 +34,9 @@ from laplace_core.collect import collect_efb, collect_statistics
 from laplace_core.structures.base import load_posterior
 from laplace_core.keyed_rng import KeyedSampler
 from laplace_core.posterior import build_posterior
-from pipelines.config import ModelSpec
-from pipelines import storage
-from pipelines.curvature import (
+from pipelines.config.schema import ModelSpec
+from pipelines.storage import uris as storage
+from pipelines.passes.curvature import (
     CurvatureConfig,
     buckets,
     efb_partition_ids,
@@ -47,9 +47,9 @@ from pipelines.curvature import (
 )
 from pipelines.distributed import unpack_symmetric
 from pipelines.distributed.kinds import efb_payload_numbers, pass1_payload_numbers
-from pipelines.posterior import build_posteriors
-from pipelines.data import DataConfig, iter_local_batches, partition, scan
-from pipelines.models import load_model, tiny_cnn
+from pipelines.passes.posterior import build_posteriors
+from pipelines.ingest.data import DataConfig, iter_local_batches, partition, scan
+from pipelines.ingest.models import load_model, tiny_cnn
 
 METHODS = ("diag", "kfac", "kfac_exact", "efb", "inf")
 NUM_PARTS = 4
@@ -150,7 +150,7 @@ def test_two_workers_equal_single_process(setup, local_run):
 def test_one_gpu_worker_with_nccl_equals_single_process(setup, ray_session):
     """``use_gpu=True``: Ray Train gives the worker the GPU and an NCCL process group; the
     float64 sums computed there (both passes, eigenbasis on the GPU) equal one CPU process's."""
-    from pipelines import storage
+    from pipelines.storage import uris as storage
 
     out = str(setup["tmp"] / "out_gpu")
     res = run_curvature(setup["spec"], setup["parts"], _cfg(num_workers=1, use_gpu=True), out,
@@ -338,7 +338,7 @@ def test_buckets():
 
 
 def test_gpu_shortfall_line():
-    from pipelines.curvature import gpu_shortfall
+    from pipelines.passes.curvature import gpu_shortfall
 
     assert gpu_shortfall(16, 16.0) is None and gpu_shortfall(1, 8.0) is None
     line = gpu_shortfall(16, 0.0)
@@ -355,7 +355,7 @@ def test_config_errors():
         CurvatureConfig(efb_fraction=0.0)
     with pytest.raises(ValueError, match="checkpoint_every_s must be >= 0"):
         CurvatureConfig(checkpoint_every_s=-1)
-    from pipelines.config import ConfigError, load_config
+    from pipelines.config.schema import ConfigError, load_config
 
     assert load_config("smoke", []).curvature.checkpoint_every_s == 600.0
     assert load_config("smoke", ["curvature.checkpoint_every_s=0"]).curvature.checkpoint_every_s == 0.0

@@ -1,4 +1,4 @@
-"""pipelines.data: scanning, partitions, decoding, bad inputs, Parquet, S3, Ray Data and Ray Train.
+"""pipelines.ingest.data: scanning, partitions, decoding, bad inputs, Parquet, S3, Ray Data and Ray Train.
 
 Real JPEG/PNG files (tests/pipelines/imagegen.py), real local Ray (``ray_session``), real S3
 API over HTTP (``moto_s3``). Reference tensors come from torchvision's classic
@@ -15,8 +15,8 @@ import torch
 from PIL import Image
 
 from imagegen import ALL_CLASSES, BAD_CASES, EMPTY_WNID, WNIDS, make_imagenet_tree, write_loc_csv
-from pipelines import storage
-from pipelines.data import (
+from pipelines.storage import uris as storage
+from pipelines.ingest.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     DataConfig,
@@ -195,7 +195,7 @@ def test_partitions_fixed_and_stable(bad_tree):
 def test_rank_shares_are_disjoint_and_cover_the_partition(bad_tree):
     """What each of ``world`` Train workers reads of a partition (``rank_share``): entries
     ``rank::world``, disjoint, together the partition; ``None`` for a rank with nothing to read."""
-    from pipelines.data import rank_share
+    from pipelines.ingest.data import rank_share
 
     part = partition(scan(DataConfig(root=str(bad_tree.root))), num_partitions=3)[2]  # 5 entries
     for world in (1, 2, 3, 5, 7):
@@ -252,7 +252,7 @@ def test_eval_transform_edge_cases(tmp_path, wh, image_size, resize_size):
     odd margins (round-half-even crop offsets): bit-identical to torchvision."""
     from imagegen import jpeg_bytes, random_rgb
 
-    from pipelines.data import decode_image
+    from pipelines.ingest.data import decode_image
 
     f = tmp_path / "x.JPEG"
     f.write_bytes(jpeg_bytes(random_rgb(f"edge{wh}", wh)))
@@ -407,9 +407,9 @@ def test_s3_matches_local(ray_session, moto_s3, s3_bucket, bad_tree):
 def _train_loop(config):
     import ray.train
 
-    from pipelines import storage as st
-    from pipelines.data import SkipReport as SR
-    from pipelines.data import iter_valid_batches as ivb
+    from pipelines.storage import uris as st
+    from pipelines.ingest.data import SkipReport as SR
+    from pipelines.ingest.data import iter_valid_batches as ivb
 
     rank = ray.train.get_context().get_world_rank()
     rows, skipped = [], SR()

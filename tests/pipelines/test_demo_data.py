@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 
 from laplace_core.layers import find_layers
-from pipelines import demo_data as dd
+from pipelines.ingest import demo_data as dd
 
 pytest.importorskip("sklearn")
 

@@ -6,7 +6,7 @@ import torch
 import torchvision
 
 from laplace_core.layers import find_layers
-from pipelines.eigen import assign_layers, eigh_cost, loads
+from pipelines.passes.eigen import assign_layers, eigh_cost, loads
 
 
 def _shapes(name: str) -> dict[str, tuple[int, int]]:

@@ -1,9 +1,9 @@
-"""pipelines.evaluate on real local Ray: sharding invariance, agreement with a direct
+"""pipelines.evaluation.evaluate on real local Ray: sharding invariance, agreement with a direct
 single-process computation, and the issue's acceptance test on the bundled digits.
 
 Data: scikit-learn digits written as a 16x16 ImageFolder and letters A-J rendered
-from a system font as the OOD set (``pipelines.demo_data``), read through
-``pipelines.data.build_dataset`` (Ray Data). Model: ``demo_cnn`` trained for a few
+from a system font as the OOD set (``pipelines.ingest.demo_data``), read through
+``pipelines.ingest.data.build_dataset`` (Ray Data). Model: ``demo_cnn`` trained for a few
 epochs in the test (weights saved as safetensors, loaded by the actors from the URI).
 Curvature: ``laplace_core.collect_statistics`` in this process (MC Fisher, EFB pass).
 """
@@ -17,8 +17,8 @@ import torch
 import laplace_core as lc
 from laplace_core.metrics import MetricSuite
 from laplace_core.predictive import MCPredictor
-from pipelines.evaluate import MAP, EvalConfig, evaluate
-from pipelines.hyper import SearchConfig, search
+from pipelines.evaluation.evaluate import MAP, EvalConfig, evaluate
+from pipelines.evaluation.search import SearchConfig, search
 
 METHODS = ("diag", "kfac", "efb", "inf")
 SIZE = 16
@@ -28,7 +28,7 @@ TOL = 1e-12  # float64 sums in a different order: ~1e-16 relative; counts/histog
 
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
-    from pipelines import demo_data as dd
+    from pipelines.ingest import demo_data as dd
 
     root = tmp_path_factory.mktemp("eval")
     dd.write_digits_imagefolder(root / "digits", size=SIZE)
@@ -54,7 +54,7 @@ def digits(tmp_path_factory):
 
 
 def _data_cfg(digits, split):
-    from pipelines.data import DataConfig
+    from pipelines.ingest.data import DataConfig
 
     if split == "ood":
         return DataConfig(root=str(digits["root"] / "letters"), split=None, unlabeled=True, image_size=SIZE,
@@ -64,7 +64,7 @@ def _data_cfg(digits, split):
 
 
 def _ds(digits, split):
-    from pipelines.data import build_dataset, scan
+    from pipelines.ingest.data import build_dataset, scan
 
     c = _data_cfg(digits, split)
     return build_dataset(scan(c), c)
@@ -73,7 +73,7 @@ def _ds(digits, split):
 def _local_xy(digits, split):
     """Valid images of a split decoded in this process (same decoder as the Ray path) and
     the number of invalid files (the letters root also holds the writer's JSON marker)."""
-    from pipelines.data import iter_local_batches, scan
+    from pipelines.ingest.data import iter_local_batches, scan
 
     c = _data_cfg(digits, split)
     xs, ys, bad = [], [], 0
@@ -110,7 +110,7 @@ def test_one_and_two_actors_and_a_killed_actor_agree_and_match_a_direct_computat
     (``fault_marker``, ``max_failures=1``: the round starts again) give the same metrics."""
     import os
 
-    from pipelines import storage
+    from pipelines.storage import uris as storage
 
     cfg = dict(mc_samples=3, seed=11, batch_size=32, dtype="float64", torch_threads=1, cpus_per_actor=0.5)
     out1, out2 = str(digits["root"] / "run1"), str(digits["root"] / "run2")
@@ -135,7 +135,7 @@ def test_one_and_two_actors_and_a_killed_actor_agree_and_match_a_direct_computat
         assert storage.read_json(f"{out2}/eval/{m}/metrics.json")["ece"] == r2[m]["ece"]
 
     # independent single-process computation: MCPredictor on the whole split at once
-    from pipelines.models import load_model
+    from pipelines.ingest.models import load_model
 
     model = load_model("demo_cnn", digits["model"]["weights"], 10).to(torch.float64)
     x, y, bad = _local_xy(digits, "test")
@@ -165,7 +165,7 @@ def test_actors_sharing_a_gpu_match_a_direct_cuda_computation(ray_session, digit
     CUDA) give the metrics of one process running the same predictors on the GPU, and the
     search runs there too. Draws come from a CUDA generator, so they differ from the CPU
     run's; the comparison is with the same device's draws."""
-    from pipelines.models import load_model
+    from pipelines.ingest.models import load_model
 
     gpu_tol = 1e-9  # float64 on the GPU: the actors' batches of 32 reduce in another order than one batch
     cfg = dict(mc_samples=3, seed=11, batch_size=32, dtype="float64", torch_threads=1, cpus_per_actor=0.5,
@@ -199,8 +199,8 @@ def test_glm_predictive_in_evaluation_matches_glm_predictor(digits):
     """pred_type="glm": the evaluation path (fixed-size batches, accumulators) gives the
     metrics of laplace_core.glm.GLMPredictor (MC-GLM, Banerjee Alg. 4) run directly."""
     from laplace_core.glm import GLMPredictor
-    from pipelines.evaluate import evaluate_shard
-    from pipelines.models import load_model
+    from pipelines.evaluation.evaluate import evaluate_shard
+    from pipelines.ingest.models import load_model
 
     model = load_model("demo_cnn", digits["model"]["weights"], 10).to(torch.float64)
     x, y, _ = _local_xy(digits, "test")
@@ -290,7 +290,7 @@ def test_actors_waiting_for_resources_are_reported(ray_session, capsys):
     driver says what it asks for and what the cluster has, and the wait ends when it dies."""
     import threading
 
-    from pipelines.evaluate import _actor_options, _wait_for_actors
+    from pipelines.evaluation.evaluate import _actor_options, _wait_for_actors
 
     cfg = EvalConfig(num_actors=1, gpus_per_actor=1000.0, cpus_per_actor=0.0, log_every_s=0.5)
     actor = ray_session.remote(_Idle).options(**_actor_options(cfg)).remote()
@@ -317,7 +317,7 @@ def test_actors_that_cannot_be_placed_end_the_stage_after_the_timeout(ray_sessio
     forever: after ``placement_timeout_s`` the stage ends with one line saying what was asked
     and what the cluster has."""
     from pipelines.errors import StageError
-    from pipelines.evaluate import run_actors
+    from pipelines.evaluation.evaluate import run_actors
 
     cfg = EvalConfig(num_actors=2, gpus_per_actor=1000.0, cpus_per_actor=0.0, log_every_s=0.5,
                      placement_timeout_s=2.0)
@@ -329,7 +329,7 @@ def test_actors_that_cannot_be_placed_end_the_stage_after_the_timeout(ray_sessio
 
 
 def test_iter_chunks_gives_fixed_size_batches_in_order():
-    from pipelines.evaluate import iter_chunks
+    from pipelines.evaluation.evaluate import iter_chunks
 
     g = torch.Generator().manual_seed(0)
     sizes = [5, 0, 17, 3, 30, 15]  # 70 rows in uneven pieces
@@ -346,7 +346,7 @@ def test_iter_chunks_gives_fixed_size_batches_in_order():
 
 
 def test_eval_accumulator_json_round_trip_and_merge():
-    from pipelines.evaluate import EvalAccumulator
+    from pipelines.evaluation.evaluate import EvalAccumulator
 
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(40, 5, generator=g, dtype=torch.float64), -1)
@@ -365,7 +365,7 @@ def test_eval_accumulator_json_round_trip_and_merge():
 def test_actor_progress_lines(capsys, monkeypatch):
     """Actor 0 logs images (its count x num_actors), images/s and the ETA from
     ``expected_rows``; other actors log nothing; unknown totals give '?'."""
-    from pipelines import evaluate as ev
+    from pipelines.evaluation import evaluate as ev
 
     clock = iter([0.0, 0.0, 10.0, 10.0, 20.0])
     monkeypatch.setattr(ev.time, "perf_counter", lambda: next(clock))

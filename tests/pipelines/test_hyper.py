@@ -1,4 +1,4 @@
-"""pipelines.hyper: deterministic configurations, failures marked not raised, objectives.
+"""pipelines.evaluation.search: deterministic configurations, failures marked not raised, objectives.
 
 Tiny problem: ``tiny_cnn`` (3 classes) on 8x8 random images whose third channel is
 identically zero, so the Fisher of the first conv's weights on that channel is exactly
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.hyper import SearchConfig, choose, sample_configs, search, TABLE_COLUMNS
+from pipelines.evaluation.search import SearchConfig, choose, sample_configs, search, TABLE_COLUMNS
 
 METHODS = ("diag", "kfac", "efb", "inf")
 N_EXAMPLES = 48
@@ -78,8 +78,8 @@ def test_search_shard_scores_each_method_at_its_own_configurations(tiny):
     """Without Ray: ``search_shard`` under ``method_ranges`` gives every method the accumulators
     of a search over exactly that method's configurations."""
     from laplace_core.structures.base import load_posterior
-    from pipelines.hyper import search_shard
-    from pipelines.models import tiny_cnn
+    from pipelines.evaluation.search import search_shard
+    from pipelines.ingest.models import tiny_cnn
     from safetensors.torch import load_file
 
     model = tiny_cnn(3).eval()
@@ -101,7 +101,7 @@ def test_search_shard_scores_each_method_at_its_own_configurations(tiny):
 
 
 def test_method_ranges_in_the_run_config():
-    from pipelines.config import ConfigError, load_config
+    from pipelines.config.schema import ConfigError, load_config
 
     cfg = load_config("smoke", ["search.method_ranges=[{method: kfac, log10_tau: [-2, 6]}]"])
     (r,) = cfg.search.method_ranges
@@ -139,7 +139,7 @@ def tiny(tmp_path_factory):
     from safetensors.torch import save_file
 
     import laplace_core as lc
-    from pipelines.models import tiny_cnn
+    from pipelines.ingest.models import tiny_cnn
 
     root = tmp_path_factory.mktemp("hyper")
     torch.manual_seed(0)
@@ -240,8 +240,8 @@ def test_ece_objective_respects_the_accuracy_floor(ray_session, tiny):
 
 
 def test_configs_from_the_run_config_specs():
-    from pipelines.config import EvalSpec, SearchSpec
-    from pipelines.evaluate import EvalConfig
+    from pipelines.config.schema import EvalSpec, SearchSpec
+    from pipelines.evaluation.evaluate import EvalConfig
 
     s = SearchConfig.from_spec(SearchSpec(num_configs=5, objective="ece", accuracy_floor=0.5), num_actors=1)
     assert (s.num_configs, s.objective, s.accuracy_floor, s.mc_samples, s.num_actors) == (5, "ece", 0.5, 10, 1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from laplace_core.posterior import build_posterior
-from pipelines.posterior import inf_clipping_at
+from pipelines.passes.posterior import inf_clipping_at
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "core"))
 from test_structures import synthetic_stats  # noqa: E402

@@ -1,4 +1,4 @@
-"""pipelines.malloc: the settings take effect (a freed batch's buffers stay in the process for
+"""pipelines.distributed.malloc: the settings take effect (a freed batch's buffers stay in the process for
 the next batch instead of going back to the kernel), can be switched off, and reject bad values.
 Measured by RSS, not by page-fault counts: with transparent huge pages those vary from run to
 run. Each check that calls ``mallopt`` runs in a fresh subprocess so this test process's
@@ -12,13 +12,13 @@ import sys
 
 import pytest
 
-from pipelines.malloc import ENV_SWITCH, tune_malloc
+from pipelines.distributed.malloc import ENV_SWITCH, tune_malloc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _PROBE = r"""
 import json, sys, torch
-from pipelines.malloc import tune_malloc
+from pipelines.distributed.malloc import tune_malloc
 applied = tune_malloc()
 torch.set_num_threads(1)
 

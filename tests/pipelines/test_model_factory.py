@@ -13,8 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from pipelines.config import ConfigError, load_config
-from pipelines.models import load_model
+from pipelines.config.schema import ConfigError, load_config
+from pipelines.ingest.models import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "jobs" / "imagenet_inf.py"
@@ -110,10 +110,10 @@ def test_data_mean_std_from_set_and_yaml(tmp_path):
 
 
 def test_set_data_mean_changes_what_the_model_sees(tmp_path):
-    """The job's data config (pipelines.run) carries data.mean / data.std into the decode
+    """The job's data config (pipelines.cli.run) carries data.mean / data.std into the decode
     transform: the same JPEG decodes to ``(x/255 − mean) / std`` with the values set."""
-    from pipelines.data import iter_local_batches, scan
-    from pipelines.run import _DataPlan, _data_config
+    from pipelines.ingest.data import iter_local_batches, scan
+    from pipelines.cli.run import _DataPlan, _data_config
 
     for c in ("a", "b"):
         (tmp_path / "train" / c).mkdir(parents=True)

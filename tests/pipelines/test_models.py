@@ -1,4 +1,4 @@
-"""pipelines.models: registry, state-dict files (torch / safetensors, local / S3), errors."""
+"""pipelines.ingest.models: registry, state-dict files (torch / safetensors, local / S3), errors."""
 from __future__ import annotations
 
 import io
@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from pipelines.models import load_model, model_names, read_state_dict, resolve_weights_enum
+from pipelines.ingest.models import load_model, model_names, read_state_dict, resolve_weights_enum
 
 
 def _same_params(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -109,7 +109,7 @@ def test_weights_enum_resolves_without_download():
 
 
 def test_demo_cnn():
-    pytest.importorskip("pipelines.demo_data")
+    pytest.importorskip("pipelines.ingest.demo_data")
     m = load_model("demo_cnn", num_classes=5)
     assert not m.training
 

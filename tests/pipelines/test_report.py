@@ -1,4 +1,4 @@
-"""pipelines.report: figures, the self-contained HTML page, Markdown, audit report, headless render.
+"""pipelines.report.report: figures, the self-contained HTML page, Markdown, audit report, headless render.
 
 The metrics dicts are real: ``laplace_core.metrics.MetricSuite`` run on random probabilities
 (one temperature per method, so the methods differ in calibration), plus an OOD set of flatter
@@ -21,7 +21,8 @@ import torch
 from PIL import Image
 
 from laplace_core.metrics import MetricSuite, normalized_entropy
-from pipelines import report, storage
+from pipelines.report import report
+from pipelines.storage import uris as storage
 
 _BROWSER_PY = Path(__file__).resolve().parents[1] / "jobs" / "browser.py"
 _spec = importlib.util.spec_from_file_location("infoform_test_browser", _BROWSER_PY)

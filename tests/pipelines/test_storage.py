@@ -1,4 +1,4 @@
-"""pipelines.storage on local paths, file:// URIs and a real S3 API (moto over HTTP)."""
+"""pipelines.storage.uris on local paths, file:// URIs and a real S3 API (moto over HTTP)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from pipelines import storage
+from pipelines.storage import uris as storage
 
 
 def test_join_and_schemes():

@@ -1,4 +1,4 @@
-"""pipelines.subnet_pass on a real local Ray: 2 Train workers over 2 partitions, one fit.
+"""pipelines.passes.subnet on a real local Ray: 2 Train workers over 2 partitions, one fit.
 
 The single-process reference is :func:`laplace_core.subnet.collect_subnet_fisher` over the
 valid images with the MC labels drawn independently here (``keyed_categorical`` on the
@@ -27,13 +27,13 @@ from laplace_core.collect import collect_statistics
 from laplace_core.keyed_rng import KeyedSampler, keyed_categorical
 from laplace_core.structures.base import vec
 from laplace_core.subnet import collect_subnet_fisher, marginal_variances
-from pipelines.config import ConfigError, ModelSpec, load_config
-from pipelines.curvature import CurvatureConfig, path_keys, reduced_uri
-from pipelines.data import DataConfig, iter_local_batches, partition, scan
+from pipelines.config.schema import ConfigError, ModelSpec, load_config
+from pipelines.passes.curvature import CurvatureConfig, path_keys, reduced_uri
+from pipelines.ingest.data import DataConfig, iter_local_batches, partition, scan
 from pipelines.distributed import pack_symmetric
-from pipelines.models import load_model, tiny_cnn
-from pipelines.posterior import build_and_save
-from pipelines.subnet_pass import (
+from pipelines.ingest.models import load_model, tiny_cnn
+from pipelines.passes.posterior import build_and_save
+from pipelines.passes.subnet import (
     GGN_MAX_CLASSES,
     SubnetConfig,
     latest_checkpoint,
@@ -184,7 +184,7 @@ def test_job_config_memory_check_and_fisher_choice():
 
 def test_job_config_subnet_rule():
     """``posterior.subnet_rule`` reaches the pass's SubnetConfig; unknown rules fail in one line."""
-    from pipelines.subnet_pass import subnet_config
+    from pipelines.passes.subnet import subnet_config
 
     cfg = load_config("smoke", ["posterior.methods=[subnet]"])
     assert cfg.posterior.subnet_rule == "wasserstein"  # the paper's rule stays the default
@@ -214,7 +214,7 @@ def test_killed_worker_resumes_from_the_checkpoint(setup, ray_session, s3_bucket
     (``max_failures=1``): the restarted group loads the checkpoint written after the first
     partition (``checkpoint_every_s=0``), computes only the second and gives the
     single-process result; the checkpoints are removed at the end."""
-    from pipelines import storage
+    from pipelines.storage import uris as storage
 
     bucket, endpoint = s3_bucket
     out = f"{bucket}/out_resume"

@@ -7,7 +7,7 @@ Flow::
     # <out>/eval/<method>/metrics.json and accumulators.json
 
 Parallelism: ``cfg.num_actors`` explicit Ray actors (:class:`EvalWorker`). Each one
-loads the model (``pipelines.models.load_model`` from a name + weights URI) and every
+loads the model (``pipelines.ingest.models.load_model`` from a name + weights URI) and every
 posterior (``laplace_core.load_posterior``) **once**, then consumes one iterator of
 ``in_ds.streaming_split(num_actors, equal=False)`` (and of the OOD dataset's split),
 and returns, per method (``"map"`` plus every posterior), a mergeable
@@ -64,9 +64,9 @@ from laplace_core.metrics import (
     MetricSuite,
 )
 
-from . import storage
-from .errors import StageError, cause_line
-from .malloc import tune_malloc
+from pipelines.storage import uris as storage
+from pipelines.errors import StageError, cause_line
+from pipelines.distributed.malloc import tune_malloc
 
 __all__ = [
     "PRED_TYPES",
@@ -128,7 +128,7 @@ def check_pred_type(pred_type: str) -> None:
 
 @dataclass(frozen=True)
 class RuntimeFields:
-    """Actor/runtime settings shared by :class:`EvalConfig` and ``pipelines.hyper.SearchConfig``.
+    """Actor/runtime settings shared by :class:`EvalConfig` and ``pipelines.evaluation.search.SearchConfig``.
 
     num_actors: Ray actors. batch_size: rows per forward pass (fixed; the last batch of
     a shard is zero-padded). chunk_size: examples per group of weight samples (rounded
@@ -238,7 +238,7 @@ class EvalConfig(RuntimeFields):
 
     @classmethod
     def from_spec(cls, spec: Any, **overrides: Any) -> "EvalConfig":
-        """From ``pipelines.config.EvalSpec`` (mc_samples, num_actors, batch_size, ece_bins,
+        """From ``pipelines.config.schema.EvalSpec`` (mc_samples, num_actors, batch_size, ece_bins,
         ece_mode, pred_type, seed, max_failures) plus keyword overrides for the runtime fields."""
         names = ("mc_samples", "num_actors", "batch_size", "ece_bins", "ece_mode", "pred_type", "seed",
                  "max_failures")
@@ -380,7 +380,7 @@ def iter_chunks(
 
 # --------------------------------------------------------------------------- loading
 def model_ref(spec: Any) -> dict[str, Any]:
-    """``{"name", "weights", "num_classes"}`` from a ``pipelines.config.ModelSpec``-like object
+    """``{"name", "weights", "num_classes"}`` from a ``pipelines.config.schema.ModelSpec``-like object
     or a mapping (what actors receive; they call ``load_model`` with it)."""
     if isinstance(spec, Mapping):
         get = spec.get
@@ -395,7 +395,7 @@ def model_ref(spec: Any) -> dict[str, Any]:
 def load_eval_model(ref: Mapping[str, Any], *, dtype: torch.dtype, device: str,
                     endpoint_url: str | None = None) -> nn.Module:
     """``load_model(name, weights, num_classes)`` in eval mode, cast to ``dtype``, on ``device``."""
-    from .models import load_model
+    from pipelines.ingest.models import load_model
 
     model = load_model(ref["name"], ref.get("weights"), ref.get("num_classes"), endpoint_url=endpoint_url)
     return model.to(device=device, dtype=dtype).eval()
@@ -504,7 +504,7 @@ def evaluate_shard(
 # --------------------------------------------------------------------------- Ray actor
 def valid_batches(shard: Any, batch_size: int):
     """(iterator of (x, y) without invalid rows, callable returning the SkipReport so far)."""
-    from .data import SkipReport, iter_valid_batches
+    from pipelines.ingest.data import SkipReport, iter_valid_batches
 
     state = {"skipped": SkipReport()}
 
@@ -700,7 +700,7 @@ def eval_uri(output: str, method: str) -> str:
 
 
 def _merge_skips(parts: Sequence[dict | None]) -> dict[str, Any] | None:
-    from .data import SkipReport
+    from pipelines.ingest.data import SkipReport
 
     parts = [p for p in parts if p is not None]
     if not parts:
@@ -748,7 +748,7 @@ def evaluate(
 
     ``model_spec``: ``ModelSpec``-like (name, weights URI, num_classes) or a mapping.
     ``posterior_uris``: ``method -> artifact URI`` (``Posterior.save``). ``in_ds``: Ray
-    Dataset with columns image/label/path/valid (``pipelines.data.build_dataset``; the
+    Dataset with columns image/label/path/valid (``pipelines.ingest.data.build_dataset``; the
     labelled test split). ``ood_ds``: the same for an OOD set, or None. ``hyper``: optional
     ``method -> (N, τ)`` applied with ``with_hyper`` inside the actors (e.g. the search's
     choice). Returns ``method -> metrics`` (``"map"`` always first): the output of

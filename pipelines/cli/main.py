@@ -6,7 +6,7 @@ its parser). Each parser sets ``func``; ``func(args) -> int`` is the exit code.
 * ``infoform sizes --model NAME [--rank K] [--stats URI] [--norm-layers map|diag] [--json]``: numbers stored per
   posterior method for any torchvision classifier, built with ``weights=None`` on the
   ``meta`` device (no weights, no data, offline). See :mod:`laplace_core.sizes`.
-* ``infoform run ...``: the Ray job, exactly ``jobs/imagenet_inf.py`` (:mod:`pipelines.job`,
+* ``infoform run ...``: the Ray job, exactly ``jobs/imagenet_inf.py`` (:mod:`pipelines.cli.job`,
   same parser, same exit codes).
 
 Usage errors (unknown model, bad flag values) print one line to stderr and exit 2.
@@ -110,7 +110,7 @@ def cmd_sizes(args: argparse.Namespace) -> int:
     if args.stats is not None:
         from laplace_core.statistics import CurvatureStatistics
 
-        from . import storage
+        from pipelines.storage import uris as storage
 
         try:
             stats = CurvatureStatistics.load(args.stats, storage.fsspec_options(args.stats, args.endpoint_url))
@@ -136,7 +136,7 @@ def cmd_sizes(args: argparse.Namespace) -> int:
 # name -> function adding the subcommand's parser (which sets ``func``).
 # The Ray job registers here as well: "run": add_run_parser (from pipelines' job module).
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
-    # Listed for `infoform --help`; `main` hands `infoform run ...` to pipelines.job.main,
+    # Listed for `infoform --help`; `main` hands `infoform run ...` to pipelines.cli.job.main,
     # which owns the full parser (shared with jobs/imagenet_inf.py).
     sub.add_parser("run", help="the Ray job: curvature, posteriors, search, evaluation, report "
                                "(same flags as jobs/imagenet_inf.py; see `infoform run --help`)", add_help=False)
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:
-        from .job import main as job_main
+        from pipelines.cli.job import main as job_main
 
         return job_main(argv[1:], prog=f"{PROG} run")
     parser = build_parser()

@@ -1,6 +1,6 @@
 """Subnetwork Laplace in the Ray job: selection on the driver, a distributed ``S x S`` Fisher pass.
 
-Daxberger et al. (2021), §3-5, on top of the curvature stage (:mod:`pipelines.curvature`):
+Daxberger et al. (2021), §3-5, on top of the curvature stage (:mod:`pipelines.passes.curvature`):
 
 1. **Selection** (driver, §5 eq. 23): the ``S`` weights of largest diagonal-Laplace
    marginal variance ``σ_d² = 1 / (N diag_d/M + τ)`` (the run's ``n_data`` /
@@ -24,7 +24,7 @@ Daxberger et al. (2021), §3-5, on top of the curvature stage (:mod:`pipelines.c
    ``"auto"``: ``ggn`` when the class count is at most :data:`GGN_MAX_CLASSES`, else the
    curvature pass's Fisher type.
 3. **Posterior** (the posterior stage, driver): ``P_S = N F_sum/count + τ (S / D_total) I``,
-   built and saved by :func:`pipelines.posterior.build_and_save` (``posterior/subnet/``).
+   built and saved by :func:`pipelines.passes.posterior.build_and_save` (``posterior/subnet/``).
 
 The keyed MC labels come from ``collect_subnet_fisher``'s ``KeyedSampler`` branch: the
 batches carry the image keys, the labels are drawn from the forward pass the backward
@@ -59,10 +59,10 @@ from laplace_core.io import load_tensors, save_tensors
 from laplace_core.statistics import CurvatureStatistics
 from laplace_core.subnet import DEFAULT_MEMORY_BUDGET, SELECTION_RULES, check_subnet_memory, select_subnetwork
 
-from . import storage
-from .config import SUBNET_FISHER_TYPES
-from .curvature import CurvatureConfig, pass_records, reduced_uri
-from .distributed import (
+from pipelines.storage import uris as storage
+from pipelines.config.schema import SUBNET_FISHER_TYPES
+from pipelines.passes.curvature import CurvatureConfig, pass_records, reduced_uri
+from pipelines.distributed import (
     DTYPES,
     Job,
     PassRun,
@@ -75,9 +75,9 @@ from .distributed import (
     unpack_symmetric,
     worker_setup,
 )
-from .distributed import checkpoint as ckpt
-from .distributed.comm import pack_symmetric
-from .distributed.kinds import SubnetFisherKind
+from pipelines.distributed import checkpoint as ckpt
+from pipelines.distributed.comm import pack_symmetric
+from pipelines.distributed.kinds import SubnetFisherKind
 
 __all__ = [
     "SUBNET_FISHERS",
@@ -119,7 +119,7 @@ def resolve_subnet_fisher(name: str, num_classes: int | None, curvature_fisher: 
 
 
 def subnet_config(posterior_spec, curvature_fisher: str, num_classes: int | None) -> "SubnetConfig":
-    """:class:`SubnetConfig` of a run from its :class:`pipelines.config.PosteriorSpec`
+    """:class:`SubnetConfig` of a run from its :class:`pipelines.config.schema.PosteriorSpec`
     (``subnet_size``, ``subnet_fisher`` resolved, ``subnet_rule``, ``subnet_memory_gb``, ``n_data``,
     ``prior_precision``)."""
     p = posterior_spec
@@ -285,7 +285,7 @@ def _subnet_loop(config: dict) -> None:
     then rank 0 writes the artifact and removes the checkpoints."""
     import torch.distributed as dist
 
-    from .models import load_model
+    from pipelines.ingest.models import load_model
 
     job: Job = config["job"]
     scfg: SubnetConfig = config["subnet"]
@@ -338,7 +338,7 @@ def run_subnet_pass(
 ) -> SubnetResult:
     """Select the subnetwork from ``stats`` (default: ``<output>/stats/reduced``), check
     memory, and compute the all-reduced ``S x S`` Fisher on ``cfg.num_workers`` Ray Train
-    workers over ``partitions`` (as :func:`pipelines.curvature.run_curvature` takes them;
+    workers over ``partitions`` (as :func:`pipelines.passes.curvature.run_curvature` takes them;
     runtime settings, ``seed``, ``mc_samples``, ``model_dtype`` from ``cfg``). Writes
     ``<output>/stats/subnet/``; reuses it when its fingerprint matches. Ray must be
     initialised (or this calls ``ray.init()``)."""

@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from . import storage
+from pipelines.storage import uris as storage
 
 if TYPE_CHECKING:  # pragma: no cover
     import ray.data

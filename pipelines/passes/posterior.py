@@ -9,7 +9,7 @@ stage left (``stats/reduced``, ``stats/eigenbasis``, and for ``subnet`` the subn
 statistics and the eigenbasis the EFB pass used, and writes each posterior to
 ``<output_uri>/posterior/<method>/`` (safetensors + JSON manifest, via
 ``Posterior.save``); ``subnet`` is built from the subnet pass's artifact
-(:mod:`pipelines.subnet_pass`). It returns a JSON-able summary per method: numbers stored
+(:mod:`pipelines.passes.subnet`). It returns a JSON-able summary per method: numbers stored
 (Table 3 counting), clipped ``D`` entries (Lemma 3), clamped factor eigenvalues,
 build and save seconds and the artifact URI.
 """
@@ -22,9 +22,9 @@ from laplace_core.eigenbasis import Eigenbasis
 from laplace_core.posterior import build_posterior, resolve_method
 from laplace_core.statistics import CurvatureStatistics
 
-from .curvature import BASIS_METHODS, EFB_METHODS, basis_uri, load_eigenbasis, reduced_uri
-from .storage import Store, fsspec_options, join
-from .subnet_pass import load_subnet_fisher, subnet_uri
+from pipelines.passes.curvature import BASIS_METHODS, EFB_METHODS, basis_uri, load_eigenbasis, reduced_uri
+from pipelines.storage.uris import Store, fsspec_options, join
+from pipelines.passes.subnet import load_subnet_fisher, subnet_uri
 
 __all__ = ["EFB_METHODS", "BASIS_METHODS", "posterior_uri", "build_and_save", "build_posteriors"]
 
@@ -49,7 +49,7 @@ def build_and_save(
 
     ``rank`` is applied to ``inf`` only (the other methods have no rank). ``subnet`` reads
     the ``S x S`` Fisher sum and masks of the subnet pass from ``<output_uri>/stats/subnet``
-    (:func:`pipelines.subnet_pass.run_subnet_pass`; prior ``τ S / D_total``). Returns
+    (:func:`pipelines.passes.subnet.run_subnet_pass`; prior ``τ S / D_total``). Returns
     ``method -> {"num_stored", "clipped_D", "clamped_eigenvalues", "build_s", "save_s", "uri"}``.
     Unknown method names raise ``ValueError`` before anything is built.
     """
@@ -60,7 +60,7 @@ def build_and_save(
     for name in names:
         t0 = time.perf_counter()
         subnet_fisher = None
-        if name == "subnet":  # the S x S Fisher of the subnet pass (pipelines.subnet_pass)
+        if name == "subnet":  # the S x S Fisher of the subnet pass (pipelines.passes.subnet)
             F_sum, count, masks, _ = load_subnet_fisher(subnet_uri(output_uri), endpoint_url)
             subnet_fisher = (F_sum, count, masks)
         post = build_posterior(

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import storage
-from .errors import PreflightError
+from pipelines.storage import uris as storage
+from pipelines.errors import PreflightError
 
 __all__ = [
     "ClusterShape",

@@ -6,7 +6,7 @@ Laplace posteriors in the sparse information form for an ImageNet-scale classifi
         --data s3://bucket/imagenet --weights s3://bucket/resnet50.pt --output s3://bucket/runs/r50
 
 With no data arguments it runs the embedded ``demo`` preset on a local Ray instance.
-Thin on purpose: parse -> frozen config -> ``ray.init()`` -> ``pipelines.run`` -> print
+Thin on purpose: parse -> frozen config -> ``ray.init()`` -> ``pipelines.cli.run`` -> print
 where the report is. ``infoform run`` is the same entry point.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from .config import ConfigError, RunConfig, list_presets, load_config
+from pipelines.config.schema import ConfigError, RunConfig, list_presets, load_config
 
 __all__ = ["get_args_parser", "config_from_args", "main"]
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None, prog: str = "imagenet_inf.py") -> int:
     args = parser.parse_args(argv)
     try:
         cfg = config_from_args(args)
-        from .preflight import preflight
+        from pipelines.cli.preflight import preflight
 
         preflight(cfg, dry_run=args.dry_run)  # models; data, OOD, weights, output: before any cluster work
     except (ConfigError, ValueError, FileNotFoundError) as e:
@@ -128,16 +128,16 @@ def main(argv: list[str] | None = None, prog: str = "imagenet_inf.py") -> int:
     if args.dry_run:
         import yaml
 
-        from .config import to_dict
+        from pipelines.config.schema import to_dict
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
     if cfg.data.demo:
         print(f"infoform: running the embedded demo (preset {cfg.preset}): digits in-distribution, "
               "rendered letters out-of-distribution, a small CNN trained on the spot")
-    from .errors import StageError
-    from .errors import PreflightError
-    from .run import run
+    from pipelines.errors import StageError
+    from pipelines.errors import PreflightError
+    from pipelines.cli.run import run
 
     try:
         result = run(cfg, init_ray=lambda: _init_ray(args.address))

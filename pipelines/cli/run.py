@@ -11,7 +11,7 @@ fully skipped re-run reproduces it.
 
 An audit (``models:`` with several entries) runs the same stages per model under
 ``<output>/models/<name>/`` and writes one comparison report (``audit.html`` + ``audit.md``,
-:func:`pipelines.report.write_audit_report`) and a top-level ``run.json`` listing the models,
+:func:`pipelines.report.report.write_audit_report`) and a top-level ``run.json`` listing the models,
 their outputs, posterior sizes and headline results.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from . import storage
-from .config import STAGES, EvalSpec, ModelSpec, RunConfig, to_dict
+from pipelines.storage import uris as storage
+from pipelines.config.schema import STAGES, EvalSpec, ModelSpec, RunConfig, to_dict
 
 __all__ = ["RunResult", "run", "stage_marker_uri"]
 
@@ -121,7 +121,7 @@ def _publish_demo(cfg: RunConfig, local: str, remote: str, split: str | None) ->
     """Copy one split of the demo's local ImageFolder to ``remote`` as Parquet shards (the
     encoded JPEG bytes unchanged), unless the same data is there already: with a remote
     output the demo's images are read from the output, so that any node can read them."""
-    from .data import PARQUET_META_FILE, DataConfig, convert_to_parquet, scan
+    from pipelines.ingest.data import PARQUET_META_FILE, DataConfig, convert_to_parquet, scan
 
     ep = _endpoint(cfg)
     index = scan(DataConfig(root=local, split=split, unlabeled=split is None,
@@ -133,7 +133,7 @@ def _publish_demo(cfg: RunConfig, local: str, remote: str, split: str | None) ->
 
 
 def _prepare_demo(cfg: RunConfig, output: str) -> _DataPlan:
-    from .demo_data import NORMALIZE_MEAN, NORMALIZE_STD, write_digits_imagefolder, write_letters_ood
+    from pipelines.ingest.demo_data import NORMALIZE_MEAN, NORMALIZE_STD, write_digits_imagefolder, write_letters_ood
 
     base = Path(_demo_dir(output))
     digits = write_digits_imagefolder(base / "demo-data" / "digits", size=32, seed=0)
@@ -158,7 +158,7 @@ def _prepare_demo(cfg: RunConfig, output: str) -> _DataPlan:
 
 
 def _demo_model(cfg: RunConfig, plan: _DataPlan, output: str) -> tuple[ModelSpec, dict[str, Any]]:
-    from .demo_data import train_small_cnn
+    from pipelines.ingest.demo_data import train_small_cnn
 
     cache = Path(_demo_dir(output)) / "model"
     _, info = train_small_cnn(plan.train_root, epochs=8, seed=0, cache_path=cache, num_threads=1)
@@ -176,7 +176,7 @@ def _demo_model(cfg: RunConfig, plan: _DataPlan, output: str) -> tuple[ModelSpec
 
 def _data_config(cfg: RunConfig, plan: _DataPlan, split: str | None, *, limit=None, per_class=None,
                  classes=None, unlabeled=False, root: str | None = None, extensions=None):
-    from .data import DataConfig
+    from pipelines.ingest.data import DataConfig
 
     kw: dict[str, Any] = dict(
         root=root or plan.root,
@@ -207,7 +207,7 @@ def _subset(index, keep: int, parts: int = 2, limit: int | None = None):
     """Deterministic interleaved subset of a DatasetIndex: within each class, entries at
     positions ``keep, keep+parts, ...`` (disjoint for different ``keep``), then at most
     ``limit`` entries spread evenly."""
-    from .data import fingerprint as data_fingerprint
+    from pipelines.ingest.data import fingerprint as data_fingerprint
 
     seen: dict[int, int] = {}
     keep_idx = []
@@ -237,7 +237,7 @@ def _take(index, idx, fp_fn):
 
 
 def _limit(index, limit: int | None):
-    from .data import fingerprint as data_fingerprint
+    from pipelines.ingest.data import fingerprint as data_fingerprint
 
     if limit is None or len(index) <= limit:
         return index
@@ -258,7 +258,7 @@ def _versions() -> dict[str, str]:
 
 
 def _posterior_uris(output: str, methods) -> dict[str, str]:
-    from .posterior import posterior_uri
+    from pipelines.passes.posterior import posterior_uri
 
     return {m: posterior_uri(output, m) for m in methods}
 
@@ -266,13 +266,13 @@ def _posterior_uris(output: str, methods) -> dict[str, str]:
 def _actor_resources(ev: EvalSpec) -> dict[str, float]:
     """Ray resources of each search/evaluation actor: ``evaluate.cpus_per_actor`` and
     ``evaluate.gpus_per_actor``, or when that is null a share that lets every actor be placed
-    on the GPUs the cluster declares (:func:`pipelines.cluster.gpu_share`: 1, or 1/k; 0 on a
+    on the GPUs the cluster declares (:func:`pipelines.distributed.cluster.gpu_share`: 1, or 1/k; 0 on a
     cluster without GPUs, said in one line). Needs Ray initialised."""
     gpus = ev.gpus_per_actor
     if gpus is None:
         import ray
 
-        from .cluster import gpu_share
+        from pipelines.distributed.cluster import gpu_share
 
         declared = float(ray.cluster_resources().get("GPU", 0.0))
         gpus = gpu_share(ev.num_actors, declared)
@@ -287,11 +287,11 @@ def _actor_resources(ev: EvalSpec) -> dict[str, float]:
 def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
                ensure_ray: Callable[[], None]) -> dict[str, Any]:
     """All stages for one model; returns the run summary (also written as run.json)."""
-    from .curvature import CurvatureConfig, run_curvature
-    from .data import build_dataset, partition, scan
-    from .evaluate import EvalConfig, evaluate
-    from .hyper import SearchConfig, search
-    from .report import write_report
+    from pipelines.passes.curvature import CurvatureConfig, run_curvature
+    from pipelines.ingest.data import build_dataset, partition, scan
+    from pipelines.evaluation.evaluate import EvalConfig, evaluate
+    from pipelines.evaluation.search import SearchConfig, search
+    from pipelines.report.report import write_report
 
     st = _Stages(cfg, output, ensure_ray)
     ep = _endpoint(cfg)
@@ -323,7 +323,7 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
         ood_idx = _limit(scan(ood_cfg), cfg.data.ood_limit)
     parts = partition(train_idx, partition_size=cfg.data.partition_size)
     try:  # weights under the posterior / left at MAP (laplace_core.sizes), shown in the summary and report
-        from .models import model_coverage
+        from pipelines.ingest.models import model_coverage
 
         model_info["coverage"] = model_coverage(spec.name, spec.num_classes or len(classes),
                                                 cfg.posterior.norm_layers)["summary"]
@@ -345,7 +345,7 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     layer_methods = tuple(m for m in methods if m != "subnet")
     subnet_cfg = None
     if "subnet" in methods:
-        from .subnet_pass import subnet_config
+        from pipelines.passes.subnet import subnet_config
 
         subnet_cfg = subnet_config(cfg.posterior, cfg.curvature.fisher, spec.num_classes or len(classes))
 
@@ -372,7 +372,7 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
         skipped = {k: v for k, v in res.skipped.items()}
         passes, subnet = dict(res.passes), None
         if subnet_cfg is not None:  # Daxberger et al. (2021): select from the reduced sums, S x S Fisher pass
-            from .subnet_pass import run_subnet_pass
+            from pipelines.passes.subnet import run_subnet_pass
 
             sres = run_subnet_pass(spec, parts, curv_cfg, subnet_cfg, output, data_config=train_dcfg,
                                    endpoint_url=ep, stats=res.stats)
@@ -394,7 +394,7 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     post_fp = {**curv_fp, "posterior": to_dict(cfg.posterior)}
 
     def do_posterior() -> dict[str, Any]:
-        from .posterior import build_posteriors
+        from pipelines.passes.posterior import build_posteriors
 
         return {"posteriors": build_posteriors(output, methods, cfg.posterior.rank, n_data=cfg.posterior.n_data,
                                                prior_precision=cfg.posterior.prior_precision, endpoint_url=ep)}
@@ -450,7 +450,7 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     summary["timings"]["total_this_run"] = time.perf_counter() - t_start
 
     def do_report() -> dict[str, Any]:
-        from .report import load_eval_metrics
+        from pipelines.report.report import load_eval_metrics
 
         metrics = load_eval_metrics(output, ep)
         table = _read_search(output, methods, ep)
@@ -499,7 +499,7 @@ def _read_search(output: str, methods, ep):
     uri = storage.join(output, "eval", "search.parquet")
     if not storage.exists(uri, ep):
         return None
-    from .report import read_search_table
+    from pipelines.report.report import read_search_table
 
     return read_search_table(uri, ep)
 
@@ -509,7 +509,7 @@ def _inf_clipping(posteriors: dict[str, Any], chosen: dict[str, Any], ep: storag
     uri, c = (posteriors.get("inf") or {}).get("uri"), chosen.get("inf")
     if not uri or not c:
         return None
-    from .posterior import inf_clipping_at
+    from pipelines.passes.posterior import inf_clipping_at
 
     try:
         return inf_clipping_at(uri, 10.0 ** c["log10_n"], 10.0 ** c["log10_tau"], ep)
@@ -604,17 +604,17 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
         elif not ray.is_initialized():
             ray.init()
         _quiet_ray_data()
-        from .cluster import check_paths, cluster_shape
+        from pipelines.distributed.cluster import check_paths, cluster_shape
 
         shape = cluster_shape()
         _log(f"cluster: {shape.nodes} node(s), {shape.cpus:g} CPUs, {shape.gpus:g} GPUs "
              f"({shape.driver_node_cpus:g} CPUs beside the driver)")
         check_paths(cfg, shape)  # local paths on several nodes: one line, before any pass
 
-    from .cluster import resolve_output
+    from pipelines.distributed.cluster import resolve_output
 
     # Ray workers do not share the driver's working directory: an absolute path, outside a
-    # `ray job submit --working-dir` copy (pipelines.cluster.resolve_output)
+    # `ray job submit --working-dir` copy (pipelines.distributed.cluster.resolve_output)
     output = resolve_output(cfg.output)
     if output != cfg.output:
         cfg = dataclasses.replace(cfg, output=output)
@@ -626,7 +626,7 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
         summary = _run_model(cfg, models[0], output, plan, ensure_ray)
         report = storage.join(output, "report.html")
         return RunResult(output=output, report_path=report, summary=summary)
-    from .report import load_eval_metrics, write_audit_report
+    from pipelines.report.report import load_eval_metrics, write_audit_report
 
     ep = _endpoint(cfg)
     per_model, tables, listing = {}, {}, {}

@@ -52,7 +52,7 @@ Figures (matplotlib ``Figure`` objects rendered with the Agg canvas; no pyplot s
 
 Pages: ``report.html`` embeds the figures as ``data:image/png;base64`` URIs and its CSS inline; it
 has no scripts and no external references. ``report.md`` links the PNGs by relative path
-(``figures/<name>.png``). All writes go through :mod:`pipelines.storage` (atomic; local or s3://).
+(``figures/<name>.png``). All writes go through :mod:`pipelines.storage.uris` (atomic; local or s3://).
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from . import storage
+from pipelines.storage import uris as storage
 
 __all__ = [
     "METHOD_ORDER",

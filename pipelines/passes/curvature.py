@@ -5,7 +5,7 @@ Data flow: **partitions -> per-worker running sums -> all-reduce per checkpoint 
 scheme) -> reduced statistics.** Both passes run on the partitioned-pass engine
 (:mod:`pipelines.distributed`, pass kinds :class:`~pipelines.distributed.kinds.Pass1Kind`
 and :class:`~pipelines.distributed.kinds.EfbKind`). The posteriors are built by the posterior
-stage (:func:`pipelines.posterior.build_posteriors`) from what this stage leaves.
+stage (:func:`pipelines.passes.posterior.build_posteriors`) from what this stage leaves.
 
 Every worker runs the same :func:`laplace_core.collect.collect_statistics` that a unit test
 runs in one process; statistics are sums, so the all-reduced sums of ``W`` workers equal the
@@ -57,8 +57,8 @@ from laplace_core.io import load_tensors, save_tensors
 from laplace_core.layers import check_norm_layers, find_layers
 from laplace_core.statistics import CurvatureStatistics
 
-from . import storage
-from .distributed import (
+from pipelines.storage import uris as storage
+from pipelines.distributed import (
     DTYPES,
     FaultInjection,
     Job,
@@ -76,9 +76,9 @@ from .distributed import (
     path_keys,
     worker_setup,
 )
-from .distributed.checkpoint import tensor_bytes
-from .distributed.kinds import EfbKind, Pass1Kind
-from .eigen import assign_layers
+from pipelines.distributed.checkpoint import tensor_bytes
+from pipelines.distributed.kinds import EfbKind, Pass1Kind
+from pipelines.passes.eigen import assign_layers
 
 __all__ = [
     "FaultInjection",
@@ -295,7 +295,7 @@ def load_eigenbasis(uri: str, endpoint_url: storage.Store = None) -> Eigenbasis:
 
 # =========================================================================== eigenbasis
 def _distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, device, rec: dict) -> Eigenbasis:
-    """Each rank decomposes its layers (:func:`pipelines.eigen.assign_layers`), then every
+    """Each rank decomposes its layers (:func:`pipelines.passes.eigen.assign_layers`), then every
     rank broadcasts its packed results (one collective per rank)."""
     import torch.distributed as dist
 
@@ -349,7 +349,7 @@ def _train_loop(config: dict) -> None:
     """``train_loop_per_worker``: pass 1, eigenbasis, pass 2, reduced statistics."""
     import torch.distributed as dist
 
-    from .models import load_model
+    from pipelines.ingest.models import load_model
 
     job: Job = config["job"]
     cfg: CurvatureConfig = job.cfg
@@ -441,9 +441,9 @@ def run_curvature(
     """Run the curvature stage; see the module docstring.
 
     ``model_spec``: a model name or anything with ``.name``, ``.weights``, ``.num_classes``
-    (e.g. :class:`pipelines.config.ModelSpec`); loaded in every worker with
-    :func:`pipelines.models.load_model`. ``partitions``: fixed, ordered data partitions
-    (``pipelines.data`` partitions, turned into Ray Datasets with ``build_dataset(partition,
+    (e.g. :class:`pipelines.config.schema.ModelSpec`); loaded in every worker with
+    :func:`pipelines.ingest.models.load_model`. ``partitions``: fixed, ordered data partitions
+    (``pipelines.ingest.data`` partitions, turned into Ray Datasets with ``build_dataset(partition,
     data_config)``, or ready ``ray.data.Dataset`` objects with columns ``image`` (float32
     3xHxW), ``label``, optional ``valid``/``path``). Partition ids are the partitions'
     ``index`` or their list position. Ray must be initialised (or this calls ``ray.init()``).

@@ -10,7 +10,7 @@ the MC predictive (``cfg.mc_samples``, default 10; the same ``θ_t`` noise ``(se
 for every configuration, i.e. common random numbers, which makes the comparison less
 noisy).
 
-Parallelism: data-parallel, like :mod:`pipelines.evaluate`. Each of ``cfg.num_actors``
+Parallelism: data-parallel, like :mod:`pipelines.evaluation.evaluate`. Each of ``cfg.num_actors``
 actors loads the model and the posteriors once, takes one iterator of
 ``val_ds.streaming_split(num_actors, equal=False)`` and evaluates **every**
 configuration of every method on its shard; per configuration it returns small
@@ -48,8 +48,8 @@ from torch import nn
 
 from laplace_core.metrics import NLL, Accuracy, Brier, Calibration, DEFAULT_ECE_BINS, ECE_STRATEGIES
 
-from . import storage
-from .evaluate import (
+from pipelines.storage import uris as storage
+from pipelines.evaluation.evaluate import (
     MAP,
     ActorProgress,
     EvalWorker,
@@ -121,11 +121,11 @@ class SearchConfig(RuntimeFields):
     """Random-search settings. num_configs / log10_n / log10_tau / seed: the configurations
     (:func:`sample_configs`); configs: explicit ``(log10_n, log10_tau)`` pairs instead (then
     num_configs/ranges are ignored). method_ranges: ``(method, log10_n, log10_tau)`` entries
-    (or ``pipelines.config.MethodRange`` objects) overriding the ranges for that method; a
+    (or ``pipelines.config.schema.MethodRange`` objects) overriding the ranges for that method; a
     ``None`` range keeps the common one. objective: "nll" or "ece"; accuracy_floor: minimum
     validation accuracy for "ece" (None: no floor). mc_samples: ``K`` per configuration
     (default 10). ece_bins / ece_mode: the ECE used. Runtime fields: see
-    ``pipelines.evaluate.RuntimeFields`` (chunk_size defaults to 4096 here)."""
+    ``pipelines.evaluation.evaluate.RuntimeFields`` (chunk_size defaults to 4096 here)."""
 
     num_configs: int = 100
     log10_n: tuple[float, float] = (0.0, 8.0)
@@ -178,7 +178,7 @@ class SearchConfig(RuntimeFields):
         ``None`` ranges filled with the common ones."""
         out, seen = [], set()
         for e in self.method_ranges:
-            if hasattr(e, "method"):  # pipelines.config.MethodRange
+            if hasattr(e, "method"):  # pipelines.config.schema.MethodRange
                 e = (e.method, e.log10_n, e.log10_tau)
             try:
                 method, rn, rt = e
@@ -203,7 +203,7 @@ class SearchConfig(RuntimeFields):
 
     @classmethod
     def from_spec(cls, spec: Any, **overrides: Any) -> "SearchConfig":
-        """From ``pipelines.config.SearchSpec`` plus keyword overrides (runtime fields)."""
+        """From ``pipelines.config.schema.SearchSpec`` plus keyword overrides (runtime fields)."""
         names = ("num_configs", "log10_n", "log10_tau", "objective", "accuracy_floor", "mc_samples", "seed",
                  "method_ranges")
         kw = {n: getattr(spec, n) for n in names if hasattr(spec, n)}

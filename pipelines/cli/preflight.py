@@ -1,8 +1,8 @@
 """Preflight: everything the job can check before any cluster work, each failure one line.
 
-Run by the job (``pipelines.job.main``) before Ray starts: the configuration's model names
+Run by the job (``pipelines.cli.job.main``) before Ray starts: the configuration's model names
 and weights, the data, OOD and weights URIs, and that the output prefix is writable, all
-with the run's own store settings (:class:`pipelines.storage.StorageOptions`) and the
+with the run's own store settings (:class:`pipelines.storage.uris.StorageOptions`) and the
 credentials of the AWS chain. A wrong endpoint, a missing bucket, denied access or a
 missing object is a :class:`PreflightError` (a ``ValueError``) naming the URI and the
 endpoint; the job prints it and exits with code 2. The store is probed through a fresh
@@ -14,9 +14,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from . import storage
-from .config import ModelSpec, RunConfig
-from .errors import PreflightError
+from pipelines.storage import uris as storage
+from pipelines.config.schema import ModelSpec, RunConfig
+from pipelines.errors import PreflightError
 
 __all__ = ["PreflightError", "preflight", "check_uri", "check_writable"]
 
@@ -131,7 +131,7 @@ def weights_cache_file(enum) -> str:
 def _check_enum_weights(name: str, cfg: RunConfig) -> None:
     import os
 
-    from .models import resolve_weights_enum
+    from pipelines.ingest.models import resolve_weights_enum
 
     enum = resolve_weights_enum(name)
     if cfg.storage.allow_download:
@@ -145,7 +145,7 @@ def _check_enum_weights(name: str, cfg: RunConfig) -> None:
 
 
 def _check_models(cfg: RunConfig, opts: storage.StorageOptions, world: bool = True) -> None:
-    from .models import EXTRA_MODELS, is_enum_name, is_factory, model_names, resolve_factory, resolve_weights_enum
+    from pipelines.ingest.models import EXTRA_MODELS, is_enum_name, is_factory, model_names, resolve_factory, resolve_weights_enum
 
     valid = set(model_names())
     for spec in cfg.all_models():

@@ -101,7 +101,7 @@ class StorageSpec:
     Train worker, Ray Data task and actor. Credentials never go here: the AWS chain supplies them.
     ``shared_fs``: local paths (output, data, OOD, weights) are on a filesystem that every node
     of a multi-node cluster mounts at the same place; without it such paths are refused there
-    (:mod:`pipelines.cluster`). ``allow_download``: a torchvision weights name (e.g.
+    (:mod:`pipelines.distributed.cluster`). ``allow_download``: a torchvision weights name (e.g.
     ``ResNet50_Weights.IMAGENET1K_V1``) whose file is not in the driver's torch hub cache is
     refused in preflight unless this is set, since every node would download it and clusters
     often have no internet access."""
@@ -217,7 +217,7 @@ class RunConfig:
         if self.evaluate.gpus_per_actor is not None and not self.evaluate.gpus_per_actor >= 0:
             raise ConfigError("evaluate.gpus_per_actor must be >= 0 (or null: one share of the cluster's GPUs)")
         if self.evaluate.gpus_per_actor is not None:
-            from .cluster import check_gpu_request
+            from pipelines.distributed.cluster import check_gpu_request
 
             why = check_gpu_request(self.evaluate.gpus_per_actor)
             if why:
@@ -247,9 +247,9 @@ class RunConfig:
         return self
 
     def storage_options(self):
-        """The store settings every process uses (:class:`pipelines.storage.StorageOptions`),
+        """The store settings every process uses (:class:`pipelines.storage.uris.StorageOptions`),
         the endpoint filled in from this process's environment when the config names none."""
-        from .storage import StorageOptions
+        from pipelines.storage.uris import StorageOptions
 
         return StorageOptions(self.storage.endpoint_url, dict(self.storage.options)).resolved()
 

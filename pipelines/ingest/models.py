@@ -5,7 +5,7 @@ mode (DESIGN §1: curvature is fitted with running BN statistics, no dropout).
 
 Names come from an explicit registry: every torchvision *classification* model
 (``torchvision.models.list_models(module=torchvision.models)``) and the extra
-entries of :data:`EXTRA_MODELS` (``"demo_cnn"`` -> ``pipelines.demo_data.small_cnn``,
+entries of :data:`EXTRA_MODELS` (``"demo_cnn"`` -> ``pipelines.ingest.demo_data.small_cnn``,
 imported lazily). An unknown name raises a one-line ``ValueError`` listing the
 ResNet/DenseNet names (and pointing at the full list).
 
@@ -22,7 +22,7 @@ module or attribute, a factory that raises or one that returns something other t
 * a torchvision weights enum name such as ``"ResNet50_Weights.IMAGENET1K_V2"`` —
   resolved with ``torchvision.models.get_weight`` (downloads in real use);
 * a local path or URI (``s3://bucket/key``; ``endpoint_url`` or
-  ``AWS_ENDPOINT_URL_S3`` for S3-compatible stores, see :mod:`pipelines.storage`)
+  ``AWS_ENDPOINT_URL_S3`` for S3-compatible stores, see :mod:`pipelines.storage.uris`)
   of a state dict: ``.safetensors`` is read with
   ``safetensors.torch.load``; anything else with
   ``torch.load(..., weights_only=True, map_location="cpu")`` (never unpickles
@@ -173,7 +173,7 @@ def _unknown_model(name: str) -> ValueError:
     return ValueError(
         f"unknown model {name!r}; valid ResNet/DenseNet names: {', '.join(sorted(common))}; "
         f"also {', '.join(sorted(EXTRA_MODELS))}, every torchvision classification model "
-        f"(pipelines.models.model_names()) and package.module:callable (a factory of your own)"
+        f"(pipelines.ingest.models.model_names()) and package.module:callable (a factory of your own)"
     )
 
 
@@ -195,7 +195,7 @@ def is_enum_name(weights: str) -> bool:
 
 
 def _read_bytes(uri: str, endpoint_url: str | None) -> bytes:
-    from . import storage
+    from pipelines.storage import uris as storage
 
     try:
         return storage.read_bytes(uri, endpoint_url)
