@@ -26,91 +26,31 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from enum import Enum
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 
 from .eigenbasis import Eigenbasis, LayerBasis, eigenbasis
-from .sparsify import sparsify
+from .methods import REGISTRY, Builder, LayerInput, layer_methods, method_info, method_names
 from .statistics import CurvatureStatistics, LayerStatistics
 from .structures.base import LayerPosterior, Posterior
-from .structures.diag import DiagLayer, check_hyper
-from .structures.efb import EFBLayer, KronExactLayer
-from .structures.inf import MAX_L, InfLayer
-from .structures.kron import KronLayer
+from .structures.diag import check_hyper
+from .structures.inf import MAX_L
 
 __all__ = ["Method", "METHODS", "WHOLE_METHODS", "ALL_METHODS", "build_posterior", "with_hyper", "resolve_method",
            "inf_clipping_info"]
 
 
-class Method(str, Enum):
-    DIAG = "diag"
-    KFAC = "kfac"
-    KFAC_EXACT = "kfac_exact"
-    EFB = "efb"
-    INF = "inf"
+#: ``Method.DIAG == "diag"``, ... for every per-layer method of the registry.
+Method = Enum("Method", {n.upper(): n for n in layer_methods()}, type=str)
 
 
-@dataclasses.dataclass(frozen=True)
-class _LayerInput:
-    """Normalised pieces for one layer: ``diag/M``, ``A``/``G`` eigenbasis, ``Λ/M`` (or None)."""
-
-    fisher_diag: torch.Tensor
-    basis: LayerBasis | None
-    lam: torch.Tensor | None
-
-
-# builder(inputs, N, τ, rank, max_l) -> (layer, clipped D count)
-Builder = Callable[[_LayerInput, float, float, "int | None", int], "tuple[LayerPosterior, int]"]
-
-
-def _build_diag(x: _LayerInput, N, tau, rank, max_l):
-    return DiagLayer(x.fisher_diag, N, tau), 0
-
-
-def _build_kfac(x: _LayerInput, N, tau, rank, max_l):
-    b = x.basis
-    return KronLayer(b.U_A, b.S_A, b.U_G, b.S_G, N, tau), 0
-
-
-def _build_kfac_exact(x: _LayerInput, N, tau, rank, max_l):
-    b = x.basis
-    return KronExactLayer.from_factors(b.U_A, b.S_A, b.U_G, b.S_G, N, tau), 0
-
-
-def _build_efb(x: _LayerInput, N, tau, rank, max_l):
-    return EFBLayer(x.basis.U_A, x.basis.U_G, x.lam, N, tau), 0
-
-
-def _build_inf(x: _LayerInput, N, tau, rank, max_l):
-    m, n = x.lam.shape
-    if rank is None:
-        if m * n > max_l:
-            raise ValueError(
-                f"full-rank INF keeps all {m}*{n} = {m * n} eigenvalues, above max_l={max_l}; pass rank= (top-K)"
-            )
-        dev = x.lam.device
-        rows, cols = torch.arange(m, device=dev), torch.arange(n, device=dev)
-    else:
-        rows, cols = sparsify(x.lam, min(int(rank), m * n))
-    layer = InfLayer.from_eigen(x.fisher_diag, x.basis.U_G, x.basis.U_A, x.lam, rows, cols, N, tau, max_l=max_l)
-    return layer, layer.clipped_D
-
-
-METHODS: dict[str, Builder] = {
-    Method.DIAG.value: _build_diag,
-    Method.KFAC.value: _build_kfac,
-    Method.KFAC_EXACT.value: _build_kfac_exact,
-    Method.EFB.value: _build_efb,
-    Method.INF.value: _build_inf,
-}
+METHODS: dict[str, Builder] = {n: m.builder for n, m in REGISTRY.items() if m.per_layer}
 # Whole-network structures (covariance couples layers), built from extra inputs rather than
 # per layer from ``stats``: "subnet" (Daxberger et al. 2021) needs
 # ``subnet_fisher=(F_sum, count, masks)`` from laplace_core.subnet.collect_subnet_fisher.
-WHOLE_METHODS: tuple[str, ...] = ("subnet",)
-ALL_METHODS: tuple[str, ...] = (*METHODS, *WHOLE_METHODS)
-_NEEDS_BASIS = {"kfac", "kfac_exact", "efb", "inf"}
-_NEEDS_EFB = {"efb", "inf"}
+WHOLE_METHODS: tuple[str, ...] = tuple(n for n, m in REGISTRY.items() if not m.per_layer)
+ALL_METHODS: tuple[str, ...] = method_names()
 
 
 def resolve_method(method: str | Method) -> str:
@@ -187,13 +127,13 @@ def build_posterior(
     if stats.count <= 0:
         raise ValueError("cannot build a posterior from statistics of zero examples (count = 0)")
     N, tau = check_hyper(stats.count if n_data is None else n_data, prior_precision)
-    if name in _NEEDS_EFB and not stats.has_efb:
+    if method_info(name).needs_efb and not stats.has_efb:
         raise ValueError(
             f"method {name!r} needs EFB eigenvalues: run a second pass "
             "collect_statistics(..., basis=eigenbasis(stats)) and build from its result"
         )
     stats64 = stats.to(torch.float64)
-    if name in _NEEDS_BASIS:
+    if method_info(name).needs_basis:
         if basis is None:
             basis = eigenbasis(stats64)
         _check_basis(basis, stats)
@@ -203,7 +143,7 @@ def build_posterior(
     for k, ls in stats64.layers.items():
         diag_only = stats.infos[k].diag_only  # normalisation layer: a diagonal block for every method
         lname = "diag" if diag_only else name
-        x = _layer_input(ls, stats64, basis[k] if lname in _NEEDS_BASIS else None, lname, dtype)
+        x = _layer_input(ls, stats64, basis[k] if method_info(lname).needs_basis else None, lname, dtype)
         try:
             layers[k], clipped[k] = METHODS[lname](x, N, tau, rank, max_l)
         except ValueError as e:
@@ -211,7 +151,7 @@ def build_posterior(
 
     info: dict = {
         "clipped_D": int(sum(clipped.values())),
-        "clamped_eigenvalues": _clamped(basis) if name in _NEEDS_BASIS else 0,
+        "clamped_eigenvalues": _clamped(basis) if method_info(name).needs_basis else 0,
     }
     norm = [k for k, i in stats.infos.items() if i.diag_only]
     if norm:
@@ -271,14 +211,14 @@ def _clamped(basis) -> int:
 
 
 def _layer_input(ls: LayerStatistics, stats: CurvatureStatistics, b: LayerBasis | None, name: str,
-                 dtype: torch.dtype) -> _LayerInput:
+                 dtype: torch.dtype) -> LayerInput:
     fisher_diag = ls.diag / stats.count
-    lam = ls.efb / stats.efb_count if name in _NEEDS_EFB else None
+    lam = ls.efb / stats.efb_count if method_info(name).needs_efb else None
     if b is not None:
         b = b.to(dtype=torch.float64, device=ls.diag.device)
         if dtype != torch.float64:
             b = b.to(dtype=dtype)
-    return _LayerInput(
+    return LayerInput(
         fisher_diag=fisher_diag.to(dtype),
         basis=b,
         lam=None if lam is None else lam.to(dtype),

@@ -42,6 +42,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from .methods import layer_methods, table3_methods
 from .statistics import CurvatureStatistics, LayerInfo
 
 __all__ = [
@@ -61,7 +62,7 @@ __all__ = [
     "format_table",
 ]
 
-METHODS: tuple[str, ...] = ("diag", "kfac", "kfac_exact", "efb", "inf")
+METHODS: tuple[str, ...] = layer_methods()
 BYTES_PER_NUMBER = 4  # float32, as in the paper's Table 3
 MB = 2**20  # bytes per MB (the paper's 44.6 MB for resnet18 Diag is 11,679,912 * 4 / 2^20)
 
@@ -175,7 +176,7 @@ class SizeReport:
     @property
     def totals(self) -> dict[str, int | None]:
         out: dict[str, int | None] = {
-            k: sum(ls.counts[k] for ls in self.layers) for k in ("diag", "kfac", "kfac_exact", "efb")
+            k: sum(ls.counts[k] for ls in self.layers) for k in table3_methods()
         }
         out["inf"] = sum(ls.inf for ls in self.layers) if self.inf_from_statistics else None  # type: ignore[misc]
         return out
@@ -285,7 +286,7 @@ def count_sizes(
         m, n = info.shape
         if info.diag_only:  # normalisation layer: a diagonal block under every method
             c = shape_counts(m, n)["diag"]
-            layers.append(LayerSizes(name, m, n, {k: c for k in ("diag", "kfac", "kfac_exact", "efb")},
+            layers.append(LayerSizes(name, m, n, {k: c for k in table3_methods()},
                                      c if eigenvalues is not None else None, None, None,
                                      c if rank is not None else None))
             continue

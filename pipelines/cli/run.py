@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from laplace_core.methods import method_info
 from pipelines.storage import uris as storage
 from pipelines.config.schema import STAGES, EvalSpec, ModelSpec, RunConfig, to_dict
 
@@ -342,7 +343,7 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
          f"{len(test_idx)} test, {0 if ood_idx is None else len(ood_idx)} OOD")
     methods = tuple(m for m in cfg.posterior.methods)
     # "subnet" is not built from the reduced sums alone: the curvature stage adds its S x S Fisher pass
-    layer_methods = tuple(m for m in methods if m != "subnet")
+    layer_methods = tuple(m for m in methods if method_info(m).per_layer)
     subnet_cfg = None
     if "subnet" in methods:
         from pipelines.passes.subnet import subnet_config

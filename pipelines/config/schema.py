@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 import yaml
 
+from laplace_core.methods import method_names
+
 __all__ = [
     "ConfigError",
     "ModelSpec",
@@ -38,9 +40,9 @@ __all__ = [
     "apply_overrides",
 ]
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"
 STAGES = ("curvature", "posterior", "search", "evaluate", "report")
-METHOD_NAMES = ("diag", "kfac", "kfac_exact", "efb", "inf", "subnet")
+METHOD_NAMES = method_names()  # laplace_core.methods: the one method registry
 FISHER_TYPES = ("mc", "empirical")
 OBJECTIVES = ("nll", "ece")
 PRED_TYPES = ("nn", "glm")

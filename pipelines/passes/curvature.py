@@ -76,6 +76,7 @@ from pipelines.distributed import (
     path_keys,
     worker_setup,
 )
+from laplace_core.methods import layer_methods, method_info
 from pipelines.distributed.checkpoint import tensor_bytes
 from pipelines.distributed.kinds import EfbKind, Pass1Kind
 from pipelines.passes.eigen import assign_layers
@@ -101,11 +102,12 @@ __all__ = [
 ]
 
 FISHER_TYPES = ("mc", "empirical")
-METHOD_NAMES = ("diag", "kfac", "kfac_exact", "efb", "inf")
+#: Per-layer methods (the registry's; ``subnet`` has a pass of its own).
+METHOD_NAMES = layer_methods()
 #: Methods that need the second (EFB) pass.
-EFB_METHODS = frozenset({"efb", "inf"})
+EFB_METHODS = frozenset(m for m in METHOD_NAMES if method_info(m).needs_efb)
 #: Methods that need the eigenbasis.
-BASIS_METHODS = frozenset({"kfac", "kfac_exact", "efb", "inf"})
+BASIS_METHODS = frozenset(m for m in METHOD_NAMES if method_info(m).needs_basis)
 
 
 # =========================================================================== config
