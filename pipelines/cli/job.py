@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
-from pipelines.config.schema import ConfigError, RunConfig, list_presets, load_config
+from pipelines.config.schema import ConfigError, RunConfig
+
+from pipelines.config.load import list_presets, load_config
 
 __all__ = ["get_args_parser", "config_from_args", "main"]
 
@@ -93,7 +96,7 @@ def runtime_env_for(address: str | None) -> dict | None:
     they happen to have."""
     if not address or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
         return None
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(Path(__file__).resolve().parents[2])  # the repository: pipelines/cli/job.py
     return {"working_dir": root, "excludes": list(WORKING_DIR_EXCLUDES)}
 
 
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None, prog: str = "imagenet_inf.py") -> int:
     if args.dry_run:
         import yaml
 
-        from pipelines.config.schema import to_dict
+        from pipelines.config.load import to_dict
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0

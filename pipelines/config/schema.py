@@ -1,21 +1,14 @@
-"""Run configuration: one frozen dataclass tree, loaded from YAML presets with overrides.
+"""The run configuration: one tree of frozen dataclasses, validated in :meth:`RunConfig.validate`.
 
-A preset is a YAML file in ``configs/`` whose keys mirror :class:`RunConfig`. CLI
-overrides are ``key.path=value`` strings (``--set curvature.num_workers=4``); values
-are parsed as YAML scalars/lists and checked against the field's type. Unknown keys,
-wrong types and unknown enum values raise :class:`ConfigError` (a ``ValueError``)
-with one line naming the key and what is valid.
+Loaded from YAML presets and ``--set`` overrides by :mod:`pipelines.config.load`; each
+stage's runtime settings are derived from its section mechanically
+(:func:`pipelines.config.load.derive`). Unknown keys, wrong types and unknown enum values
+raise :class:`ConfigError` (a ``ValueError``) with one line naming the key and what is valid.
 """
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Mapping
-
-import yaml
+from typing import Any
 
 from laplace_core.methods import method_names
 
@@ -32,21 +25,15 @@ __all__ = [
     "RunConfig",
     "STAGES",
     "METHOD_NAMES",
-    "PRESETS_DIR",
-    "list_presets",
-    "load_config",
-    "from_dict",
-    "to_dict",
-    "apply_overrides",
 ]
 
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"
 STAGES = ("curvature", "posterior", "search", "evaluate", "report")
 METHOD_NAMES = method_names()  # laplace_core.methods: the one method registry
 FISHER_TYPES = ("mc", "empirical")
 OBJECTIVES = ("nll", "ece")
 PRED_TYPES = ("nn", "glm")
 SUBNET_FISHER_TYPES = ("auto", "mc", "empirical", "ggn")
+DTYPES = ("float32", "float64")
 
 
 class ConfigError(ValueError):
@@ -91,6 +78,8 @@ class DataSpec:
     partition_size: int = 20_000
     mean: tuple[float, float, float] | None = None
     std: tuple[float, float, float] | None = None
+    decode_batch_size: int = 128  # images per Ray Data decode task batch
+    decode_num_cpus: float = 1.0  # CPUs per Ray Data decode task
 
 
 @dataclass(frozen=True)
@@ -127,6 +116,12 @@ class CurvatureSpec:
     seed: int = 0
     torch_threads: int | None = None
     checkpoint_every_s: float | None = 600.0  # all-reduce + checkpoint this often (0: every partition; null: at the end)
+    gpus_per_worker: float = 1.0  # GPUs per Train worker when use_gpu
+    efb_max_examples: int | None = None  # cap on the EFB pass's examples (after efb_fraction)
+    model_dtype: str = "float32"  # the model's dtype in the passes (float64 for dense checks)
+    stats_dtype: str = "float64"  # the dtype of the summed statistics
+    bucket_mb: float = 64.0  # all-reduce bucket size (MiB)
+    log_every_s: float = 10.0  # progress line interval (seconds)
 
 
 @dataclass(frozen=True)
@@ -238,6 +233,7 @@ class RunConfig:
             raise ConfigError("curvature.efb_fraction must be in (0, 1]")
         if self.curvature.checkpoint_every_s is not None and not self.curvature.checkpoint_every_s >= 0:
             raise ConfigError("curvature.checkpoint_every_s must be >= 0 (0: after every partition) or null (at the end)")
+        self._validate_runtime()
         if self.data.std is not None and not all(v > 0 for v in self.data.std):
             raise ConfigError(f"data.std must be positive per channel, got {list(self.data.std)}")
         if not self.data.demo and not self.data.root:
@@ -254,6 +250,20 @@ class RunConfig:
         from pipelines.storage.uris import StorageOptions
 
         return StorageOptions(self.storage.endpoint_url, dict(self.storage.options)).resolved()
+
+    def _validate_runtime(self) -> None:
+        c, d = self.curvature, self.data
+        for name in ("model_dtype", "stats_dtype"):
+            if getattr(c, name) not in DTYPES:
+                raise ConfigError(f"unknown curvature.{name} {getattr(c, name)!r}; valid: {', '.join(DTYPES)}")
+        if c.efb_max_examples is not None and c.efb_max_examples < 1:
+            raise ConfigError("curvature.efb_max_examples must be >= 1 (or null: no cap)")
+        for key, v in (("curvature.bucket_mb", c.bucket_mb), ("curvature.log_every_s", c.log_every_s),
+                       ("curvature.gpus_per_worker", c.gpus_per_worker), ("data.decode_num_cpus", d.decode_num_cpus)):
+            if not v > 0:
+                raise ConfigError(f"{key} must be > 0, got {v!r}")
+        if d.decode_batch_size < 1:
+            raise ConfigError("data.decode_batch_size must be >= 1")
 
     def _validate_method_ranges(self) -> None:
         seen = set()
@@ -292,147 +302,3 @@ class RunConfig:
 
     def all_models(self) -> tuple[ModelSpec, ...]:
         return self.models if self.models else (self.model,)
-
-
-# --------------------------------------------------------------------------- building
-def _is_dataclass_type(tp: Any) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check/convert ``value`` to annotation ``tp`` (the subset used in this module)."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, key)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{key}: cannot be null")
-    if origin is tuple:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ConfigError(f"{key}: expected {len(args)} values, got {len(value)}")
-        return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if origin is dict:
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-            raise ConfigError(f"{key}: expected a mapping with string keys, got {value!r}")
-        return dict(value)
-    if _is_dataclass_type(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return from_dict(tp, value, prefix=f"{key}.")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return str(value)
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{key}: unsupported type {tp!r}")  # pragma: no cover
-
-
-def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
-    """Build dataclass ``cls`` from a nested mapping; unknown keys raise ConfigError."""
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        raise ConfigError(f"unknown key {prefix}{unknown[0]}; valid keys here: {', '.join(names)}")
-    kwargs = {k: _coerce(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
-    return cls(**kwargs)
-
-
-def to_dict(obj: Any) -> Any:
-    """JSON/YAML-able nested dict of a config tree."""
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (tuple, list)):
-        return [to_dict(v) for v in obj]
-    return obj
-
-
-def _set_path(tree: dict, path: str, value: Any) -> None:
-    parts = path.split(".")
-    node = tree
-    for p in parts[:-1]:
-        nxt = node.get(p)
-        if nxt is None:
-            nxt = {}
-            node[p] = nxt
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"cannot set {path}: {p} is not a section")
-        node = nxt
-    node[parts[-1]] = value
-
-
-def apply_overrides(tree: dict, overrides: list[str]) -> dict:
-    """Apply ``key.path=value`` overrides (values parsed as YAML) to a nested dict."""
-    out = yaml.safe_load(yaml.safe_dump(tree))  # deep copy through plain types
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value (e.g. curvature.num_workers=4)")
-        key, raw = item.split("=", 1)
-        key = key.strip()
-        if not key:
-            raise ConfigError(f"override {item!r} has an empty key")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else None
-        except yaml.YAMLError:
-            value = raw
-        _set_path(out, key, value)
-    return out
-
-
-def list_presets() -> list[str]:
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
-
-
-def _read_preset(name_or_path: str) -> dict:
-    path = Path(name_or_path)
-    if not (path.suffix in (".yaml", ".yml") and path.exists()):
-        path = PRESETS_DIR / f"{name_or_path}.yaml"
-    if not path.exists():
-        raise ConfigError(f"unknown preset {name_or_path!r}; valid: {', '.join(list_presets())} (or a path to a .yaml file)")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"preset {path.name} does not parse{where}: {getattr(e, 'problem', e)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"preset {path.name} must be a mapping at the top level")
-    data.setdefault("preset", path.stem)
-    return data
-
-
-def load_config(preset: str, overrides: list[str] | None = None) -> RunConfig:
-    """Preset + ``key=value`` overrides -> validated, frozen :class:`RunConfig`."""
-    tree = apply_overrides(_read_preset(preset), list(overrides or []))
-    return from_dict(RunConfig, tree).validate()

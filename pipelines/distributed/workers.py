@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from pipelines.storage import layout
 from pipelines.storage import uris as storage
 
 __all__ = ["DTYPES", "FaultInjection", "ModelRef", "Job", "model_ref", "make_trainer", "lossless_data_config",
@@ -184,7 +185,7 @@ def make_trainer(loop, loop_config: dict, cfg, use_gpu: bool, name: str, output_
     if storage.is_remote(output_uri):
         storage_path = os.path.join(tempfile.gettempdir(), "infoform_ray_train")
     else:
-        storage_path = os.path.abspath(storage.join(output_uri, "_ray_train"))
+        storage_path = os.path.abspath(layout.train_storage_uri(output_uri))
     return TorchTrainer(
         loop,
         train_loop_config=loop_config,

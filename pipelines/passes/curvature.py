@@ -78,6 +78,7 @@ from pipelines.distributed import (
 )
 from laplace_core.methods import layer_methods, method_info
 from pipelines.distributed.checkpoint import tensor_bytes
+from pipelines.storage import layout
 from pipelines.distributed.kinds import EfbKind, Pass1Kind
 from pipelines.passes.eigen import assign_layers
 
@@ -221,19 +222,13 @@ class CurvatureResult:
 
 
 # =========================================================================== layout
-def pass_uri(output_uri: str, name: str) -> str:
-    """``<output>/stats/passes/<name>`` (the checkpoints of pass ``pass1`` / ``pass2``)."""
-    return storage.join(output_uri, "stats", "passes", name)
+pass_uri = layout.pass_uri
 
 
-def basis_uri(output_uri: str) -> str:
-    """``<output>/stats/eigenbasis``."""
-    return storage.join(output_uri, "stats", "eigenbasis")
+basis_uri = layout.basis_uri
 
 
-def reduced_uri(output_uri: str) -> str:
-    """``<output>/stats/reduced``."""
-    return storage.join(output_uri, "stats", "reduced")
+reduced_uri = layout.reduced_uri
 
 
 def _manifest(uri: str) -> str:
@@ -484,7 +479,7 @@ def run_curvature(
 
     stats = CurvatureStatistics.load(reduced_uri(output_uri), storage.fsspec_options(output_uri, store))
     basis = load_eigenbasis(basis_uri(output_uri), store) if cfg.needs_basis else None
-    report = storage.read_json(storage.join(output_uri, "stats", "worker_report.json"), store)
+    report = storage.read_json(layout.worker_report_uri(output_uri), store)
 
     computed = {k: tuple(p for p in v if p not in done[k]) for k, v in passes.items()}
     reused = {k: tuple(p for p in v if p in done[k]) for k, v in passes.items()}
@@ -514,7 +509,7 @@ def run_curvature(
         "timings": timings,
         "skipped": skipped,
     }
-    storage.write_json_atomic(storage.join(output_uri, "stats", "curvature.json"), summary, store)
+    storage.write_json_atomic(layout.curvature_summary_uri(output_uri), summary, store)
     return CurvatureResult(
         output_uri=output_uri, stats=stats, basis=basis, timings=timings, allreduce_seconds=ar_s,
         allreduce_bytes=ar_b, skipped=skipped, computed_partitions=computed, reused_partitions=reused,

@@ -22,16 +22,15 @@ from laplace_core.eigenbasis import Eigenbasis
 from laplace_core.posterior import build_posterior, resolve_method
 from laplace_core.statistics import CurvatureStatistics
 
+from pipelines.storage import layout
 from pipelines.passes.curvature import BASIS_METHODS, EFB_METHODS, basis_uri, load_eigenbasis, reduced_uri
-from pipelines.storage.uris import Store, fsspec_options, join
+from pipelines.storage.uris import Store, fsspec_options
 from pipelines.passes.subnet import load_subnet_fisher, subnet_uri
 
 __all__ = ["EFB_METHODS", "BASIS_METHODS", "posterior_uri", "build_and_save", "build_posteriors"]
 
 
-def posterior_uri(output_uri: str, method: str) -> str:
-    """``<output_uri>/posterior/<method>``."""
-    return join(output_uri, "posterior", method)
+posterior_uri = layout.posterior_uri
 
 
 def build_and_save(

@@ -77,6 +77,7 @@ from pipelines.distributed import (
 )
 from pipelines.distributed import checkpoint as ckpt
 from pipelines.distributed.comm import pack_symmetric
+from pipelines.storage import layout
 from pipelines.distributed.kinds import SubnetFisherKind
 
 __all__ = [
@@ -131,14 +132,10 @@ def subnet_config(posterior_spec, curvature_fisher: str, num_classes: int | None
                         checkpoint_every_s=p.subnet_checkpoint_s)
 
 
-def subnet_uri(output_uri: str) -> str:
-    """``<output>/stats/subnet`` (the ``S x S`` Fisher sum, count and masks)."""
-    return storage.join(output_uri, "stats", "subnet")
+subnet_uri = layout.subnet_uri
 
 
-def subnet_partial_uri(output_uri: str) -> str:
-    """``<output>/stats/subnet_partial`` (checkpoints ``ckpt-<k>`` of the running sum)."""
-    return storage.join(output_uri, "stats", "subnet_partial")
+subnet_partial_uri = layout.subnet_partial_uri
 
 
 @dataclass(frozen=True)

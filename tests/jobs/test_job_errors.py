@@ -68,7 +68,7 @@ def test_actor_resources_as_given_or_a_share_of_the_gpus():
     """Explicit ``evaluate.gpus_per_actor`` is used as is (no Ray needed); null asks the
     cluster (0 on CPU clusters: the jobs' tests; on the 1-GPU smoke run, 2 actors got 0.5 each)."""
     from pipelines.config.schema import EvalSpec
-    from pipelines.cli.run import _actor_resources
+    from pipelines.cli.model_run import actor_resources as _actor_resources
 
     assert _actor_resources(EvalSpec(gpus_per_actor=0.25, cpus_per_actor=2)) == {"cpus_per_actor": 2.0,
                                                                                 "gpus_per_actor": 0.25}

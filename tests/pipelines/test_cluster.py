@@ -7,7 +7,7 @@ import os
 import pytest
 
 from pipelines.distributed.cluster import ClusterShape, check_gpu_request, check_paths, gpu_share, resolve_output
-from pipelines.config.schema import load_config
+from pipelines.config.load import load_config
 from pipelines.errors import PreflightError
 
 #: Ray keeps fractional resources in units of 1e-4.

@@ -355,7 +355,8 @@ def test_config_errors():
         CurvatureConfig(efb_fraction=0.0)
     with pytest.raises(ValueError, match="checkpoint_every_s must be >= 0"):
         CurvatureConfig(checkpoint_every_s=-1)
-    from pipelines.config.schema import ConfigError, load_config
+    from pipelines.config.schema import ConfigError
+    from pipelines.config.load import load_config
 
     assert load_config("smoke", []).curvature.checkpoint_every_s == 600.0
     assert load_config("smoke", ["curvature.checkpoint_every_s=0"]).curvature.checkpoint_every_s == 0.0

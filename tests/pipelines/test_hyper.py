@@ -101,7 +101,8 @@ def test_search_shard_scores_each_method_at_its_own_configurations(tiny):
 
 
 def test_method_ranges_in_the_run_config():
-    from pipelines.config.schema import ConfigError, load_config
+    from pipelines.config.schema import ConfigError
+    from pipelines.config.load import load_config
 
     cfg = load_config("smoke", ["search.method_ranges=[{method: kfac, log10_tau: [-2, 6]}]"])
     (r,) = cfg.search.method_ranges

@@ -13,7 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
-from pipelines.config.schema import ConfigError, load_config
+from pipelines.config.schema import ConfigError
+
+from pipelines.config.load import load_config
 from pipelines.ingest.models import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -113,7 +115,7 @@ def test_set_data_mean_changes_what_the_model_sees(tmp_path):
     """The job's data config (pipelines.cli.run) carries data.mean / data.std into the decode
     transform: the same JPEG decodes to ``(x/255 − mean) / std`` with the values set."""
     from pipelines.ingest.data import iter_local_batches, scan
-    from pipelines.cli.run import _DataPlan, _data_config
+    from pipelines.cli.plan import DataPlan as _DataPlan, data_config as _data_config
 
     for c in ("a", "b"):
         (tmp_path / "train" / c).mkdir(parents=True)

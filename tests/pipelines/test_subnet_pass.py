@@ -27,7 +27,8 @@ from laplace_core.collect import collect_statistics
 from laplace_core.keyed_rng import KeyedSampler, keyed_categorical
 from laplace_core.structures.base import vec
 from laplace_core.subnet import collect_subnet_fisher, marginal_variances
-from pipelines.config.schema import ConfigError, ModelSpec, load_config
+from pipelines.config.schema import ConfigError, ModelSpec
+from pipelines.config.load import load_config
 from pipelines.passes.curvature import CurvatureConfig, path_keys, reduced_uri
 from pipelines.ingest.data import DataConfig, iter_local_batches, partition, scan
 from pipelines.distributed import pack_symmetric

@@ -1,0 +1,229 @@
+"""The data plan of a run: where the images are, each split's decode settings, and the
+held-out splits (search / test / OOD), all scanned on the driver before any cluster work.
+
+The embedded demo writes its digits and letters once (to the output as Parquet when the
+output is remote, so that every node reads them from there) and trains its small CNN.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipelines.cli.stages import log
+from pipelines.config.load import derive
+from pipelines.config.schema import ModelSpec, RunConfig
+from pipelines.storage import layout
+from pipelines.storage import uris as storage
+
+DEMO_NUM_CLASSES = 10
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """Where a run's images are: the data root and OOD folder (the demo's, published to a
+    remote output when there is one, or the config's), the demo's own input statistics."""
+
+    root: str
+    ood: str | None
+    mean: tuple[float, float, float] | None
+    std: tuple[float, float, float] | None
+    demo: dict[str, Any] | None
+    train_root: str | None = None  # the demo's local ImageFolder, where the demo CNN is trained
+
+
+def _demo_dir(output: str) -> str:
+    if storage.is_remote(output):
+        return os.path.join(os.path.expanduser("~"), ".cache", "infoform", "demo")
+    return storage.get_fs(output)[1]
+
+
+def _publish_demo(cfg: RunConfig, local: str, remote: str, split: str | None) -> None:
+    """Copy one split of the demo's local ImageFolder to ``remote`` as Parquet shards (the
+    encoded JPEG bytes unchanged), unless the same data is there already: with a remote
+    output the demo's images are read from the output, so that any node can read them."""
+    from pipelines.ingest.data import PARQUET_META_FILE, DataConfig, convert_to_parquet, scan
+
+    ep = cfg.storage_options()
+    index = scan(DataConfig(root=local, split=split, unlabeled=split is None,
+                            extensions=(".jpg",) if split is None else None))
+    meta_uri = storage.join(remote, PARQUET_META_FILE)
+    if storage.exists(meta_uri, ep) and storage.read_json(meta_uri, ep).get("source_fingerprint") == index.fingerprint:
+        return
+    convert_to_parquet(index, remote, endpoint_url=None, out_endpoint_url=ep)
+
+
+def prepare_demo(cfg: RunConfig, output: str) -> DataPlan:
+    from pipelines.ingest.demo_data import NORMALIZE_MEAN, NORMALIZE_STD, write_digits_imagefolder, write_letters_ood
+
+    base = Path(_demo_dir(output))
+    digits = write_digits_imagefolder(base / "demo-data" / "digits", size=32, seed=0)
+    letters = write_letters_ood(base / "demo-data" / "letters", size=32, n_per_letter=30, seed=0)
+    root, ood = str(base / "demo-data" / "digits"), str(base / "demo-data" / "letters")
+    if storage.is_remote(output):  # every node reads the demo from the output, not from this machine's disk
+        remote = layout.demo_data_uri(output)
+        for split in (cfg.data.train_split, cfg.data.val_split, cfg.data.test_split):
+            if split:
+                _publish_demo(cfg, root, storage.join(remote, "digits", split), split)
+        _publish_demo(cfg, ood, storage.join(remote, "letters"), None)
+        root, ood = storage.join(remote, "digits"), storage.join(remote, "letters")
+        log(f"demo data written to {remote} (Parquet), read from there by every node")
+    return DataPlan(
+        root=root,
+        ood=ood,
+        mean=NORMALIZE_MEAN,
+        std=NORMALIZE_STD,
+        demo={"digits": root, "letters": ood, "classes": digits["classes"]},
+        train_root=digits["root"],
+    )
+
+
+def demo_model(cfg: RunConfig, plan: DataPlan, output: str) -> tuple[ModelSpec, dict[str, Any]]:
+    from pipelines.ingest.demo_data import train_small_cnn
+
+    cache = Path(_demo_dir(output)) / "model"
+    _, info = train_small_cnn(plan.train_root, epochs=8, seed=0, cache_path=cache, num_threads=1)
+    weights = str(cache / "small_cnn.safetensors")
+    if storage.is_remote(output):  # the workers and actors load the weights from the output
+        remote = layout.demo_model_uri(output, "small_cnn.safetensors")
+        data = Path(weights).read_bytes()
+        ep = cfg.storage_options()
+        if not storage.exists(remote, ep) or storage.read_bytes(remote, ep) != data:
+            storage.write_bytes_atomic(remote, data, ep)
+        weights = remote
+    info_d = dataclasses.asdict(info) if dataclasses.is_dataclass(info) else dict(info)
+    return ModelSpec(name="demo_cnn", weights=weights, num_classes=DEMO_NUM_CLASSES), info_d
+
+
+def data_config(cfg: RunConfig, plan: DataPlan, split: str | None, *, limit=None, per_class=None,
+                 classes=None, unlabeled=False, root: str | None = None, extensions=None):
+    """One split's :class:`~pipelines.ingest.data.DataConfig`, derived from ``cfg.data``; the
+    input normalisation is ``data.mean`` / ``data.std`` when set, else the plan's (the demo's
+    own statistics), else ImageNet's."""
+    from pipelines.ingest.data import DataConfig
+
+    norm = {k: v for k, v in (("mean", plan.mean), ("std", plan.std)) if v is not None and getattr(cfg.data, k) is None}
+    kw: dict[str, Any] = dict(root=root or plan.root, split=split, limit=limit, per_class=per_class,
+                              endpoint_url=cfg.storage_options(), unlabeled=unlabeled, partition_size=None, **norm)
+    if classes is not None:
+        kw["classes"] = tuple(classes)
+    if extensions is not None:
+        kw["extensions"] = tuple(extensions)
+    if split == cfg.data.val_split and cfg.data.labels_csv:
+        kw["labels_csv"] = cfg.data.labels_csv
+    else:
+        kw["labels_csv"] = None
+    return derive(DataConfig, cfg.data, **kw)
+
+
+def subset(index, keep: int, parts: int = 2, limit: int | None = None):
+    """Deterministic interleaved subset of a DatasetIndex: within each class, entries at
+    positions ``keep, keep+parts, ...`` (disjoint for different ``keep``), then at most
+    ``limit`` entries spread evenly."""
+    from pipelines.ingest.data import fingerprint as data_fingerprint
+
+    seen: dict[int, int] = {}
+    keep_idx = []
+    for i, y in enumerate(index.labels):
+        k = seen.get(y, 0)
+        seen[y] = k + 1
+        if k % parts == keep:
+            keep_idx.append(i)
+    if limit is not None and len(keep_idx) > limit:
+        step = len(keep_idx) / limit
+        keep_idx = [keep_idx[int(j * step)] for j in range(limit)]
+    return take(index, keep_idx, data_fingerprint)
+
+
+def take(index, idx, fp_fn):
+    paths = tuple(index.paths[i] for i in idx)
+    labels = tuple(index.labels[i] for i in idx)
+    counts = [0] * len(index.classes)
+    for y in labels:
+        if y >= 0:
+            counts[y] += 1
+    kw = dict(paths=paths, labels=labels, class_counts=tuple(counts),
+              fingerprint=fp_fn(index.classes, paths, labels))
+    if index.locations:
+        kw["locations"] = tuple(index.locations[i] for i in idx)
+    return dataclasses.replace(index, **kw)
+
+
+def limit_index(index, limit: int | None):
+    from pipelines.ingest.data import fingerprint as data_fingerprint
+
+    if limit is None or len(index) <= limit:
+        return index
+    step = len(index) / limit
+    return take(index, [int(j * step) for j in range(limit)], data_fingerprint)
+
+
+@dataclass(frozen=True)
+class Splits:
+    """The scanned splits of one run: training partitions, the search split, the test split
+    and the OOD set (their indices and decode settings)."""
+
+    train: Any
+    train_config: Any
+    parts: list
+    classes: tuple
+    search: Any
+    search_config: Any
+    test: Any
+    test_config: Any
+    ood: Any = None
+    ood_config: Any = None
+
+    def summary(self, cfg: RunConfig, plan: DataPlan) -> dict[str, Any]:
+        return {
+            "train": self.train.summary(),
+            "search": {"split": cfg.data.val_split, "num_files": len(self.search)},
+            "test": {"split": cfg.data.test_split or f"{cfg.data.val_split} (other half)", "num_files": len(self.test)},
+            "ood": None if self.ood is None else self.ood.summary(),
+            "num_classes": len(self.classes),
+            "partitions": len(self.parts),
+            "demo": plan.demo,
+        }
+
+
+def scan_splits(cfg: RunConfig, plan: DataPlan) -> Splits:
+    """Scan every split on the driver. With no ``data.test_split``, the one labelled held-out
+    split gives disjoint halves to the search and the evaluation."""
+    from pipelines.ingest.data import partition, scan
+
+    train_cfg = data_config(cfg, plan, cfg.data.train_split, limit=cfg.data.limit, per_class=cfg.data.per_class)
+    train = scan(train_cfg)
+    classes = train.classes
+    val_cfg = data_config(cfg, plan, cfg.data.val_split, classes=classes)
+    val_full = scan(val_cfg)
+    if cfg.data.test_split:
+        test_cfg = data_config(cfg, plan, cfg.data.test_split, classes=classes)
+        search = limit_index(val_full, cfg.data.val_limit)
+        test = limit_index(scan(test_cfg), cfg.data.test_limit)
+    else:
+        test_cfg = val_cfg
+        search = subset(val_full, 0, limit=cfg.data.val_limit)
+        test = subset(val_full, 1, limit=cfg.data.test_limit)
+    ood = ood_cfg = None
+    if plan.ood:
+        ood_cfg = data_config(cfg, plan, None, root=plan.ood, unlabeled=True,
+                              extensions=(".jpg",) if plan.demo is not None else None)
+        ood = limit_index(scan(ood_cfg), cfg.data.ood_limit)
+    parts = partition(train, partition_size=cfg.data.partition_size)
+    return Splits(train=train, train_config=train_cfg, parts=parts, classes=classes, search=search,
+                  search_config=val_cfg, test=test, test_config=test_cfg, ood=ood, ood_config=ood_cfg)
+
+
+def config_plan(cfg: RunConfig, output: str) -> DataPlan:
+    """The demo's plan (:func:`prepare_demo`) or the config's data and OOD roots."""
+    if cfg.data.demo:
+        return prepare_demo(cfg, output)
+    return DataPlan(root=cfg.data.root, ood=cfg.data.ood, mean=None, std=None, demo=None)
+
+
+def data_config_for(cfg: RunConfig, root: str, split: str | None, **kw: Any):
+    """The :class:`~pipelines.ingest.data.DataConfig` a run of ``cfg`` uses for ``split`` of
+    the (non-demo) images under ``root``."""
+    return data_config(cfg, DataPlan(root=root, ood=None, mean=None, std=None, demo=None), split, **kw)

@@ -1,0 +1,70 @@
+"""Run-or-skip bookkeeping of a run's stages: the stage marker is the commit point.
+
+A stage whose marker exists with the same fingerprint (a hash of every setting and input
+that shapes its result) is skipped and its stored summary reused; one made with other
+settings is refused in one line (a new ``--output`` or ``--force <stage>``); a stage that is
+not requested reuses an earlier result if there is one. The marker is written last, after
+every artifact of the stage (docs/design.md §4).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any, Callable
+
+from pipelines.config.schema import RunConfig
+from pipelines.storage import uris as storage
+from pipelines.storage.layout import stage_marker_uri
+
+__all__ = ["log", "fingerprint", "Stages"]
+
+
+def log(msg: str) -> None:
+    """One line of the job's own log."""
+    print(f"[infoform {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def fingerprint(obj: Any) -> str:
+    """A short stable hash of a JSON-able settings tree."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Stages:
+    """Run-or-skip bookkeeping for one output folder; ``results`` holds each stage's summary."""
+
+    def __init__(self, cfg: RunConfig, output: str, ensure_ray: Callable[[], None]):
+        self.cfg = cfg
+        self.output = output
+        self.ep = cfg.storage_options()
+        self.ensure_ray = ensure_ray
+        self.results: dict[str, Any] = {}
+
+    def run(self, stage: str, fp_obj: Any, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        uri = stage_marker_uri(self.output, stage)
+        fp = fingerprint(fp_obj)
+        if stage not in self.cfg.stages:
+            if storage.exists(uri, self.ep):
+                self.results[stage] = storage.read_json(uri, self.ep)["summary"]
+                return self.results[stage]
+            log(f"stage {stage}: not requested (--stages) and no earlier result")
+            return None
+        if storage.exists(uri, self.ep) and stage not in self.cfg.force:
+            marker = storage.read_json(uri, self.ep)
+            if marker.get("fingerprint") != fp:
+                raise ValueError(
+                    f"{self.output} already holds a {stage} result made with other settings; "
+                    f"use a new --output or --force {stage}"
+                )
+            log(f"stage {stage}: done earlier, skipped ({uri})")
+            self.results[stage] = marker["summary"]
+            return marker["summary"]
+        self.ensure_ray()  # connects and checks the cluster's shape before the stage starts
+        log(f"stage {stage}: running")
+        t0 = time.perf_counter()
+        summary = fn()
+        summary = {**summary, "seconds": time.perf_counter() - t0}
+        storage.write_json_atomic(uri, {"stage": stage, "fingerprint": fp, "summary": summary}, self.ep)
+        log(f"stage {stage}: finished in {summary['seconds']:.1f} s")
+        self.results[stage] = summary
+        return summary
