@@ -5,7 +5,7 @@
 
 With no data arguments it runs the embedded ``demo`` preset on a local Ray instance.
 Thin on purpose: parse -> frozen config -> ``ray.init()`` -> ``pipelines.cli.run`` -> print
-where the report is. ``infoform run`` is the same entry point (``pipelines.cli.job``).
+where the report is. ``infoform run`` is the same entry point (``pipelines.cli.main``).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ if __package__ in (None, ""):
     # `python jobs/imagenet_inf.py` from a checkout or a Ray job's working dir
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipelines.cli.job import config_from_args, get_args_parser, main  # noqa: E402,F401
+from pipelines.cli.main import config_from_args, get_args_parser, run_job  # noqa: E402,F401
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_job())

@@ -5,7 +5,7 @@ endpoint, a local path on a multi-node cluster); one line, exit code 2.
 
 :class:`StageError`: a stage failed for a reason the user can act on (an actor could not
 load a posterior from a URI, a worker's code raised). Raised on the driver with the cause's
-own message (which names the URI); ``pipelines.cli.job.main`` prints it and exits with code 1.
+own message (which names the URI); ``pipelines.cli.main.main`` prints it and exits with code 1.
 """
 from __future__ import annotations
 

@@ -271,7 +271,7 @@ def test_python_api_block_runs(tmp_path, monkeypatch):
 def test_cluster_submission_parses():
     from ray.dashboard.modules.job.cli import job_cli_group
 
-    from pipelines.cli.job import config_from_args, get_args_parser
+    from pipelines.cli.main import config_from_args, get_args_parser
 
     cmds = [c for c, (k, _) in EXERCISED.items() if k == "parse" and c.startswith("ray job submit")]
     assert cmds

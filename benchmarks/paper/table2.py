@@ -13,7 +13,7 @@
 3. The job: ``jobs/imagenet_inf.py`` arguments (``--preset benchmarks/paper/mnist.yaml
    --model benchmarks.paper.lenet:lenet --weights ... --data ... --ood ...``, with
    ``data.mean`` / ``data.std`` set to MNIST's), run in this process through
-   ``pipelines.cli.job`` / ``pipelines.cli.run``: curvature on the train split, ``--configs`` random
+   ``pipelines.cli.main`` / ``pipelines.cli.run``: curvature on the train split, ``--configs`` random
    ``(N, τ)`` per method searched on val (objective ECE, as the paper's App. E.3), test and
    OOD evaluated with the same chosen ``(N, τ)``.
 4. ``table2.json`` / ``table2.md`` (paper | ours) in ``--out`` (data, weights and the job's
@@ -125,11 +125,11 @@ def job_args(root: Path, letters: Path, weights: Path, output: Path, configs: in
 
 
 def run_job(argv: list[str]) -> None:
-    """The job's own path (``pipelines.cli.job``: parse, preflight, ``pipelines.cli.run.run``) in this
+    """The job's own path (``pipelines.cli.main``: parse, preflight, ``pipelines.cli.run.run``) in this
     process; Ray is joined if already up, else started locally."""
     import os
 
-    from pipelines.cli.job import config_from_args, get_args_parser
+    from pipelines.cli.main import config_from_args, get_args_parser
     from pipelines.cli.preflight import preflight
     from pipelines.cli.run import run
 

@@ -1,6 +1,6 @@
 """Preflight: everything the job can check before any cluster work, each failure one line.
 
-Run by the job (``pipelines.cli.job.main``) before Ray starts: the configuration's model names
+Run by the job (``pipelines.cli.main.main``) before Ray starts: the configuration's model names
 and weights, the data, OOD and weights URIs, and that the output prefix is writable, all
 with the run's own store settings (:class:`pipelines.storage.uris.StorageOptions`) and the
 credentials of the AWS chain. A wrong endpoint, a missing bucket, denied access or a

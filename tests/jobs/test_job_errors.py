@@ -177,7 +177,7 @@ def test_s3_preflight_answers_within_seconds(s3_layout):
     The good layout passes and leaves no probe object behind."""
     import time
 
-    from pipelines.cli.job import config_from_args, get_args_parser
+    from pipelines.cli.main import config_from_args, get_args_parser
     from pipelines.cli.preflight import PreflightError, preflight
     from pipelines.storage import uris as storage
 

@@ -98,7 +98,7 @@ def test_relative_outputs_resolve_outside_rays_working_dir_copy(monkeypatch, tmp
 
 
 def test_address_without_job_submit_ships_the_working_dir(monkeypatch):
-    from pipelines.cli.job import runtime_env_for
+    from pipelines.cli.main import runtime_env_for
 
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
     env = runtime_env_for("127.0.0.1:6379")
