@@ -121,7 +121,9 @@ def _publish_demo(cfg: RunConfig, local: str, remote: str, split: str | None) ->
     """Copy one split of the demo's local ImageFolder to ``remote`` as Parquet shards (the
     encoded JPEG bytes unchanged), unless the same data is there already: with a remote
     output the demo's images are read from the output, so that any node can read them."""
-    from pipelines.ingest.data import PARQUET_META_FILE, DataConfig, convert_to_parquet, scan
+    from pipelines.ingest.index import DataConfig
+    from pipelines.ingest.parquet import PARQUET_META_FILE, convert_to_parquet
+    from pipelines.ingest.scan import scan
 
     ep = _endpoint(cfg)
     index = scan(DataConfig(root=local, split=split, unlabeled=split is None,
@@ -176,7 +178,7 @@ def _demo_model(cfg: RunConfig, plan: _DataPlan, output: str) -> tuple[ModelSpec
 
 def _data_config(cfg: RunConfig, plan: _DataPlan, split: str | None, *, limit=None, per_class=None,
                  classes=None, unlabeled=False, root: str | None = None, extensions=None):
-    from pipelines.ingest.data import DataConfig
+    from pipelines.ingest.index import DataConfig
 
     kw: dict[str, Any] = dict(
         root=root or plan.root,
@@ -207,7 +209,7 @@ def _subset(index, keep: int, parts: int = 2, limit: int | None = None):
     """Deterministic interleaved subset of a DatasetIndex: within each class, entries at
     positions ``keep, keep+parts, ...`` (disjoint for different ``keep``), then at most
     ``limit`` entries spread evenly."""
-    from pipelines.ingest.data import fingerprint as data_fingerprint
+    from pipelines.ingest.index import fingerprint as data_fingerprint
 
     seen: dict[int, int] = {}
     keep_idx = []
@@ -237,7 +239,7 @@ def _take(index, idx, fp_fn):
 
 
 def _limit(index, limit: int | None):
-    from pipelines.ingest.data import fingerprint as data_fingerprint
+    from pipelines.ingest.index import fingerprint as data_fingerprint
 
     if limit is None or len(index) <= limit:
         return index
@@ -288,7 +290,9 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
                ensure_ray: Callable[[], None]) -> dict[str, Any]:
     """All stages for one model; returns the run summary (also written as run.json)."""
     from pipelines.passes.curvature import CurvatureConfig, run_curvature
-    from pipelines.ingest.data import build_dataset, partition, scan
+    from pipelines.ingest.batches import build_dataset
+    from pipelines.ingest.index import partition
+    from pipelines.ingest.scan import scan
     from pipelines.evaluation.evaluate import EvalConfig, evaluate
     from pipelines.evaluation.search import SearchConfig, search
     from pipelines.report.report import write_report

@@ -504,7 +504,7 @@ def evaluate_shard(
 # --------------------------------------------------------------------------- Ray actor
 def valid_batches(shard: Any, batch_size: int):
     """(iterator of (x, y) without invalid rows, callable returning the SkipReport so far)."""
-    from pipelines.ingest.data import SkipReport, iter_valid_batches
+    from pipelines.ingest.batches import SkipReport, iter_valid_batches
 
     state = {"skipped": SkipReport()}
 
@@ -700,7 +700,7 @@ def eval_uri(output: str, method: str) -> str:
 
 
 def _merge_skips(parts: Sequence[dict | None]) -> dict[str, Any] | None:
-    from pipelines.ingest.data import SkipReport
+    from pipelines.ingest.batches import SkipReport
 
     parts = [p for p in parts if p is not None]
     if not parts:
