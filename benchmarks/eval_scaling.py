@@ -8,7 +8,7 @@ Setup (driver process, no Ray, not timed): scikit-learn digits written as a ``si
 ImageFolder (``pipelines.ingest.demo_data``), ``demo_cnn`` trained for ``--epochs`` epochs, curvature
 on the train split in this process (MC Fisher, EFB pass) and one posterior per ``--methods``
 (INF at rank 100) saved as artifacts. Those fixed posteriors are then evaluated on
-``--split`` (Ray Data via ``pipelines.ingest.data.build_dataset``, no OOD set) with each actor
+``--split`` (Ray Data via ``pipelines.ingest.batches.build_dataset``, no OOD set) with each actor
 count, one torch thread and ``--cpus-per-actor`` Ray CPUs per actor (the default 0.5 leaves
 Ray Data a CPU to decode with on a 2-core machine), the same seed, batch size and
 ``K_mc``; repetitions are interleaved (1, 2, 1, 2, ...) and medians reported.
@@ -47,7 +47,7 @@ NORM = (0.5, 0.5, 0.5)
 
 
 def _data_cfg(root: Path, split: str, size: int):
-    from pipelines.ingest.data import DataConfig
+    from pipelines.ingest.index import DataConfig
 
     return DataConfig(root=str(root / "digits"), split=split, image_size=size, resize_size=size,
                       mean=NORM, std=NORM, decode_batch_size=64)
@@ -104,7 +104,8 @@ def main(argv=None) -> int:
 
     import ray
 
-    from pipelines.ingest.data import build_dataset, scan
+    from pipelines.ingest.batches import build_dataset
+    from pipelines.ingest.scan import scan
     from pipelines.evaluation.evaluate import EvalConfig, evaluate
 
     work = Path(tempfile.mkdtemp(prefix="infoform-evalscale-"))

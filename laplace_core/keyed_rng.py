@@ -4,9 +4,15 @@ The MC Fisher samples a label ``y_k ~ p(y | x_k)`` per example. With a sequentia
 ``torch.Generator`` the draw depends on the order in which a process sees the
 examples, so two Ray workers (or a restarted worker) would not reproduce a single
 process. Here the uniform behind each draw is a pure function
-``u = h(seed, key_k, draw, j)`` of the run's seed, the example's stable integer key
-(its index in the sorted file list), the draw number and a component index, so the
-statistics do not depend on sharding, batching or restarts.
+``u = h(seed, key_k, draw, j)`` of the run's seed, the example's key, the draw number
+and a component index, so the statistics do not depend on sharding, batching or restarts.
+
+The key is an int64 that names the example itself, not its position: whatever the caller
+supplies with each batch (a dict batch's ``"key"``, or the third element of ``(x, y, keys)``).
+The Ray pipelines key each image by the first 63 bits of SHA-1 of its path relative to the
+split dir (for Parquet data, its ``path`` column), so an image gets the same uniforms, and
+hence, for a given model, the same MC labels, in any partition layout, on any worker and
+after a restart.
 
 ``h`` is SplitMix64 (Steele, Lea & Flood 2014) chained over the inputs, computed in
 NumPy ``uint64`` (well-defined wrap-around arithmetic); the top 53 bits give a

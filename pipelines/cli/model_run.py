@@ -167,7 +167,7 @@ class ModelRun:
 
     def _do_search(self) -> dict[str, Any]:
         from pipelines.evaluation.search import SearchConfig, search
-        from pipelines.ingest.data import build_dataset
+        from pipelines.ingest.batches import build_dataset
 
         ev, s = self.cfg.evaluate, self.splits
         search_cfg = SearchConfig.from_spec(self.cfg.search, pred_type=ev.pred_type, max_failures=ev.max_failures,
@@ -191,7 +191,7 @@ class ModelRun:
 
     def _do_evaluate(self) -> dict[str, Any]:
         from pipelines.evaluation.evaluate import EvalConfig, evaluate
-        from pipelines.ingest.data import build_dataset
+        from pipelines.ingest.batches import build_dataset
 
         ev, s = self.cfg.evaluate, self.splits
         eval_cfg = EvalConfig.from_spec(ev, expected_rows=(len(s.test), None if s.ood is None else len(s.ood)),

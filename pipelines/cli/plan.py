@@ -44,7 +44,9 @@ def _publish_demo(cfg: RunConfig, local: str, remote: str, split: str | None) ->
     """Copy one split of the demo's local ImageFolder to ``remote`` as Parquet shards (the
     encoded JPEG bytes unchanged), unless the same data is there already: with a remote
     output the demo's images are read from the output, so that any node can read them."""
-    from pipelines.ingest.data import PARQUET_META_FILE, DataConfig, convert_to_parquet, scan
+    from pipelines.ingest.index import DataConfig
+    from pipelines.ingest.parquet import PARQUET_META_FILE, convert_to_parquet
+    from pipelines.ingest.scan import scan
 
     ep = cfg.storage_options()
     index = scan(DataConfig(root=local, split=split, unlabeled=split is None,
@@ -99,10 +101,10 @@ def demo_model(cfg: RunConfig, plan: DataPlan, output: str) -> tuple[ModelSpec, 
 
 def data_config(cfg: RunConfig, plan: DataPlan, split: str | None, *, limit=None, per_class=None,
                  classes=None, unlabeled=False, root: str | None = None, extensions=None):
-    """One split's :class:`~pipelines.ingest.data.DataConfig`, derived from ``cfg.data``; the
+    """One split's :class:`~pipelines.ingest.index.DataConfig`, derived from ``cfg.data``; the
     input normalisation is ``data.mean`` / ``data.std`` when set, else the plan's (the demo's
     own statistics), else ImageNet's."""
-    from pipelines.ingest.data import DataConfig
+    from pipelines.ingest.index import DataConfig
 
     norm = {k: v for k, v in (("mean", plan.mean), ("std", plan.std)) if v is not None and getattr(cfg.data, k) is None}
     kw: dict[str, Any] = dict(root=root or plan.root, split=split, limit=limit, per_class=per_class,
@@ -122,7 +124,7 @@ def subset(index, keep: int, parts: int = 2, limit: int | None = None):
     """Deterministic interleaved subset of a DatasetIndex: within each class, entries at
     positions ``keep, keep+parts, ...`` (disjoint for different ``keep``), then at most
     ``limit`` entries spread evenly."""
-    from pipelines.ingest.data import fingerprint as data_fingerprint
+    from pipelines.ingest.index import fingerprint as data_fingerprint
 
     seen: dict[int, int] = {}
     keep_idx = []
@@ -152,7 +154,7 @@ def take(index, idx, fp_fn):
 
 
 def limit_index(index, limit: int | None):
-    from pipelines.ingest.data import fingerprint as data_fingerprint
+    from pipelines.ingest.index import fingerprint as data_fingerprint
 
     if limit is None or len(index) <= limit:
         return index
@@ -191,7 +193,8 @@ class Splits:
 def scan_splits(cfg: RunConfig, plan: DataPlan) -> Splits:
     """Scan every split on the driver. With no ``data.test_split``, the one labelled held-out
     split gives disjoint halves to the search and the evaluation."""
-    from pipelines.ingest.data import partition, scan
+    from pipelines.ingest.index import partition
+    from pipelines.ingest.scan import scan
 
     train_cfg = data_config(cfg, plan, cfg.data.train_split, limit=cfg.data.limit, per_class=cfg.data.per_class)
     train = scan(train_cfg)
@@ -224,6 +227,6 @@ def config_plan(cfg: RunConfig, output: str) -> DataPlan:
 
 
 def data_config_for(cfg: RunConfig, root: str, split: str | None, **kw: Any):
-    """The :class:`~pipelines.ingest.data.DataConfig` a run of ``cfg`` uses for ``split`` of
+    """The :class:`~pipelines.ingest.index.DataConfig` a run of ``cfg`` uses for ``split`` of
     the (non-demo) images under ``root``."""
     return data_config(cfg, DataPlan(root=root, ood=None, mean=None, std=None, demo=None), split, **kw)

@@ -103,7 +103,7 @@ class _Counter:
     """Rows read, valid rows, batches, data-wait seconds and the skip report of one worker in one partition."""
 
     def __init__(self):
-        from pipelines.ingest.data import SkipReport
+        from pipelines.ingest.batches import SkipReport
 
         self.rows = 0
         self.valid = 0
@@ -150,7 +150,7 @@ class _Totals:
 
     @classmethod
     def from_meta(cls, meta: dict | None, count_names: Sequence[str]) -> "_Totals":
-        from pipelines.ingest.data import SkipReport
+        from pipelines.ingest.batches import SkipReport
 
         meta = meta or {}
         return cls(done=[int(p) for p in meta.get("done", [])],
@@ -235,7 +235,8 @@ class PassRun:
     def _open(self, pid: int) -> None:
         import ray.train
 
-        from pipelines.ingest.data import build_dataset, rank_share
+        from pipelines.ingest.batches import build_dataset
+        from pipelines.ingest.index import rank_share
 
         src = self._sources()
         if pid in src["partitions"]:  # this rank's share, as a dataset made now (nothing before)
@@ -258,7 +259,7 @@ class PassRun:
     def _batches(self, shard, pid: int, counter: _Counter):
         """``(x, y, keys)`` of the shard's valid rows on the device in the model dtype; counts
         rows and skips; the test-only fault injection point."""
-        from pipelines.ingest.data import iter_valid_batches
+        from pipelines.ingest.batches import iter_valid_batches
         from .workers import DTYPES
 
         job, rank, pass_no = self.job, self.rank, self.kind.pass_no
@@ -383,7 +384,7 @@ class PassRun:
         nc = len(k.count_names)
         rows = dict(zip(seg, nums[nc:nc + len(seg)]))
         invalid = dict(zip(seg, nums[nc + len(seg):]))
-        from pipelines.ingest.data import SkipReport
+        from pipelines.ingest.batches import SkipReport
 
         mine = SkipReport()
         for p in seg:

@@ -90,7 +90,7 @@ class Job:
 
 def put_sources(by_id: dict, pids, data_config) -> tuple[Any, dict]:
     """``(object ref of the index partitions among pids, Ray Datasets among them by pid)``:
-    partitions given as indexes (``pipelines.ingest.data`` Partition / DatasetIndex) are read lazily by
+    partitions given as indexes (``pipelines.ingest.index`` Partition / DatasetIndex) are read lazily by
     the ranks (:class:`pipelines.distributed.engine.PassRun`); ready-made Ray Datasets go to the
     trainer as they are."""
     import ray
@@ -236,12 +236,12 @@ def _partition_rows(p) -> int | None:
 
 
 def partition_dataset(p, data_config):
-    """A partition as a Ray Dataset (``pipelines.ingest.data.build_dataset``), or ``p`` if it is one."""
+    """A partition as a Ray Dataset (``pipelines.ingest.batches.build_dataset``), or ``p`` if it is one."""
     import ray.data
 
     if isinstance(p, ray.data.Dataset):
         return p
-    from pipelines.ingest.data import build_dataset
+    from pipelines.ingest.batches import build_dataset
 
     return build_dataset(p, data_config)
 

@@ -504,7 +504,7 @@ def evaluate_shard(
 # --------------------------------------------------------------------------- Ray actor
 def valid_batches(shard: Any, batch_size: int):
     """(iterator of (x, y) without invalid rows, callable returning the SkipReport so far)."""
-    from pipelines.ingest.data import SkipReport, iter_valid_batches
+    from pipelines.ingest.batches import SkipReport, iter_valid_batches
 
     state = {"skipped": SkipReport()}
 
@@ -700,7 +700,7 @@ def eval_uri(output: str, method: str) -> str:
 
 
 def _merge_skips(parts: Sequence[dict | None]) -> dict[str, Any] | None:
-    from pipelines.ingest.data import SkipReport
+    from pipelines.ingest.batches import SkipReport
 
     parts = [p for p in parts if p is not None]
     if not parts:
@@ -748,7 +748,7 @@ def evaluate(
 
     ``model_spec``: ``ModelSpec``-like (name, weights URI, num_classes) or a mapping.
     ``posterior_uris``: ``method -> artifact URI`` (``Posterior.save``). ``in_ds``: Ray
-    Dataset with columns image/label/path/valid (``pipelines.ingest.data.build_dataset``; the
+    Dataset with columns image/label/path/valid (``pipelines.ingest.batches.build_dataset``; the
     labelled test split). ``ood_ds``: the same for an OOD set, or None. ``hyper``: optional
     ``method -> (N, τ)`` applied with ``with_hyper`` inside the actors (e.g. the search's
     choice). Returns ``method -> metrics`` (``"map"`` always first): the output of

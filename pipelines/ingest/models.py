@@ -1,7 +1,7 @@
 """Model loading for the pipelines: torchvision classifiers plus the project's demo net.
 
 ``load_model(name, weights, num_classes)`` returns an ``nn.Module`` in ``eval()``
-mode (DESIGN §1: curvature is fitted with running BN statistics, no dropout).
+mode (docs/design.md §1: curvature is fitted with running BN statistics, no dropout).
 
 Names come from an explicit registry: every torchvision *classification* model
 (``torchvision.models.list_models(module=torchvision.models)``) and the extra
@@ -58,7 +58,7 @@ __all__ = [
 
 
 def _demo_cnn(num_classes: int | None) -> nn.Module:
-    from pipelines import demo_data  # lazy: written by another module, pulls in data deps
+    from pipelines.ingest import demo_data  # lazy: written by another module, pulls in data deps
 
     if num_classes is None:
         return demo_data.small_cnn()

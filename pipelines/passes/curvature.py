@@ -440,7 +440,7 @@ def run_curvature(
     ``model_spec``: a model name or anything with ``.name``, ``.weights``, ``.num_classes``
     (e.g. :class:`pipelines.config.schema.ModelSpec`); loaded in every worker with
     :func:`pipelines.ingest.models.load_model`. ``partitions``: fixed, ordered data partitions
-    (``pipelines.ingest.data`` partitions, turned into Ray Datasets with ``build_dataset(partition,
+    (``pipelines.ingest.index`` partitions, turned into Ray Datasets with ``build_dataset(partition,
     data_config)``, or ready ``ray.data.Dataset`` objects with columns ``image`` (float32
     3xHxW), ``label``, optional ``valid``/``path``). Partition ids are the partitions'
     ``index`` or their list position. Ray must be initialised (or this calls ``ray.init()``).

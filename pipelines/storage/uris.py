@@ -55,7 +55,6 @@ __all__ = [
     "read_json",
     "listdir",
     "remove",
-    "pyarrow_fs",
 ]
 
 #: Supported URI schemes ("" = plain local path).
@@ -263,27 +262,3 @@ def remove(uri: str, recursive: bool = False, endpoint_url: Store = None) -> Non
         return
     fs.rm(path, recursive=recursive)
     fs.invalidate_cache(path)
-
-
-def pyarrow_fs(uri: str, endpoint_url: Store = None):
-    """``(pyarrow.fs.FileSystem, scheme-less path)`` for APIs that want pyarrow filesystems
-    (e.g. Ray Train ``RunConfig(storage_filesystem=..., storage_path=path)``).
-
-    S3 uses pyarrow's native client (AWS default credential chain); an endpoint
-    ``http(s)://host:port`` becomes ``endpoint_override`` + ``scheme``.
-    """
-    import pyarrow.fs as pafs
-
-    fs, path = get_fs(uri, endpoint_url)
-    if not is_remote(uri):
-        return pafs.LocalFileSystem(), path
-    endpoint = resolve_options(endpoint_url).endpoint_url
-    kwargs: dict[str, Any] = {}
-    if endpoint:
-        ep = urlsplit(endpoint)
-        kwargs["endpoint_override"] = ep.netloc or ep.path
-        kwargs["scheme"] = ep.scheme or "https"
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region:
-        kwargs["region"] = region
-    return pafs.S3FileSystem(**kwargs), path

@@ -7,7 +7,7 @@ import pytest
 
 from pipelines.config.load import derive, load_config
 from pipelines.config.schema import ConfigError, CurvatureSpec, DataSpec
-from pipelines.ingest.data import DataConfig
+from pipelines.ingest.index import DataConfig
 from pipelines.passes.curvature import CurvatureConfig
 
 

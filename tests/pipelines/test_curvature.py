@@ -48,7 +48,9 @@ from pipelines.passes.curvature import (
 from pipelines.distributed import unpack_symmetric
 from pipelines.distributed.kinds import efb_payload_numbers, pass1_payload_numbers
 from pipelines.passes.posterior import build_posteriors
-from pipelines.ingest.data import DataConfig, iter_local_batches, partition, scan
+from pipelines.ingest.batches import iter_local_batches
+from pipelines.ingest.index import DataConfig, partition
+from pipelines.ingest.scan import scan
 from pipelines.ingest.models import load_model, tiny_cnn
 
 METHODS = ("diag", "kfac", "kfac_exact", "efb", "inf")

@@ -1,4 +1,4 @@
-"""pipelines.ingest.data: scanning, partitions, decoding, bad inputs, Parquet, S3, Ray Data and Ray Train.
+"""pipelines.ingest: scanning, partitions, decoding, bad inputs, Parquet, S3, Ray Data and Ray Train.
 
 Real JPEG/PNG files (tests/pipelines/imagegen.py), real local Ray (``ray_session``), real S3
 API over HTTP (``moto_s3``). Reference tensors come from torchvision's classic
@@ -16,22 +16,17 @@ from PIL import Image
 
 from imagegen import ALL_CLASSES, BAD_CASES, EMPTY_WNID, WNIDS, make_imagenet_tree, write_loc_csv
 from pipelines.storage import uris as storage
-from pipelines.ingest.data import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    DataConfig,
-    DataError,
+from pipelines.ingest.batches import (
     SkipReport,
-    ValidBatches,
     build_dataset,
     decode_batch,
-    convert_to_parquet,
     exact_split_data_config,
     iter_local_batches,
     iter_valid_batches,
-    partition,
-    scan,
 )
+from pipelines.ingest.index import IMAGENET_MEAN, IMAGENET_STD, DataConfig, DataError, partition
+from pipelines.ingest.parquet import convert_to_parquet
+from pipelines.ingest.scan import scan
 
 SMALL = dict(image_size=20, resize_size=24)  # 40x30 images -> 32x24 -> crop 20x20
 
@@ -195,7 +190,7 @@ def test_partitions_fixed_and_stable(bad_tree):
 def test_rank_shares_are_disjoint_and_cover_the_partition(bad_tree):
     """What each of ``world`` Train workers reads of a partition (``rank_share``): entries
     ``rank::world``, disjoint, together the partition; ``None`` for a rank with nothing to read."""
-    from pipelines.ingest.data import rank_share
+    from pipelines.ingest.index import rank_share
 
     part = partition(scan(DataConfig(root=str(bad_tree.root))), num_partitions=3)[2]  # 5 entries
     for world in (1, 2, 3, 5, 7):
@@ -252,7 +247,7 @@ def test_eval_transform_edge_cases(tmp_path, wh, image_size, resize_size):
     odd margins (round-half-even crop offsets): bit-identical to torchvision."""
     from imagegen import jpeg_bytes, random_rgb
 
-    from pipelines.ingest.data import decode_image
+    from pipelines.ingest.decode import decode_image
 
     f = tmp_path / "x.JPEG"
     f.write_bytes(jpeg_bytes(random_rgb(f"edge{wh}", wh)))
@@ -276,11 +271,14 @@ def test_bad_inputs_local(bad_tree, clean_tree):
     for p in bad_tree.train_converted:  # gray, CMYK, RGBA-as-.JPEG, palette PNG -> RGB
         assert torch.equal(torch.from_numpy(got[p][0]), reference(bad_tree.root / "train" / p, **SMALL)), p
 
-    vb = ValidBatches(iter_local_batches(idx, cfg, batch_size=5))
-    ys = torch.cat([y for _, y in vb])
-    assert vb.num_valid == len(ys) == len(idx) - 4 and vb.skipped.count == 4
-    assert set(vb.skipped.paths) == invalid
-    reasons = dict(vb.skipped.examples)
+    batches = list(iter_valid_batches(iter_local_batches(idx, cfg, batch_size=5)))
+    ys = torch.cat([b.y for b in batches])
+    skipped, num_valid = SkipReport(), 0
+    for b in batches:
+        skipped, num_valid = skipped.merge(b.skipped), num_valid + int(b.x.shape[0])
+    assert num_valid == len(ys) == len(idx) - 4 and skipped.count == 4
+    assert set(skipped.paths) == invalid
+    reasons = dict(skipped.examples)
     assert reasons["n01443537/zero.JPEG"] == "empty file" and "truncated" in reasons["n01440764/truncated.JPEG"]
 
 
@@ -408,8 +406,8 @@ def _train_loop(config):
     import ray.train
 
     from pipelines.storage import uris as st
-    from pipelines.ingest.data import SkipReport as SR
-    from pipelines.ingest.data import iter_valid_batches as ivb
+    from pipelines.ingest.batches import SkipReport as SR
+    from pipelines.ingest.batches import iter_valid_batches as ivb
 
     rank = ray.train.get_context().get_world_rank()
     rows, skipped = [], SR()

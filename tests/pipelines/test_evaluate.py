@@ -3,7 +3,7 @@ single-process computation, and the issue's acceptance test on the bundled digit
 
 Data: scikit-learn digits written as a 16x16 ImageFolder and letters A-J rendered
 from a system font as the OOD set (``pipelines.ingest.demo_data``), read through
-``pipelines.ingest.data.build_dataset`` (Ray Data). Model: ``demo_cnn`` trained for a few
+``pipelines.ingest.batches.build_dataset`` (Ray Data). Model: ``demo_cnn`` trained for a few
 epochs in the test (weights saved as safetensors, loaded by the actors from the URI).
 Curvature: ``laplace_core.collect_statistics`` in this process (MC Fisher, EFB pass).
 """
@@ -54,7 +54,7 @@ def digits(tmp_path_factory):
 
 
 def _data_cfg(digits, split):
-    from pipelines.ingest.data import DataConfig
+    from pipelines.ingest.index import DataConfig
 
     if split == "ood":
         return DataConfig(root=str(digits["root"] / "letters"), split=None, unlabeled=True, image_size=SIZE,
@@ -64,7 +64,8 @@ def _data_cfg(digits, split):
 
 
 def _ds(digits, split):
-    from pipelines.ingest.data import build_dataset, scan
+    from pipelines.ingest.batches import build_dataset
+    from pipelines.ingest.scan import scan
 
     c = _data_cfg(digits, split)
     return build_dataset(scan(c), c)
@@ -73,7 +74,8 @@ def _ds(digits, split):
 def _local_xy(digits, split):
     """Valid images of a split decoded in this process (same decoder as the Ray path) and
     the number of invalid files (the letters root also holds the writer's JSON marker)."""
-    from pipelines.ingest.data import iter_local_batches, scan
+    from pipelines.ingest.batches import iter_local_batches
+    from pipelines.ingest.scan import scan
 
     c = _data_cfg(digits, split)
     xs, ys, bad = [], [], 0

@@ -114,7 +114,8 @@ def test_data_mean_std_from_set_and_yaml(tmp_path):
 def test_set_data_mean_changes_what_the_model_sees(tmp_path):
     """The job's data config (pipelines.cli.run) carries data.mean / data.std into the decode
     transform: the same JPEG decodes to ``(x/255 − mean) / std`` with the values set."""
-    from pipelines.ingest.data import iter_local_batches, scan
+    from pipelines.ingest.batches import iter_local_batches
+    from pipelines.ingest.scan import scan
     from pipelines.cli.plan import DataPlan as _DataPlan, data_config as _data_config
 
     for c in ("a", "b"):

@@ -30,7 +30,9 @@ from laplace_core.subnet import collect_subnet_fisher, marginal_variances
 from pipelines.config.schema import ConfigError, ModelSpec
 from pipelines.config.load import load_config
 from pipelines.passes.curvature import CurvatureConfig, path_keys, reduced_uri
-from pipelines.ingest.data import DataConfig, iter_local_batches, partition, scan
+from pipelines.ingest.batches import iter_local_batches
+from pipelines.ingest.index import DataConfig, partition
+from pipelines.ingest.scan import scan
 from pipelines.distributed import pack_symmetric
 from pipelines.ingest.models import load_model, tiny_cnn
 from pipelines.passes.posterior import build_and_save
