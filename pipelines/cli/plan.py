@@ -62,7 +62,7 @@ def prepare_demo(cfg: RunConfig, output: str) -> DataPlan:
 
     base = Path(_demo_dir(output))
     digits = write_digits_imagefolder(base / "demo-data" / "digits", size=32, seed=0)
-    letters = write_letters_ood(base / "demo-data" / "letters", size=32, n_per_letter=30, seed=0)
+    write_letters_ood(base / "demo-data" / "letters", size=32, n_per_letter=30, seed=0)
     root, ood = str(base / "demo-data" / "digits"), str(base / "demo-data" / "letters")
     if storage.is_remote(output):  # every node reads the demo from the output, not from this machine's disk
         remote = layout.demo_data_uri(output)

@@ -50,10 +50,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-import torch
 
-from laplace_core.eigenbasis import Eigenbasis, LayerBasis, layer_eigenbasis
-from laplace_core.io import load_tensors, save_tensors
+from laplace_core.eigenbasis import Eigenbasis
 from laplace_core.layers import check_norm_layers, find_layers
 from laplace_core.statistics import CurvatureStatistics
 
@@ -80,7 +78,7 @@ from laplace_core.methods import layer_methods, method_info
 from pipelines.distributed.checkpoint import tensor_bytes
 from pipelines.storage import layout
 from pipelines.distributed.kinds import EfbKind, Pass1Kind
-from pipelines.passes.eigen import assign_layers
+from pipelines.passes.eigen import distributed_eigenbasis, load_eigenbasis, save_eigenbasis
 
 __all__ = [
     "FaultInjection",
@@ -94,8 +92,6 @@ __all__ = [
     "reduced_uri",
     "efb_partition_ids",
     "finished_partitions",
-    "load_eigenbasis",
-    "save_eigenbasis",
     "path_keys",
     "buckets",
     "gpu_shortfall",
@@ -270,77 +266,6 @@ def efb_partition_ids(
     return tuple(pick(k))
 
 
-# =========================================================================== eigenbasis I/O
-def save_eigenbasis(uri: str, basis: Eigenbasis, count: int, endpoint_url: storage.Store = None) -> None:
-    """``<uri>/`` artifact with ``<layer>/{U_A,S_A,U_G,S_G}`` and the clamp counts."""
-    meta = {
-        "format": "infoform.eigenbasis",
-        "version": 1,
-        "names": list(basis.layers),
-        "clamped": {k: int(v) for k, v in basis.clamped.items()},
-        "count": int(count),
-    }
-    save_tensors(uri, basis.flat_tensors(), meta, storage.fsspec_options(uri, endpoint_url))
-
-
-def load_eigenbasis(uri: str, endpoint_url: storage.Store = None) -> Eigenbasis:
-    tensors, meta = load_tensors(uri, storage.fsspec_options(uri, endpoint_url))
-    if meta.get("format") != "infoform.eigenbasis":
-        raise ValueError(f"{uri}: not an eigenbasis artifact (format {meta.get('format')!r})")
-    return Eigenbasis.from_flat(tensors, list(meta["names"]), meta.get("clamped", {}))
-
-
-# =========================================================================== eigenbasis
-def _distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, device, rec: dict) -> Eigenbasis:
-    """Each rank decomposes its layers (:func:`pipelines.passes.eigen.assign_layers`), then every
-    rank broadcasts its packed results (one collective per rank)."""
-    import torch.distributed as dist
-
-    shapes = {k: info.shape for k, info in stats.infos.items() if not info.diag_only}  # norm layers: no factors
-    plan = assign_layers(shapes, world)
-    t0 = time.perf_counter()
-    # on the worker's device (a GPU's float64 eigh of resnet50's factors: ~1.5 s, against
-    # minutes on a few CPU threads); kept on the CPU afterwards like the statistics
-    mine = {k: layer_eigenbasis(stats.layers[k].A.to(device), stats.layers[k].G.to(device), stats.count,
-                                name=k).to(device="cpu") for k in plan[rank]}
-    rec["eigh_s"] = time.perf_counter() - t0
-    rec["eigh_layers"] = list(plan[rank])
-    t0 = time.perf_counter()
-    got: dict[str, LayerBasis] = {}
-    nbytes = 0
-    for src in range(world):
-        names = plan[src]
-        sizes = []
-        for k in names:
-            m, n = shapes[k]
-            sizes.append((n * n, n, m * m, m, 1))
-        total = sum(sum(s) for s in sizes)
-        if total == 0:
-            continue
-        if src == rank:
-            buf = torch.cat([torch.cat([b.U_A.reshape(-1), b.S_A, b.U_G.reshape(-1), b.S_G,
-                                        torch.tensor([float(b.clamped)], dtype=torch.float64)])
-                             for b in (mine[k] for k in names)]).to(device=device, dtype=torch.float64)
-        else:
-            buf = torch.empty(total, dtype=torch.float64, device=device)
-        dist.broadcast(buf, src=src)
-        nbytes += buf.numel() * 8
-        buf = buf.cpu()
-        off = 0
-        for k, (a2, a, g2, g, _) in zip(names, sizes):
-            m, n = shapes[k]
-            U_A = buf[off: off + a2].reshape(n, n); off += a2
-            S_A = buf[off: off + a]; off += a
-            U_G = buf[off: off + g2].reshape(m, m); off += g2
-            S_G = buf[off: off + g]; off += g
-            clamped = int(buf[off]); off += 1
-            got[k] = mine[k] if src == rank else LayerBasis(U_A.clone(), S_A.clone(), U_G.clone(), S_G.clone(), clamped)
-    rec["eigen_broadcast_s"] = time.perf_counter() - t0
-    rec["eigen_broadcast_bytes"] = nbytes
-    layers = {k: got[k] for k in stats.layers if k in shapes}
-    return Eigenbasis(layers=layers, clamped={k: b.clamped for k, b in layers.items()})
-
-
 # =========================================================================== worker side
 def _train_loop(config: dict) -> None:
     """``train_loop_per_worker``: pass 1, eigenbasis, pass 2, reduced statistics."""
@@ -381,7 +306,7 @@ def _train_loop(config: dict) -> None:
             basis = load_eigenbasis(buri, job.store)
             rec["eigenbasis"] = "loaded"
         else:
-            basis = _distributed_eigenbasis(stats, rank, world, device, rec)
+            basis = distributed_eigenbasis(stats, rank, world, device, rec)
             rec["eigenbasis"] = "computed"
             if rank == 0:
                 save_eigenbasis(buri, basis, stats.count, job.store)

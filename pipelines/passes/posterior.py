@@ -23,7 +23,8 @@ from laplace_core.posterior import build_posterior, resolve_method
 from laplace_core.statistics import CurvatureStatistics
 
 from pipelines.storage import layout
-from pipelines.passes.curvature import BASIS_METHODS, EFB_METHODS, basis_uri, load_eigenbasis, reduced_uri
+from pipelines.passes.curvature import BASIS_METHODS, EFB_METHODS, basis_uri, reduced_uri
+from pipelines.passes.eigen import load_eigenbasis
 from pipelines.storage.uris import Store, fsspec_options
 from pipelines.passes.subnet import load_subnet_fisher, subnet_uri
 

@@ -40,13 +40,13 @@ from pipelines.passes.curvature import (
     CurvatureConfig,
     buckets,
     efb_partition_ids,
-    load_eigenbasis,
     pass_uri,
     path_keys,
     run_curvature,
 )
 from pipelines.distributed import unpack_symmetric
 from pipelines.distributed.kinds import efb_payload_numbers, pass1_payload_numbers
+from pipelines.passes.eigen import load_eigenbasis
 from pipelines.passes.posterior import build_posteriors
 from pipelines.ingest.batches import iter_local_batches
 from pipelines.ingest.index import DataConfig, partition
