@@ -5,17 +5,27 @@ imported; ``laplace_core`` never imports ``pipelines``, so no cycle can run betw
   ``from pipelines.x import _y``, ``x._y`` through ``import``-ed module objects is not
   checked), and
 * there are no import cycles among its modules, counting every import statement, also
-  those inside functions (a lazy import hides a cycle, it does not remove it).
+  those inside functions (a lazy import hides a cycle, it does not remove it),
+* no file is longer than :data:`MAX_LINES`, and
+* no string or comment refers to anything outside the repository (the founding design
+  notes now live in ``docs/design.md``).
 """
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("laplace_core", "pipelines")
+MAX_LINES = 500
+#: what a reference outside the repository looks like: a path up out of it, the founding
+#: design file by its old name, or an absolute path of the machine the code was written on
+OUTSIDE = re.compile(r"\.\./shared|shared/DESIGN|DESIGN §|DESIGN\.md|/work/")
 
 
 def _module_name(path: Path) -> str:
@@ -136,3 +146,40 @@ def test_the_checker_sees_a_cycle_and_a_private_import(tmp_path, monkeypatch):
     edges, private = _graph("demo_pkg")
     assert private == ["demo_pkg.a imports demo_pkg.b._hidden"]
     assert _cycles(edges) == [["demo_pkg.a", "demo_pkg.b"]]
+
+
+def _texts(path: Path):
+    """Every string constant (docstrings included, read with ``ast``) and every comment."""
+    src = path.read_text()
+    for node in ast.walk(ast.parse(src, filename=str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.lineno, node.value
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            yield tok.start[0], tok.string
+
+
+def _outside_references(package: str) -> list[str]:
+    return [f"{p.relative_to(ROOT)}:{line}: {OUTSIDE.search(text).group(0)}"
+            for p in _modules(package).values() for line, text in _texts(p) if OUTSIDE.search(text)]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_files_are_short(package):
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in _modules(package).values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert long == [], "\n".join(long)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_reference_outside_the_repository(package):
+    found = _outside_references(package)
+    assert found == [], "\n".join(found)
+
+
+def test_the_checker_sees_an_outside_reference(tmp_path, monkeypatch):
+    pkg = tmp_path / "demo_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('"""See DESIGN §1."""\nx = 1  # ../shared/papers\n')
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert _outside_references("demo_pkg") == ["demo_pkg/__init__.py:1: DESIGN §", "demo_pkg/__init__.py:2: ../shared"]
