@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-# Ray on one machine: bind to 127.0.0.1 and no token auth (../shared/ENVIRONMENT.md).
+# Ray on one machine: bind to 127.0.0.1 and no token auth.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 
