@@ -25,7 +25,7 @@ PACKAGES = ("laplace_core", "pipelines")
 MAX_LINES = 500
 #: what a reference outside the repository looks like: a path up out of it, the founding
 #: design file by its old name, or an absolute path of the machine the code was written on
-OUTSIDE = re.compile(r"\.\./shared|shared/DESIGN|DESIGN §|DESIGN\.md|/work/")
+OUTSIDE = re.compile(r"\.\./shared|shared/DESIGN|DESIGN §|DESIGN\.md|ENVIRONMENT\.md|/work/")
 
 
 def _module_name(path: Path) -> str:

@@ -130,7 +130,7 @@ def _init_ray(address: str | None) -> None:
             print(f"infoform: connecting to {address}; shipping {env['working_dir']} as the job's working dir")
         ray.init(address=address, runtime_env=env)
     else:
-        # A private local instance: loopback only (ENVIRONMENT.md).
+        # A private local instance, bound to loopback only.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(include_dashboard=False)

@@ -114,7 +114,7 @@ class CurvatureConfig:
 
     ``use_gpu=None``: use GPUs when the cluster has any (checked from the driver).
     ``cpus_per_worker``: 0.5 on a 2-core machine, so that Ray Data keeps a CPU to
-    read shards (1 CPU per worker hangs there, see ENVIRONMENT.md).
+    read shards (with 1 CPU per worker and 2 CPUs, no CPU is left to read them and the pass waits).
     ``efb_fraction`` / ``efb_max_examples``: the second (EFB) pass runs on an evenly
     spaced, deterministic subset of the partitions (:func:`efb_partition_ids`).
     ``model_dtype``: the dtype the model computes in (``float64`` for exact tests);
