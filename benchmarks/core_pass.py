@@ -250,7 +250,7 @@ def _sample_ratio(ctx: Context) -> dict[str, float]:
 
     KFAC's matrix-normal draw costs ``m^2 n + m n^2`` per layer (two factor products);
     INF's Woodbury draw with the vec trick costs ``O(mn + m|I|n ...)`` with ``|I|, |J|``
-    the kept rows/columns (Lee et al. eq. 6 / appendix eq. 21; DESIGN §1)."""
+    the kept rows/columns (Lee et al. eq. 6 / appendix eq. 21; docs/design.md §1)."""
     from laplace_core.collect import collect_efb
     from laplace_core.posterior import build_posterior
 

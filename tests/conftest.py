@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-# Ray on one machine: bind to 127.0.0.1 and no token auth (../shared/ENVIRONMENT.md).
+# Ray on one machine: bind to 127.0.0.1 and no token auth.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 

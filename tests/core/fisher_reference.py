@@ -13,7 +13,7 @@ API (all float64-friendly; run the model in float64 for 1e-10 comparisons)::
     F  = exact_fisher_blocks(model, x, targets)      # {name: (mn, mn)}  Σ_{s,k} vec d vec d^T / (S M)
     D  = exact_fisher_diag(model, x, targets)        # {name: (m, n)}    Σ_{s,k} d∘d / S   (a SUM over k)
 
-``vec`` is column stacking (index of ``W~[i, j]`` is ``j*m + i``), as in DESIGN §1.
+``vec`` is column stacking (index of ``W~[i, j]`` is ``j*m + i``), as in docs/design.md §1.
 The model is put in eval() mode for the call and restored afterwards.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Artifact I/O: bit-exact round trips, checksums, clear errors (DESIGN §4)."""
+"""Artifact I/O: bit-exact round trips, checksums, clear errors (docs/design.md §4)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""``laplace_core`` never imports Ray (DESIGN §2), and the CLI's ``sizes`` path stays light."""
+"""``laplace_core`` never imports Ray (docs/design.md §2), and the CLI's ``sizes`` path stays light."""
 import json
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""Posterior structures against dense float64 ground truth (DESIGN §1).
+"""Posterior structures against dense float64 ground truth (docs/design.md §1).
 
 For every method on small layers: ``F F^T`` (F built by applying ``scale_matvec`` to
 the identity's columns) equals the dense inverse of ``to_dense()``; ``precision_matvec``

@@ -2,7 +2,7 @@
 
 Everything is float64 on a tiny CNN (two Conv2d, one with and one without bias, and a Linear),
 8x8 inputs, 10 classes, ``M = 6`` examples, empirical Fisher (true labels), so every library
-sees exactly the same per-example gradients. Our statistics are sums (DESIGN §1):
+sees exactly the same per-example gradients. Our statistics are sums (docs/design.md §1):
 ``A = Σ_{k,t} a a^T / T``, ``G = Σ_{k,t} g g^T``, ``diag = Σ_k d_k∘d_k``, count ``M``.
 Scale conventions of the peers: ``docs/conventions.md``.
 """

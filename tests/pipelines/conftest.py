@@ -8,7 +8,7 @@ Fixtures (all session-scoped unless said otherwise):
   initialised in this process, that instance is reused and left running). Yields the
   ``ray`` module. Ray Data progress bars are off. Ray Train here needs
   ``ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.5})`` so
-  Ray Data keeps a CPU to read with (see /work/shared/ENVIRONMENT.md).
+  Ray Data keeps a CPU to read with.
 - ``moto_s3``: a moto ``ThreadedMotoServer`` on 127.0.0.1 (free port); yields its endpoint
   URL ``http://127.0.0.1:PORT``. Pass it as ``endpoint_url=`` (``pipelines.storage.uris``,
   ``DataConfig``), or to s3fs as ``client_kwargs={"endpoint_url": ...}``.
