@@ -15,7 +15,7 @@ import torch
 
 from .base import NLL_EPS, MeanAccumulator, conf_correct
 
-__all__ = ["Accuracy", "NLL", "Brier"]
+__all__ = ["Accuracy", "FloatMean", "NLL", "Brier"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,26 +34,27 @@ class Accuracy(MeanAccumulator):
 
 
 @dataclass(frozen=True, eq=False)
-class NLL(MeanAccumulator):
-    """Mean negative log-likelihood ``mean(-log max(p_y, NLL_EPS))``."""
+class FloatMean(MeanAccumulator):
+    """A :class:`~laplace_core.metrics.base.MeanAccumulator` whose sum is a float ``total``."""
 
-    kind: ClassVar[str] = "nll"
     count: int = 0
     total: float = 0.0
     num_classes: int | None = None
+
+
+class NLL(FloatMean):
+    """Mean negative log-likelihood ``mean(-log max(p_y, NLL_EPS))``."""
+
+    kind: ClassVar[str] = "nll"
 
     def terms(self, p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return -torch.log(p.gather(1, y[:, None])[:, 0].clamp_min(NLL_EPS))
 
 
-@dataclass(frozen=True, eq=False)
-class Brier(MeanAccumulator):
+class Brier(FloatMean):
     """Brier score ``mean_i sum_c (p_ic - 1[c = y_i])^2`` (sum over classes, mean over examples)."""
 
     kind: ClassVar[str] = "brier"
-    count: int = 0
-    total: float = 0.0
-    num_classes: int | None = None
 
     def terms(self, p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         d = p.clone()
