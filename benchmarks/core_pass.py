@@ -49,7 +49,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from laplace_core.collect import collect_efb, collect_statistics, efb_contraction_order  # noqa: E402
+from laplace_core.collect import collect_efb, collect_statistics  # noqa: E402
+from laplace_core.accumulate import efb_contraction_order  # noqa: E402
 from laplace_core.eigenbasis import LayerBasis, eigenbasis  # noqa: E402
 from laplace_core.hooks import num_positions  # noqa: E402
 from laplace_core.layers import find_layers  # noqa: E402

@@ -256,7 +256,7 @@ def flop_table(a) -> dict:
     ``torch.utils.flop_counter.FlopCounterMode`` (the MAP model, summed cross-entropy, weight
     gradients included), and the extra GEMM FLOPs of each pass counted from the layer shapes
     and positions ``T`` (per example: pass 1 ``A`` 2n²T, ``G`` 2m²T, diagonal 2mnT; pass 2 the
-    cheaper EFB order of :func:`laplace_core.collect.efb_contraction_order`; the same counts as
+    cheaper EFB order of :func:`laplace_core.accumulate.efb_contraction_order`; the same counts as
     ``benchmarks/core_pass.py``). Whole fit: ``eigh`` of every factor at ≈ 9(n³ + m³)
     (symmetric QR with vectors, Golub & Van Loan; MKL's divide and conquer does less). Draws:
     ours ``2mn(m+n)`` per KFAC draw (two GEMMs) when formed, laplace-torch ``4mn(m+n)``
@@ -266,7 +266,7 @@ def flop_table(a) -> dict:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from laplace_core.collect import efb_contraction_order
+    from laplace_core.accumulate import efb_contraction_order
     from laplace_core.sample_apply import draw_costs
     from core_pass import layer_positions  # benchmarks/ is sys.path[0] when run as a script
     from laplace_core.layers import find_layers

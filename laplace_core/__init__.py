@@ -41,7 +41,7 @@ _EXPORTS = {
     "load_posterior": "structures.base",
     "save_tensors": "io",
     "load_tensors": "io",
-    "MetricSuite": "metrics",
+    "MetricSuite": "metrics.suite",
     "MCPredictor": "predictive",
     "mc_predict": "predictive",
     "map_predict": "predictive",

@@ -67,7 +67,6 @@ __all__ = [
     "owner_params",
     "find_layers",
     "get_matrix",
-    "set_matrix",
     "perturbed",
 ]
 
@@ -121,8 +120,8 @@ class LayerView:
 
     ``parent`` owns the parameters ``parent.<weight_name>`` / ``parent.<bias_name>``
     (``bias_name`` None: no bias); the view's ``weight`` / ``bias`` are their rows
-    ``rows`` (dim 0), as views, so ``perturbed`` / ``set_matrix`` write through to the
-    module. ``parent_name`` is the parent's qualified name in the model.
+    ``rows`` (dim 0), as views, so in-place updates (:func:`perturbed`) write through to
+    the module. ``parent_name`` is the parent's qualified name in the model.
     """
 
     kind: LayerKind = LayerKind.LINEAR
@@ -344,15 +343,6 @@ def get_matrix(module: nn.Module) -> torch.Tensor:
     if module.bias is not None:
         w = torch.cat([w, module.bias.detach().reshape(-1, 1)], dim=1)
     return w
-
-
-def set_matrix(module: nn.Module, mat: torch.Tensor) -> None:
-    """In-place inverse of :func:`get_matrix` (no autograd)."""
-    with torch.no_grad():
-        k = module.weight[0].numel()
-        module.weight.copy_(mat[:, :k].reshape(module.weight.shape))
-        if module.bias is not None:
-            module.bias.copy_(mat[:, k])
 
 
 @contextlib.contextmanager

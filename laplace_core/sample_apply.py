@@ -25,22 +25,43 @@ The GEMMs run in the posterior's dtype, like the weight-space delta, and the res
 cast to the layer's output dtype. Nothing of size ``(mn) x anything`` is formed; the
 extra memory is ``r x n`` per input-space layer.
 
-Layer views (:mod:`laplace_core.layers`: conv groups, attention projections) always take
-the weight route, whatever ``space`` says: a tapped projection has no module call to hook,
-and a conv group is never cheaper in input space (``m/g`` outputs against ``T`` columns;
-depthwise: one output).
+Layer views (:mod:`laplace_core.layers`) have input-space routes of their own:
+
+* **conv groups** (:class:`~laplace_core.layers.GroupView`): one hook pair on the grouped
+  convolution; for every factored group ``k``, ``δ_k x~_k`` with ``x~_k`` the patches of
+  that group's input channels (``[unfold(x[:, group k]); 1]``, the convolution's stride,
+  padding and dilation, :func:`laplace_core.hooks.group_rows`), added to the group's output
+  channels; the groups run as batched products. The convolution goes one way for all its
+  factored groups, the cheaper by the summed :func:`draw_costs` (a group is rarely cheaper
+  in input space: ``m/g`` outputs against ``T`` columns; depthwise: one output).
+* **tapped projections** (:class:`~laplace_core.layers.InProjView`, the packed q/k/v
+  projection of ``nn.MultiheadAttention``; :class:`~laplace_core.layers.TapView`, a linear
+  layer its parent applies with ``F.linear``): a ``TorchFunctionMode`` active inside the
+  block sees every ``F.linear`` call whose weight is such a layer's parameter (by identity)
+  and adds ``δ x~`` (``x~ = [x; 1]`` over the last axis, any leading shape) to its result,
+  or, when the weights are cheaper for that call, calls it with ``W + δ``. Inside the mode,
+  ``F.multi_head_attention_forward`` of an attention block with such a layer runs as
+  :func:`laplace_core.hooks.mha_forward` (the same attention with visible ``F.linear``
+  calls); the calls that one does not handle (cross-attention, separate q/k/v weights,
+  ``bias_k``, zero attention, dropout in training, unbatched inputs) take the weight route,
+  ``W + δ`` passed as the projection arguments of the library function.
+
+Any other view (ConvNeXt's layer scale: never factored) takes the weight route.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as tF
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from .layers import LayerView, perturbed
+from .hooks import group_rows, mha_forward, num_positions
+from .layers import GroupView, LayerView, is_tapped, perturbed
 from .structures.base import ScaleFactors
 
 __all__ = ["SAMPLE_SPACES", "input_space_cheaper", "draw_costs", "applied"]
@@ -89,17 +110,125 @@ def _input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _output_delta(module: nn.Module, x: torch.Tensor, positions: tuple[int, ...], f: ScaleFactors) -> torch.Tensor:
-    """``δ x~`` for the layer's input ``x``, in the layer's output shape."""
+def _rows_delta(X: torch.Tensor, f: ScaleFactors, bias: bool) -> torch.Tensor:
+    """``(δ x~)^T`` for input rows ``X`` ``(r, k)`` (the bias entry of ``x~``, when there is
+    one, is 1): ``((X R_{:k} + R_k) C^T) L^T``, ``(r, m)``, in the factors' dtype."""
     R, C, Lf = f.right, f.core[0] if f.core.dim() == 3 else f.core, f.left
-    X = _input_rows(module, x)
     k = X.shape[1]
     Y = X.to(R.dtype) @ R[:k]  # (r, n): R^T x~ without the bias column ...
-    if module.bias is not None:
+    if bias:
         Y = Y + R[k]  # ... whose entry of x~ is 1
-    Y = (Y @ C.T) @ Lf.T  # (r, m)
+    return (Y @ C.T) @ Lf.T
+
+
+def _output_delta(module: nn.Module, x: torch.Tensor, positions: tuple[int, ...], f: ScaleFactors) -> torch.Tensor:
+    """``δ x~`` for the layer's input ``x``, in the layer's output shape."""
+    Y = _rows_delta(_input_rows(module, x), f, module.bias is not None)
     Y = Y.reshape(*positions, Y.shape[-1])
     return Y.permute(0, 3, 1, 2) if isinstance(module, nn.Conv2d) else Y
+
+
+def _group_delta(conv: nn.Conv2d, x: torch.Tensor, groups: list[tuple[int, ScaleFactors]]) -> torch.Tensor:
+    """``δ_k x~_k`` of the listed groups ``(k, factors)`` of a grouped convolution, in its
+    output layout ``(B, m, T)`` (zero in the other groups' channels): the group rows
+    ``(B, T, g, n)`` (:func:`~laplace_core.hooks.group_rows`, bias column included) times
+    ``R_k``, ``C_k^T``, ``L_k^T``, one batched product over the groups each."""
+    idx = [k for k, _ in groups]
+    a = group_rows(conv, x)
+    if len(idx) < conv.groups:
+        a = a[:, :, idx]
+    B, T, gs, n = a.shape
+    R = torch.stack([f.right for _, f in groups])
+    C = torch.stack([f.core[0] if f.core.dim() == 3 else f.core for _, f in groups])
+    L = torch.stack([f.left for _, f in groups])
+    A = a.permute(2, 0, 1, 3).reshape(gs, B * T, n).to(R.dtype)
+    Y = torch.bmm(torch.bmm(torch.bmm(A, R), C.transpose(1, 2)), L.transpose(1, 2))  # (gs, B T, m/g)
+    mg = Y.shape[-1]
+    Y = Y.reshape(gs, B, T, mg).permute(1, 0, 3, 2)  # (B, gs, m/g, T)
+    if gs == conv.groups:
+        return Y.reshape(B, gs * mg, T)
+    out = Y.new_zeros(B, conv.groups, mg, T)
+    out[:, idx] = Y
+    return out.reshape(B, conv.groups * mg, T)
+
+
+_MHA_SIGNATURE = inspect.signature(mha_forward)
+
+
+def _mha_handled(a: Mapping[str, Any]) -> bool:
+    """Whether :func:`~laplace_core.hooks.mha_forward` runs this attention call (bound
+    arguments of ``F.multi_head_attention_forward``)."""
+    q = a["query"]
+    return (q is a["key"] and q is a["value"] and isinstance(q, torch.Tensor) and q.dim() == 3
+            and not a["use_separate_proj_weight"] and a["bias_k"] is None and not a["add_zero_attn"]
+            and a["static_k"] is None and a["static_v"] is None and not (a["training"] and a["dropout_p"] > 0))
+
+
+class _TapApply(TorchFunctionMode):
+    """Applies factored draws of tapped layers at their ``F.linear`` calls (module docstring).
+
+    ``taps``: ``id(weight parameter) -> (name, view, factors)``; ``prefer_inputs(f, k,
+    columns, device)`` decides a call's route, ``delta(name)`` forms a draw's ``m x n`` delta
+    (once per block), ``note(name, mode)`` records the route. An attention call whose tapped
+    layers all take the weight route runs the library function with ``W + δ`` (its fused
+    attention), not :func:`~laplace_core.hooks.mha_forward`."""
+
+    def __init__(self, taps: Mapping[int, tuple[str, LayerView, ScaleFactors]], prefer_inputs: Callable,
+                 delta: Callable[[str], torch.Tensor], note: Callable[[str, str], None]):
+        super().__init__()
+        self.taps, self.prefer_inputs, self.delta, self.note = dict(taps), prefer_inputs, delta, note
+
+    def _shifted(self, name: str, w: torch.Tensor, b: torch.Tensor | None):
+        """``(W + δ_W, b + δ_b)`` for the weight route of a call."""
+        d = self.delta(name)
+        k = w[0].numel()
+        w2 = w + d[:, :k].reshape(w.shape).to(device=w.device, dtype=w.dtype)
+        return w2, (None if b is None else b + d[:, k].to(device=b.device, dtype=b.dtype))
+
+    def _linear(self, func, tap, args, kwargs):
+        name, view, f = tap
+        x = args[0] if args else kwargs["input"]
+        w = args[1] if len(args) > 1 else kwargs["weight"]
+        b = args[2] if len(args) > 2 else kwargs.get("bias")
+        bias = view.bias is not None
+        k = x.shape[-1]
+        inputs = self.prefer_inputs(f, k, x.numel() // max(k, 1), x.device)
+        self.note(name, "inputs" if inputs else "weights")
+        if inputs:
+            out = func(x, w, b)
+            d = _rows_delta(x.reshape(-1, k), f, bias).reshape(*x.shape[:-1], -1)
+            return out + d.to(out.dtype)
+        return func(x, *self._shifted(name, w, b))
+
+    def _attention(self, func, args, kwargs):
+        ba = _MHA_SIGNATURE.bind(*args, **kwargs)
+        ba.apply_defaults()
+        a = ba.arguments
+        ours = [(wk, bk) for wk, bk in (("in_proj_weight", "in_proj_bias"), ("out_proj_weight", "out_proj_bias"))
+                if id(a[wk]) in self.taps]
+        if not ours:
+            return func(*args, **kwargs)
+        if _mha_handled(a) and any(self.prefer_inputs(self.taps[id(a[wk])][2], a[wk][0].numel(),
+                                                       a["query"].shape[0] * a["query"].shape[1], a["query"].device)
+                                   for wk, _ in ours):
+            with self:  # its F.linear calls come back to this mode
+                return mha_forward(*args, **kwargs)
+        for wk, bk in ours:  # weight route through the library function's projection arguments
+            name = self.taps[id(a[wk])][0]
+            a[wk], a[bk] = self._shifted(name, a[wk], a[bk])
+            self.note(name, "weights")
+        return func(**a)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is tF.multi_head_attention_forward:
+            return self._attention(func, args, kwargs)
+        if func is tF.linear:
+            w = args[1] if len(args) > 1 else kwargs.get("weight")
+            tap = self.taps.get(id(w))
+            if tap is not None:
+                return self._linear(func, tap, args, kwargs)
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -112,24 +241,50 @@ def applied(
     """Run ``modules``' model inside this block under ``draw``: ``name ->`` delta ``(m, n)``
     (added to the weights, as :func:`~laplace_core.layers.perturbed`) or
     :class:`ScaleFactors` with a ``(1, m, n)`` or ``(m, n)`` core (weights or inputs, per
-    ``space`` and each call's input shape). ``used`` (optional) receives ``name -> "weights"
-    / "inputs"`` for the factored layers' last call. The MAP weights are restored exactly
-    on exit, and after every weight-space call of a factored layer; a factored delta is
-    formed at most once per block, however many batches run inside it."""
+    ``space`` and each call's input shape; layer views as in the module docstring).
+    ``used`` (optional) receives ``name -> "weights" / "inputs"`` for the factored layers'
+    last call. The MAP weights are restored exactly on exit, and after every weight-space
+    call of a factored layer; a factored delta is formed at most once per block, however
+    many batches run inside it."""
     if space not in SAMPLE_SPACES:
         raise ValueError(f"unknown sample space {space!r}; valid: {', '.join(SAMPLE_SPACES)}")
     plain = {k: v for k, v in draw.items() if not isinstance(v, ScaleFactors)}
     factored = {k: v for k, v in draw.items() if isinstance(v, ScaleFactors)}
-    views = [k for k in factored if isinstance(modules[k], LayerView)]  # always the weight route
-    plain.update({k: factored.pop(k).matrix().reshape(draw[k].core.shape[-2:]) for k in views})
-    if used is not None:
-        used.update({k: "weights" for k in views})
+    views = {k: factored.pop(k) for k in [k for k in factored if isinstance(modules[k], LayerView)]}
     if space == "weights":
-        plain.update({k: f.matrix().reshape(f.core.shape[-2:]) for k, f in factored.items()})
-        factored = {}
+        plain.update({k: f.matrix().reshape(f.core.shape[-2:]) for k, f in {**factored, **views}.items()})
+        if used is not None:
+            used.update({k: "weights" for k in views})
+        factored, views = {}, {}
+    groups: dict[int, tuple[nn.Conv2d, dict[str, tuple[int, ScaleFactors]]]] = {}
+    taps: dict[int, tuple[str, LayerView, ScaleFactors]] = {}
+    for k, f in views.items():
+        view = modules[k]
+        if isinstance(view, GroupView):
+            groups.setdefault(id(view.parent), (view.parent, {}))[1][k] = (view.index, f)
+        elif is_tapped(view):
+            taps[id(getattr(view.parent, view.weight_name))] = (k, view, f)
+        else:  # no input-space route
+            plain[k] = f.matrix().reshape(f.core.shape[-2:])
+            if used is not None:
+                used[k] = "weights"
     handles = []
-    live: dict[str, Any] = {}  # name -> the open weight-space context, or the input columns
+    live: dict[Any, Any] = {}  # name -> the open weight-space context, or the input (a tuple)
     formed: dict[str, torch.Tensor] = {}  # name -> delta, formed once per block for every call that needs it
+    every = {**factored, **views}
+
+    def delta(name: str) -> torch.Tensor:
+        if name not in formed:
+            f = every[name]
+            formed[name] = f.matrix().reshape(f.core.shape[-2:])
+        return formed[name]
+
+    def note(name: str, mode: str) -> None:
+        if used is not None:
+            used[name] = mode
+
+    def prefer_inputs(f: ScaleFactors, k: int, columns: int, device) -> bool:
+        return f.right.device == device and (space == "inputs" or input_space_cheaper(*f.core.shape[-2:], k, columns))
 
     def make_hooks(name: str, f: ScaleFactors):
         mod = modules[name]
@@ -144,14 +299,11 @@ def applied(
                 live[name] = (x, positions)
                 mode = "inputs"
             else:
-                if name not in formed:
-                    formed[name] = f.matrix().reshape(m, n)
-                ctx = perturbed({name: module}, {name: formed[name]})
+                ctx = perturbed({name: module}, {name: delta(name)})
                 ctx.__enter__()
                 live[name] = ctx
                 mode = "weights"
-            if used is not None:
-                used[name] = mode
+            note(name, mode)
 
         def post(module, args, output):
             state = live.pop(name)
@@ -162,10 +314,45 @@ def applied(
 
         return mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)
 
+    def make_group_hooks(conv: nn.Conv2d, members: dict[str, tuple[int, ScaleFactors]]):
+        key = ("groups", id(conv))
+        bias = conv.bias is not None
+
+        def pre(module, args):
+            x = args[0]
+            inputs = x.dim() == 4 and all(f.right.device == x.device for _, f in members.values())
+            if inputs and space != "inputs":
+                columns = x.shape[0] * num_positions(conv, x)
+                costs = [draw_costs(*f.core.shape[-2:], f.core.shape[-1] - bias, columns) for _, f in members.values()]
+                inputs = sum(c[1] for c in costs) < sum(c[0] for c in costs)
+            if inputs:
+                live[key] = (x,)
+            else:
+                ctx = perturbed({k: modules[k] for k in members}, {k: delta(k) for k in members})
+                ctx.__enter__()
+                live[key] = ctx
+            for k in members:
+                note(k, "inputs" if inputs else "weights")
+
+        def post(module, args, output):
+            state = live.pop(key)
+            if isinstance(state, tuple):
+                d = _group_delta(conv, state[0], sorted(members.values(), key=lambda e: e[0]))
+                return output + d.reshape(output.shape).to(output.dtype)
+            state.__exit__(None, None, None)
+            return None
+
+        return conv.register_forward_pre_hook(pre), conv.register_forward_hook(post)
+
     try:
         for name, f in factored.items():
             handles.extend(make_hooks(name, f))
-        with perturbed(modules, plain):
+        for conv, members in groups.values():
+            handles.extend(make_group_hooks(conv, members))
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(perturbed(modules, plain))
+            if taps:
+                stack.enter_context(_TapApply(taps, prefer_inputs, delta, note))
             yield
     finally:
         for h in handles:

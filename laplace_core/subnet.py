@@ -34,7 +34,8 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from .collect import check_fisher, likelihood_for, split_batch, output_gradients, sample_targets
+from .collect import split_batch
+from .likelihoods import check_fisher, likelihood_for, output_gradients, sample_targets
 from .hooks import capture, layer_inputs, layer_output_grads, norm_grads
 from .keyed_rng import KeyedSampler
 from .layers import LayerKind, find_layers, layer_kind

@@ -56,13 +56,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from laplace_core.metrics import (
-    DEFAULT_ECE_BINS,
-    ECE_STRATEGIES,
-    ENTROPY_BINS,
-    Entropy,
-    MetricSuite,
-)
+from laplace_core.metrics.base import DEFAULT_ECE_BINS, ECE_STRATEGIES, ENTROPY_BINS
+from laplace_core.metrics.calibration import Entropy
+from laplace_core.metrics.suite import MetricSuite
 
 from pipelines.storage import uris as storage
 from pipelines.errors import StageError, cause_line

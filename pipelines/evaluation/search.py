@@ -46,7 +46,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from laplace_core.metrics import NLL, Accuracy, Brier, Calibration, DEFAULT_ECE_BINS, ECE_STRATEGIES
+from laplace_core.metrics.base import DEFAULT_ECE_BINS, ECE_STRATEGIES
+from laplace_core.metrics.calibration import Calibration
+from laplace_core.metrics.scores import NLL, Accuracy, Brier
 
 from pipelines.storage import uris as storage
 from pipelines.evaluation.evaluate import (

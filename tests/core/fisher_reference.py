@@ -7,7 +7,7 @@ layer's weight (and bias) gradient into the ``W~ = [W, b]`` layout (``m x n``).
 
 API (all float64-friendly; run the model in float64 for 1e-10 comparisons)::
 
-    targets = sample_targets(model(x), y, fisher="mc", mc_samples=S, generator=g)  # from laplace_core.collect
+    targets = sample_targets(model(x), y, fisher="mc", mc_samples=S, generator=g)  # from laplace_core.likelihoods
     d  = per_example_grads(model, x, targets)        # {name: (S, M, m, n)}  (targets (S, M))
     d1 = per_example_grads(model, x, y)              # {name: (M, m, n)}     (targets (M,))
     F  = exact_fisher_blocks(model, x, targets)      # {name: (mn, mn)}  Σ_{s,k} vec d vec d^T / (S M)

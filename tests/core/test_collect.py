@@ -13,7 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_core.collect import collect_efb, collect_statistics, efb_contraction_order, sample_targets
+from laplace_core.collect import collect_efb, collect_statistics
+from laplace_core.likelihoods import sample_targets
+from laplace_core.accumulate import efb_contraction_order
 from laplace_core.eigenbasis import eigenbasis
 from laplace_core.layers import find_layers
 

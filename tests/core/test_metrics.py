@@ -21,7 +21,11 @@ from sklearn.metrics import (
     roc_curve,
 )
 
-from laplace_core import metrics as M
+from laplace_core.metrics.base import FINE_BINS, NLL_EPS, bin_index
+from laplace_core.metrics.calibration import Calibration, Entropy
+from laplace_core.metrics.ood import OODDetection
+from laplace_core.metrics.scores import NLL, Accuracy, Brier
+from laplace_core.metrics.suite import MetricSuite
 
 TOL = 1e-12          # float64 sums vs an independent float64 computation
 HIST_TOL = 1e-3      # histogram-mode OOD metrics vs exact ones (10,000 bins)
@@ -98,7 +102,7 @@ def assert_close_tree(a, b, tol=TOL, path="root"):
 # ----------------------------------------------------------------- scalar metrics
 def test_accuracy_nll_brier_against_sklearn():
     p, y = make_data()
-    s = M.MetricSuite().update(p, y).compute()
+    s = MetricSuite().update(p, y).compute()
     P, Y = p.numpy(), y.numpy()
     assert s["count"] == len(Y)
     assert s["accuracy"] == accuracy_score(Y, P.argmax(1))
@@ -114,14 +118,14 @@ def test_accuracy_nll_brier_against_sklearn():
 def test_nll_clamps_zero_probability_at_eps():
     p = torch.tensor([[1.0, 0.0], [0.25, 0.75]], dtype=torch.float64)
     y = torch.tensor([1, 1])
-    nll = M.NLL().update(p, y).compute()["nll"]
-    assert nll == pytest.approx((-math.log(M.NLL_EPS) - math.log(0.75)) / 2, rel=1e-14)
+    nll = NLL().update(p, y).compute()["nll"]
+    assert nll == pytest.approx((-math.log(NLL_EPS) - math.log(0.75)) / 2, rel=1e-14)
 
 
 def test_single_class_present():
     p, _ = make_data(n=200, c=4, seed=3)
     y = torch.zeros(200, dtype=torch.int64)
-    s = M.MetricSuite().update(p, y).compute()
+    s = MetricSuite().update(p, y).compute()
     P = p.numpy()
     assert s["accuracy"] == float(np.mean(P.argmax(1) == 0))
     assert abs(s["nll"] - log_loss(np.zeros(200), P, labels=[0, 1, 2, 3])) < TOL
@@ -135,7 +139,7 @@ def test_single_class_present():
 @pytest.mark.parametrize("n_bins", [15, 10, 7])
 def test_ece_equal_width_against_numpy(n_bins):
     p, y = make_data(n=800, c=6, seed=1)
-    cal = M.Calibration("equal_width", n_bins).update(p, y).compute()
+    cal = Calibration("equal_width", n_bins).update(p, y).compute()
     P, Y = p.numpy(), y.numpy()
     conf, correct = P.max(1), P.argmax(1) == Y
     ref, counts = ref_ece_equal_width(conf, correct, n_bins)
@@ -158,7 +162,7 @@ def test_ece_equal_width_against_numpy(n_bins):
 def test_ece_against_torchmetrics_if_available():
     tm = pytest.importorskip("torchmetrics.functional.classification")
     p, y = make_data(n=500, c=4, seed=11)
-    ours = M.Calibration("equal_width", 15).update(p, y).compute()["ece"]
+    ours = Calibration("equal_width", 15).update(p, y).compute()["ece"]
     theirs = float(tm.multiclass_calibration_error(p.float(), y, num_classes=4, n_bins=15, norm="l1"))
     assert abs(ours - theirs) < 1e-5  # float32 inside torchmetrics; left-closed bins, no value on an edge here
 
@@ -169,7 +173,7 @@ def test_confidence_exactly_on_bin_edges():
     conf = torch.tensor([k / 15 for k in ks], dtype=torch.float64)
     p = torch.stack([conf, 1 - conf], dim=1)
     y = torch.tensor([0, 1, 0, 0])
-    cal = M.Calibration("equal_width", 15).update(p, y).compute()
+    cal = Calibration("equal_width", 15).update(p, y).compute()
     counts = [b["count"] for b in cal["bins"]]
     expected = [0] * 15
     for k in ks:
@@ -178,7 +182,7 @@ def test_confidence_exactly_on_bin_edges():
     ref, ref_counts = ref_ece_equal_width(conf.numpy(), [True, False, True, True], 15)
     assert ref_counts == expected and abs(cal["ece"] - ref) < TOL
     # the bin function itself: 0 -> first bin, 1 -> last bin, edge -> lower bin
-    idx = M.bin_index(torch.tensor([0.0, 1 / 15, 1 / 15 + 1e-15, 1.0], dtype=torch.float64), 15)
+    idx = bin_index(torch.tensor([0.0, 1 / 15, 1 / 15 + 1e-15, 1.0], dtype=torch.float64), 15)
     assert idx.tolist() == [0, 0, 1, 14]
 
 
@@ -190,7 +194,7 @@ def test_ece_equal_mass_exact_for_few_distinct_values():
     p = torch.stack([conf, 1 - conf], dim=1)
     y = (torch.rand(n, generator=g, dtype=torch.float64) > conf).to(torch.int64)
     for n_bins in (15, 10):
-        ours = M.Calibration("equal_mass", n_bins).update(p, y).compute()
+        ours = Calibration("equal_mass", n_bins).update(p, y).compute()
         ref = ref_ece_equal_mass(conf.numpy(), (y == 0).numpy(), n_bins)
         assert abs(ours["ece"] - ref) < TOL
         assert sum(b["count"] for b in ours["bins"]) == n
@@ -200,7 +204,7 @@ def test_ece_equal_mass_continuous_close_to_rank_rule():
     p, y = make_data(n=3000, c=10, seed=2)
     P, Y = p.numpy(), y.numpy()
     conf, correct = P.max(1), P.argmax(1) == Y
-    ours = M.Calibration("equal_mass", 15).update(p, y).compute()
+    ours = Calibration("equal_mass", 15).update(p, y).compute()
     ref = ref_ece_equal_mass(conf, correct, 15)
     assert abs(ours["ece"] - ref) < MASS_TOL
     counts = [b["count"] for b in ours["bins"]]
@@ -216,7 +220,7 @@ def test_entropy_mean_and_histogram():
     p, y = make_data(n=400, c=7, seed=4, scale=1.0)
     p = torch.cat([p, torch.full((1, 7), 1 / 7, dtype=torch.float64), torch.eye(7, dtype=torch.float64)[:1]])
     y = torch.cat([y, torch.tensor([0, 0])])
-    e = M.Entropy().update(p, y).compute()
+    e = Entropy().update(p, y).compute()
     ref = ref_norm_entropy(p.numpy())
     assert abs(e["entropy_mean"] - np.clip(ref, 0, 1).mean()) < TOL
     edges = np.arange(51) / 50
@@ -241,8 +245,8 @@ def test_ood_exact_against_sklearn_and_histogram_close():
         "aupr": average_precision_score(y, s),
         "fpr_at_95_tpr": ref_fpr_at_95(s_in.numpy(), s_out.numpy()),
     }
-    exact = M.OODDetection(exact_limit=10_000).update_scores(s_in, ood=False).update_scores(s_out, ood=True).compute()
-    hist = M.OODDetection().update_scores(s_in, ood=False).update_scores(s_out, ood=True).compute()
+    exact = OODDetection(exact_limit=10_000).update_scores(s_in, ood=False).update_scores(s_out, ood=True).compute()
+    hist = OODDetection().update_scores(s_in, ood=False).update_scores(s_out, ood=True).compute()
     assert exact["mode"] == "exact" and hist["mode"] == "histogram_10000"
     for k, v in ref.items():
         assert abs(exact[k] - v) < TOL, k
@@ -254,12 +258,12 @@ def test_ood_exact_against_sklearn_and_histogram_close():
 def test_ood_histogram_exact_on_quantised_scores_with_ties():
     g = torch.Generator().manual_seed(1)
     # scores on the centres of the fine bins -> histogram mode is exact, with many ties
-    s_in = (torch.randint(0, 300, (500,), generator=g).double() + 0.5) / M.FINE_BINS * 20
-    s_out = (torch.randint(100, 400, (400,), generator=g).double() + 0.5) / M.FINE_BINS * 20
-    s_in, s_out = ((s_in * M.FINE_BINS).floor() + 0.5) / M.FINE_BINS, ((s_out * M.FINE_BINS).floor() + 0.5) / M.FINE_BINS
+    s_in = (torch.randint(0, 300, (500,), generator=g).double() + 0.5) / FINE_BINS * 20
+    s_out = (torch.randint(100, 400, (400,), generator=g).double() + 0.5) / FINE_BINS * 20
+    s_in, s_out = ((s_in * FINE_BINS).floor() + 0.5) / FINE_BINS, ((s_out * FINE_BINS).floor() + 0.5) / FINE_BINS
     y = np.r_[np.zeros(500), np.ones(400)]
     s = np.r_[s_in.numpy(), s_out.numpy()]
-    hist = M.OODDetection().update_scores(s_in, ood=False).update_scores(s_out, ood=True).compute()
+    hist = OODDetection().update_scores(s_in, ood=False).update_scores(s_out, ood=True).compute()
     assert abs(hist["auroc"] - roc_auc_score(y, s)) < TOL
     assert abs(hist["aupr"] - average_precision_score(y, s)) < TOL
     assert abs(hist["fpr_at_95_tpr"] - ref_fpr_at_95(s_in.numpy(), s_out.numpy())) < TOL
@@ -268,7 +272,7 @@ def test_ood_histogram_exact_on_quantised_scores_with_ties():
 def test_ood_from_probs_uses_normalised_entropy():
     p_in, _ = make_data(n=300, c=5, seed=8, scale=3.0)
     p_out, _ = make_data(n=200, c=5, seed=9, scale=0.7)
-    r = M.OODDetection(exact_limit=1000).update(p_in, ood=False).update(p_out, ood=True).compute()
+    r = OODDetection(exact_limit=1000).update(p_in, ood=False).update(p_out, ood=True).compute()
     e_in, e_out = ref_norm_entropy(p_in.numpy()), ref_norm_entropy(p_out.numpy())
     y = np.r_[np.zeros(300), np.ones(200)]
     assert abs(r["auroc"] - roc_auc_score(y, np.r_[e_in, e_out])) < TOL
@@ -277,11 +281,11 @@ def test_ood_from_probs_uses_normalised_entropy():
 
 def test_ood_exact_mode_switches_on_total_count_only():
     s_in, s_out = ood_scores(seed=1, n_in=60, n_out=50)
-    a = M.OODDetection(exact_limit=80).update_scores(s_in[:30], ood=False).update_scores(s_out[:25], ood=True)
-    b = M.OODDetection(exact_limit=80).update_scores(s_in[30:], ood=False).update_scores(s_out[25:], ood=True)
+    a = OODDetection(exact_limit=80).update_scores(s_in[:30], ood=False).update_scores(s_out[:25], ood=True)
+    b = OODDetection(exact_limit=80).update_scores(s_in[30:], ood=False).update_scores(s_out[25:], ood=True)
     assert a.exact and b.exact
     merged = a.merge(b)
-    whole = M.OODDetection(exact_limit=80).update_scores(s_in, ood=False).update_scores(s_out, ood=True)
+    whole = OODDetection(exact_limit=80).update_scores(s_in, ood=False).update_scores(s_out, ood=True)
     assert not merged.exact and not whole.exact
     assert_close_tree(merged.compute(), whole.compute())
 
@@ -290,7 +294,7 @@ def test_ood_exact_mode_switches_on_total_count_only():
 def shard_suites(p, y, p_ood, cuts, cuts_ood, **kw):
     suites = []
     for lo, hi in zip(cuts[:-1], cuts[1:]):
-        suites.append(M.MetricSuite.create(**kw).update(p[lo:hi], y[lo:hi]))
+        suites.append(MetricSuite.create(**kw).update(p[lo:hi], y[lo:hi]))
     for i, (lo, hi) in enumerate(zip(cuts_ood[:-1], cuts_ood[1:])):
         suites[i % len(suites)] = suites[i % len(suites)].update_ood(p_ood[lo:hi])
     return suites
@@ -300,7 +304,7 @@ def shard_suites(p, y, p_ood, cuts, cuts_ood, **kw):
 def test_merged_shards_equal_whole_set(exact_limit):
     p, y = make_data(n=1000, c=8, seed=12)
     p_ood, _ = make_data(n=400, c=8, seed=13, scale=0.8)
-    whole = M.MetricSuite.create(ood_exact_limit=exact_limit).update(p, y).update_ood(p_ood).compute()
+    whole = MetricSuite.create(ood_exact_limit=exact_limit).update(p, y).update_ood(p_ood).compute()
     shards = shard_suites(p, y, p_ood, [0, 137, 500, 501, 1000], [0, 10, 250, 400], ood_exact_limit=exact_limit)
     left = shards[0].merge(shards[1]).merge(shards[2]).merge(shards[3])
     tree = shards[3].merge(shards[1]).merge(shards[2].merge(shards[0]))  # other order
@@ -314,9 +318,9 @@ def test_merged_shards_equal_whole_set(exact_limit):
 
 def test_suite_matches_parts_and_named_variant():
     p, y = make_data(n=300, c=3, seed=14)
-    s = M.MetricSuite.create(ece_bins=10).update(p, y).compute()
-    assert s["ece_equal_width_10"] == M.Calibration("equal_width", 10).update(p, y).compute()["ece"]
-    assert s["ece_equal_mass_10"] == M.Calibration("equal_mass", 10).update(p, y).compute()["ece"]
+    s = MetricSuite.create(ece_bins=10).update(p, y).compute()
+    assert s["ece_equal_width_10"] == Calibration("equal_width", 10).update(p, y).compute()["ece"]
+    assert s["ece_equal_mass_10"] == Calibration("equal_mass", 10).update(p, y).compute()["ece"]
     assert "ood" not in s
     json.dumps(s)  # JSON-able
 
@@ -325,27 +329,27 @@ def test_json_round_trip_is_exact():
     p, y = make_data(n=250, c=4, seed=15)
     p_ood, _ = make_data(n=90, c=4, seed=16, scale=0.5)
     for limit in (0, 1000):
-        suite = M.MetricSuite.create(ood_exact_limit=limit).update(p, y).update_ood(p_ood)
-        back = M.MetricSuite.from_json(json.loads(json.dumps(suite.to_json())))
+        suite = MetricSuite.create(ood_exact_limit=limit).update(p, y).update_ood(p_ood)
+        back = MetricSuite.from_json(json.loads(json.dumps(suite.to_json())))
         assert back.compute() == suite.compute()
         # and the restored accumulator keeps accumulating
         assert_close_tree(back.update(p, y).compute(), suite.update(p, y).compute())
     with pytest.raises(ValueError, match="not a"):
-        M.NLL.from_json(M.Brier().to_json())
+        NLL.from_json(Brier().to_json())
 
 
 # ----------------------------------------------------------------- errors
 def test_empty_accumulators_raise_on_compute():
-    for acc in (M.Accuracy(), M.NLL(), M.Brier(), M.Calibration(), M.Calibration("equal_mass"), M.Entropy()):
+    for acc in (Accuracy(), NLL(), Brier(), Calibration(), Calibration("equal_mass"), Entropy()):
         with pytest.raises(ValueError, match="no examples"):
             acc.compute()
     with pytest.raises(ValueError, match="no in-distribution"):
-        M.MetricSuite().compute()
+        MetricSuite().compute()
     with pytest.raises(ValueError, match="needs in-distribution and OOD"):
-        M.OODDetection().update_scores(torch.tensor([0.1, 0.2]), ood=False).compute()
+        OODDetection().update_scores(torch.tensor([0.1, 0.2]), ood=False).compute()
     # an empty batch is fine and changes nothing
     p0 = torch.zeros(0, 3, dtype=torch.float64)
-    assert M.Accuracy().update(p0, torch.zeros(0, dtype=torch.int64)).count == 0
+    assert Accuracy().update(p0, torch.zeros(0, dtype=torch.int64)).count == 0
 
 
 @pytest.mark.parametrize(
@@ -365,21 +369,21 @@ def test_empty_accumulators_raise_on_compute():
 )
 def test_bad_input_raises(probs, labels, match):
     with pytest.raises(ValueError, match=match):
-        M.MetricSuite().update(probs, labels)
+        MetricSuite().update(probs, labels)
 
 
 def test_class_count_and_config_mismatch():
     p3 = torch.full((2, 3), 1 / 3, dtype=torch.float64)
     p4 = torch.full((2, 4), 1 / 4, dtype=torch.float64)
     y = torch.tensor([0, 1])
-    s = M.MetricSuite().update(p3, y)
+    s = MetricSuite().update(p3, y)
     with pytest.raises(ValueError, match="classes"):
         s.update(p4, y)
     with pytest.raises(ValueError, match="classes"):
         s.update_ood(p4)
     with pytest.raises(ValueError, match="classes"):
-        s.merge(M.MetricSuite().update(p4, y))
+        s.merge(MetricSuite().update(p4, y))
     with pytest.raises(ValueError, match="n_bins"):
-        M.Calibration("equal_width", 15).merge(M.Calibration("equal_width", 10))
+        Calibration("equal_width", 15).merge(Calibration("equal_width", 10))
     with pytest.raises(ValueError, match="valid: equal_width, equal_mass"):
-        M.Calibration("quantile")
+        Calibration("quantile")

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from laplace_core.collect import collect_statistics, sample_targets
+from laplace_core.collect import collect_statistics
+from laplace_core.likelihoods import sample_targets
 from laplace_core.eigenbasis import eigenbasis
 from laplace_core.glm import glm_covariance
 from laplace_core.layers import ScaleView, find_layers, perturbed

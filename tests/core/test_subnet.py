@@ -24,7 +24,8 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_core.collect import collect_statistics, sample_targets
+from laplace_core.collect import collect_statistics
+from laplace_core.likelihoods import sample_targets
 from laplace_core.glm import GLMPredictor, glm_covariance
 from laplace_core.structures.base import load_posterior
 from laplace_core.keyed_rng import KeyedSampler
@@ -281,7 +282,7 @@ def test_keyed_mc_subnet_fisher_uses_the_pass1_labels(problem):
     F, count = collect_subnet_fisher(model, keyed, masks, fisher="mc", mc_samples=3, generator=KeyedSampler(11),
                                      likelihood=lik)
     # reference: the same keyed draws made here, each fed as "empirical" labels
-    from laplace_core.collect import likelihood_for
+    from laplace_core.likelihoods import likelihood_for
     ref = torch.zeros_like(F)
     for x, y, keys in keyed:
         with torch.no_grad():

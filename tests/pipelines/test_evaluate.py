@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import laplace_core as lc
-from laplace_core.metrics import MetricSuite
+from laplace_core.metrics.suite import MetricSuite
 from laplace_core.predictive import MCPredictor
 from pipelines.evaluation.evaluate import MAP, EvalConfig, evaluate
 from pipelines.evaluation.search import SearchConfig, search

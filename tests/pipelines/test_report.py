@@ -20,7 +20,8 @@ import pytest
 import torch
 from PIL import Image
 
-from laplace_core.metrics import MetricSuite, normalized_entropy
+from laplace_core.metrics.base import normalized_entropy
+from laplace_core.metrics.suite import MetricSuite
 from pipelines.report import report
 from pipelines.storage import uris as storage
 
