@@ -1,6 +1,6 @@
 """laplace_core: Laplace posteriors for image classifiers in the sparse information form.
 
-Pure torch; never imports Ray (DESIGN §2). Public API (DESIGN §3)::
+Pure torch; never imports Ray (docs/design.md §2). Public API (docs/design.md §3)::
 
     import laplace_core as lc
     stats = lc.collect_statistics(model, batches, fisher="mc", mc_samples=1, generator=g)

@@ -34,7 +34,7 @@ EFB_ORDERS = ("form", "rotate")
 def efb_contraction_order(m: int, n: int, T: int, *, have_d: bool) -> str:
     """``"form"`` or ``"rotate"``, whichever needs fewer multiplies per example:
     form ``d_k`` then rotate: ``(0 if have_d else mnT) + m²n + mn²``; rotate ``a``
-    and ``g`` first: ``n²T + m²T + mnT`` (DESIGN §1). ``have_d``: the Fisher diagonal
+    and ``g`` first: ``n²T + m²T + mnT`` (docs/design.md §1). ``have_d``: the Fisher diagonal
     already forms ``d_k`` in the same pass."""
     form = (0 if have_d else m * n * T) + m * m * n + m * n * n
     rotate = n * n * T + m * m * T + m * n * T

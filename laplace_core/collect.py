@@ -1,6 +1,6 @@
 """One pass over the data: KFAC factors, the exact Fisher diagonal and EFB sums.
 
-For ``M`` examples and every registered layer (``W~`` is ``m x n``, DESIGN §1), with
+For ``M`` examples and every registered layer (``W~`` is ``m x n``, docs/design.md §1), with
 input rows ``a_{k,t}`` (``n``) and output-gradient rows ``g_{k,t}`` (``m``) of the
 per-example log-likelihood ``log p(y_k | x_k)`` over ``T`` positions:
 
@@ -16,7 +16,7 @@ or are the true labels (``fisher="empirical"``). Everything is a sum plus a coun
 accumulated in ``dtype`` (float64 by default) while the matrix products run in the
 model's dtype.
 
-Cost per example and layer (multiply counts, DESIGN §1): forward ``mnT`` and the
+Cost per example and layer (multiply counts, docs/design.md §1): forward ``mnT`` and the
 back-propagation of output gradients ``≈ mnT`` (weight gradients are never formed);
 ``A``: ``n²T``, as a blocked symmetric product (upper blocks only, ``(k+1)/2k`` of
 that); ``G``: ``m²T``; ``diag``: for ``T > 8`` positions ``d_k`` by a batched matmul
@@ -302,7 +302,7 @@ def collect_statistics(
     ``"rotate"``, tests only) forces the EFB contraction order.
 
     Shapes per layer (``W~`` is ``m x n``): ``A`` (n, n), ``G`` (m, m), ``diag`` and
-    ``efb`` (m, n). Identities: DESIGN §1; KFC (Grosse & Martens 2016) for convs.
+    ``efb`` (m, n). Identities: docs/design.md §1; KFC (Grosse & Martens 2016) for convs.
 
     ``norm_layers="diag"`` adds the normalisation layers (:mod:`laplace_core.layers`):
     only their exact Fisher diagonal ``Σ_k d_k ∘ d_k`` (``d_k`` from

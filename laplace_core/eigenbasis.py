@@ -1,4 +1,4 @@
-"""Kronecker-factored eigenbasis of the KFAC factors (DESIGN §1).
+"""Kronecker-factored eigenbasis of the KFAC factors (docs/design.md §1).
 
 ``A/M = U_A diag(S_A) U_A^T`` (n x n) and ``G/M = U_G diag(S_G) U_G^T`` (m x m), from
 ``torch.linalg.eigh`` in float64 on symmetrised matrices. Eigenvalues below zero

@@ -11,7 +11,7 @@ and the layer views: conv groups, attention projections) one forward pass record
   that stores ``∂ loss / ∂ out`` during the backward pass; :func:`layer_output_grads`
   turns it into rows ``g_{k,t}`` of shape ``(B, T, m)``.
 
-Why tensor hooks and gradient edges, not module full-backward hooks (DESIGN §5):
+Why tensor hooks and gradient edges, not module full-backward hooks (docs/design.md §5):
 torchvision ResNets apply ``ReLU(inplace=True)`` right after a layer's output (or
 after the BatchNorm that follows it); an in-place op rebases the output tensor's
 history, which breaks ``register_full_backward_hook`` and makes

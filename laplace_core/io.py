@@ -1,4 +1,4 @@
-"""Artifact I/O: safetensors + JSON manifest, versioned and checksummed (DESIGN §4).
+"""Artifact I/O: safetensors + JSON manifest, versioned and checksummed (docs/design.md §4).
 
 An artifact is a directory ``<uri>/`` (local path or any fsspec URL, e.g.
 ``s3://bucket/prefix``) holding

@@ -1,6 +1,6 @@
 """Which modules carry a posterior, and the ``W~ = [W, b]`` view of their parameters.
 
-DESIGN §1: curvature covers the weights and biases of every ``nn.Linear`` and every
+docs/design.md §1: curvature covers the weights and biases of every ``nn.Linear`` and every
 ``nn.Conv2d``, and the linear maps inside attention blocks. The registry below is
 explicit; any other module that owns parameters (BatchNorm, ...) stays a point estimate
 and is listed in ``excluded`` with the reason, never silently dropped.

@@ -1,4 +1,4 @@
-"""Build a Laplace posterior from curvature statistics (DESIGN §1, §3).
+"""Build a Laplace posterior from curvature statistics (docs/design.md §1, §3).
 
 ``P = N F/M + τ I`` per layer, with ``F`` one of the registered structures:
 

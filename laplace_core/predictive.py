@@ -1,6 +1,6 @@
 """Predictive distributions: MAP and Monte-Carlo over posterior weight samples.
 
-MC predictive (DESIGN §1 "Predictive"): for ``t = 0..K-1`` draw ``θ_t = θ* + δ_t``
+MC predictive (docs/design.md §1 "Predictive"): for ``t = 0..K-1`` draw ``θ_t = θ* + δ_t``
 with ``δ_t ~ N(0, P^{-1})`` from the posterior, and return
 
     p(y | x) ≈ (1/K) Σ_t softmax(f(x; θ_t))            (average of probabilities)

@@ -1,7 +1,7 @@
 """Numbers each posterior structure stores, counted from layer shapes (Lee et al. 2020, Table 3).
 
 Per curvature layer with ``W~ = [W, b]`` of shape ``m x n`` (``m`` outputs, ``n`` fan-in
-incl. the bias column; DESIGN §1), the counts are:
+incl. the bias column; docs/design.md §1), the counts are:
 
 ==============  ==========================================  =================================
 method          stores                                      numbers

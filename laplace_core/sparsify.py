@@ -1,4 +1,4 @@
-"""Spectral sparsification, Algorithm 1 of Lee et al. (2020), DESIGN §1.
+"""Spectral sparsification, Algorithm 1 of Lee et al. (2020), docs/design.md §1.
 
 The EFB eigenvalues of one layer form an ``m x n`` matrix ``Λ`` (entry ``[i, j]``
 belongs to the eigenvector pair ``(U_G[:, i], U_A[:, j])``). Keeping the ``K``

@@ -1,6 +1,6 @@
 """Curvature statistics: per-layer sums plus the example count, mergeable by addition.
 
-Conventions (DESIGN §1). A layer's weight with bias appended is ``W~ = [W, b]`` of
+Conventions (docs/design.md §1). A layer's weight with bias appended is ``W~ = [W, b]`` of
 shape ``m x n`` (``m`` outputs, ``n`` fan-in incl. the bias column). For ``M``
 examples with per-example log-likelihood gradients ``d_k`` (``m x n``):
 

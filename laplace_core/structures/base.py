@@ -1,4 +1,4 @@
-"""The one interface every posterior structure implements (DESIGN §2, §3).
+"""The one interface every posterior structure implements (docs/design.md §2, §3).
 
 A posterior is a collection of independent per-layer Gaussians
 ``N(θ*_l, P_l^{-1})`` over ``vec(W~_l)`` (column stacking, ``W~`` is ``m x n``).

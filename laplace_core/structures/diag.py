@@ -1,4 +1,4 @@
-"""Diagonal Laplace posterior for one layer (DESIGN §1).
+"""Diagonal Laplace posterior for one layer (docs/design.md §1).
 
 ``P = N diag/M + τ`` elementwise on the ``m x n`` grid of ``W~``; ``diag/M`` is the
 exact Fisher diagonal. ``F z = P^{-1/2} ∘ z``.

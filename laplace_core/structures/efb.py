@@ -1,4 +1,4 @@
-"""Posteriors diagonal in a Kronecker-factored eigenbasis (DESIGN §1).
+"""Posteriors diagonal in a Kronecker-factored eigenbasis (docs/design.md §1).
 
 ``P = (U_A ⊗ U_G) diag(vec(N Λ + τ)) (U_A ⊗ U_G)^T`` with ``Λ`` an ``m x n`` matrix
 of (normalised) eigenvalues, entry ``[i, j]`` belonging to ``(U_G[:, i], U_A[:, j])``:

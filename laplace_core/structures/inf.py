@@ -18,7 +18,7 @@ precision stays positive definite (``Dp > 0`` plus a PSD low-rank part) and the 
 below exact for it. ``clipped_D`` counts the clipped entries, ``diag_rel_error`` is
 ``||diag(F_INF) − diag/M||_F / ||diag/M||_F`` after clipping (0 when nothing is clipped).
 
-Sampler (DESIGN §1; Woodbury, all cubic work in ``L x L``, ``L = |I| |J|``). With
+Sampler (docs/design.md §1; Woodbury, all cubic work in ``L x L``, ``L = |I| |J|``). With
 ``Dp = N D + τ`` (m x n), ``s = √(N Λ_L)`` and the (mn) x L operator
 ``V = Dp^{-1/2} (U_a ⊗ U_g) diag(vec s)`` (never formed), ``P = Dp^{1/2} (I + V V^T) Dp^{1/2}``.
 With ``V^T V = Q Γ Q^T`` (one ``L x L`` eigh) the symmetric square root gives::
@@ -28,7 +28,7 @@ With ``V^T V = Q Γ Q^T`` (one ``L x L`` eigh) the symmetric square root gives::
 which equals the design's ``Dp^{-1/2} (I − P̃ (I − (I+Γ)^{-1/2}) P̃^T)`` with
 ``P̃ = V Q Γ^{-1/2}``, written so that directions with ``γ ≈ 0`` need no special case.
 ``F F^T = Dp^{-1/2} (I + V V^T)^{-1} Dp^{-1/2} = P^{-1}`` exactly. (Eq. 6 as printed, with
-Cholesky factors, is not an exact factor; see DESIGN §1.)
+Cholesky factors, is not an exact factor; see docs/design.md §1.)
 
 ``V`` is applied with the vec trick: ``V^T vec(X) = vec(s ∘ (U_g^T (Dp^{-1/2} ∘ X) U_a))`` and
 ``V vec(Y) = vec(Dp^{-1/2} ∘ (U_g (s ∘ Y) U_a^T))``. Entries of ``V^T V`` are

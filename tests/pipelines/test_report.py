@@ -1,6 +1,6 @@
 """pipelines.report.report: figures, the self-contained HTML page, Markdown, audit report, headless render.
 
-The metrics dicts are real: ``laplace_core.metrics.MetricSuite`` run on random probabilities
+The metrics dicts are real: ``laplace_core.metrics.suite.MetricSuite`` run on random probabilities
 (one temperature per method, so the methods differ in calibration), plus an OOD set of flatter
 probabilities. Numbers in the page are checked against those dicts; the OOD mean-entropy
 estimate against the exact mean computed from the probabilities.
