@@ -38,7 +38,7 @@ __all__ = [
     "apply_overrides",
 ]
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "configs"
+PRESETS_DIR = Path(__file__).resolve().parent.parent.parent / "configs"
 STAGES = ("curvature", "posterior", "search", "evaluate", "report")
 METHOD_NAMES = ("diag", "kfac", "kfac_exact", "efb", "inf", "subnet")
 FISHER_TYPES = ("mc", "empirical")
