@@ -105,7 +105,8 @@ def main(argv=None) -> int:
     import ray
 
     from pipelines.ingest.data import build_dataset, scan
-    from pipelines.evaluation.evaluate import EvalConfig, evaluate
+    from pipelines.evaluation.evaluate import evaluate
+    from pipelines.evaluation.runtime import EvalConfig
 
     work = Path(tempfile.mkdtemp(prefix="infoform-evalscale-"))
     ray_tmp = tempfile.mkdtemp(prefix="res", dir="/tmp")

@@ -289,8 +289,9 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     """All stages for one model; returns the run summary (also written as run.json)."""
     from pipelines.passes.curvature import CurvatureConfig, run_curvature
     from pipelines.ingest.data import build_dataset, partition, scan
-    from pipelines.evaluation.evaluate import EvalConfig, evaluate
-    from pipelines.evaluation.search import SearchConfig, search
+    from pipelines.evaluation.evaluate import evaluate
+    from pipelines.evaluation.runtime import EvalConfig, SearchConfig
+    from pipelines.evaluation.search import search
     from pipelines.report.report import write_report
 
     st = _Stages(cfg, output, ensure_ray)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.evaluation.search import SearchConfig, choose, sample_configs, search, TABLE_COLUMNS
+from pipelines.evaluation.runtime import SearchConfig
+from pipelines.evaluation.search import choose, sample_configs, search, TABLE_COLUMNS
 
 METHODS = ("diag", "kfac", "efb", "inf")
 N_EXAMPLES = 48
@@ -241,7 +242,7 @@ def test_ece_objective_respects_the_accuracy_floor(ray_session, tiny):
 
 def test_configs_from_the_run_config_specs():
     from pipelines.config.schema import EvalSpec, SearchSpec
-    from pipelines.evaluation.evaluate import EvalConfig
+    from pipelines.evaluation.runtime import EvalConfig
 
     s = SearchConfig.from_spec(SearchSpec(num_configs=5, objective="ece", accuracy_floor=0.5), num_actors=1)
     assert (s.num_configs, s.objective, s.accuracy_floor, s.mc_samples, s.num_actors) == (5, "ece", 0.5, 10, 1)
