@@ -290,7 +290,7 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
     from pipelines.passes.curvature import CurvatureConfig, run_curvature
     from pipelines.ingest.data import build_dataset, partition, scan
     from pipelines.evaluation.evaluate import evaluate
-    from pipelines.evaluation.runtime import EvalConfig, SearchConfig
+    from pipelines.evaluation.runtime import eval_config, search_config
     from pipelines.evaluation.search import search
     from pipelines.report.report import write_report
 
@@ -413,9 +413,7 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
                  "pred_type": ev.pred_type}
 
     def do_search() -> dict[str, Any]:
-        search_cfg = SearchConfig.from_spec(cfg.search, pred_type=ev.pred_type, max_failures=ev.max_failures,
-                                            expected_rows=(len(search_idx), None), **runtime, **_actor_resources(ev),
-                                            placement_timeout_s=ev.placement_timeout_s)
+        search_cfg = search_config(cfg, expected_rows=(len(search_idx), None), **_actor_resources(ev))
         res = search(spec, uris, build_dataset(search_idx, val_cfg), search_cfg, output=output, endpoint_url=ep)
         return {"chosen": res.chosen, "notes": res.notes, "map": res.map,
                 "info": {**res.info, "device": search_cfg.resolved_device},
@@ -437,8 +435,8 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: _DataPlan,
                "ood": None if ood_idx is None else ood_idx.fingerprint, "hyper": hyper}
 
     def do_evaluate() -> dict[str, Any]:
-        eval_cfg = EvalConfig.from_spec(ev, expected_rows=(len(test_idx), None if ood_idx is None else len(ood_idx)),
-                                        **_actor_resources(ev), placement_timeout_s=ev.placement_timeout_s)
+        eval_cfg = eval_config(cfg, expected_rows=(len(test_idx), None if ood_idx is None else len(ood_idx)),
+                               **_actor_resources(ev))
         ood_ds = None if ood_idx is None else build_dataset(ood_idx, ood_cfg)
         res = evaluate(spec, uris, build_dataset(test_idx, test_cfg), ood_ds, eval_cfg, output=output,
                        hyper=hyper, endpoint_url=ep)

@@ -163,6 +163,7 @@ class SearchSpec:
     mc_samples: int = 10
     seed: int = 0
     method_ranges: tuple[MethodRange, ...] = ()  # e.g. [{method: kfac, log10_tau: [-2, 6]}]
+    chunk_size: int = 4096  # examples per re-targeted configuration and group of weight samples
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,8 @@ class EvalSpec:
     cpus_per_actor: float = 0.5  # Ray CPUs per search/evaluation actor (its torch threads: max(1, round(cpus)))
     gpus_per_actor: float | None = None  # None: 1, or 1/k so that every actor fits the cluster's GPUs; 0 without
     placement_timeout_s: float = 900.0  # actors not placed by then (resources the cluster lacks) end the stage
+    chunk_size: int = 1024  # examples per group of weight samples (a draw is amortised over the chunk)
+    sample_cache_mb: float = 256.0  # keep a method's K weight samples in memory when they fit (MiB)
 
 
 @dataclass(frozen=True)
