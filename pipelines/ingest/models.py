@@ -58,7 +58,7 @@ __all__ = [
 
 
 def _demo_cnn(num_classes: int | None) -> nn.Module:
-    from pipelines import demo_data  # lazy: written by another module, pulls in data deps
+    from pipelines.ingest import demo_data  # lazy: written by another module, pulls in data deps
 
     if num_classes is None:
         return demo_data.small_cnn()
