@@ -6,9 +6,11 @@ Flow::
     # results["map"], results["inf"], ... -> computed metrics (+ timings); writes
     # <out>/eval/<method>/metrics.json and accumulators.json
 
-Parallelism: ``cfg.num_actors`` explicit Ray actors (:class:`EvalWorker`). Each one
-loads the model (``pipelines.ingest.models.load_model`` from a name + weights URI) and every
-posterior (``laplace_core.load_posterior``) **once**, then consumes one iterator of
+Settings: :class:`pipelines.evaluation.runtime.EvalConfig`. Parallelism: ``cfg.num_actors``
+explicit Ray actors (:class:`EvalWorker`, on the actor engine of
+:mod:`pipelines.evaluation.actors` that the search uses too). Each one loads the model
+(``pipelines.ingest.models.load_model`` from a name + weights URI) and every posterior
+(``laplace_core.load_posterior``) **once**, then consumes one iterator of
 ``in_ds.streaming_split(num_actors, equal=False)`` (and of the OOD dataset's split),
 and returns, per method (``"map"`` plus every posterior), a mergeable
 :class:`EvalAccumulator` as JSON — sums, counts and fixed-edge histograms, never

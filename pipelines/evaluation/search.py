@@ -10,8 +10,10 @@ the MC predictive (``cfg.mc_samples``, default 10; the same ``θ_t`` noise ``(se
 for every configuration, i.e. common random numbers, which makes the comparison less
 noisy).
 
-Parallelism: data-parallel, like :mod:`pipelines.evaluation.evaluate`. Each of ``cfg.num_actors``
-actors loads the model and the posteriors once, takes one iterator of
+Settings: :class:`pipelines.evaluation.runtime.SearchConfig` (in a run, the ECE variant and
+bins are the evaluation's, ``evaluate.ece_mode`` / ``evaluate.ece_bins``). Parallelism:
+data-parallel, on the actor engine of :mod:`pipelines.evaluation.actors` that
+:mod:`pipelines.evaluation.evaluate` uses too. Each of ``cfg.num_actors`` actors loads the model and the posteriors once, takes one iterator of
 ``val_ds.streaming_split(num_actors, equal=False)`` and evaluates **every**
 configuration of every method on its shard; per configuration it returns small
 mergeable accumulators (accuracy, NLL, Brier, ECE histogram), which the driver merges.
