@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import laplace_core as lc  # noqa: E402
-from pipelines.evaluation.evaluate import EvalConfig, evaluate_shard  # noqa: E402
+from pipelines.evaluation.evaluate import evaluate_shard  # noqa: E402
+from pipelines.evaluation.runtime import EvalConfig  # noqa: E402
 from pipelines.ingest.models import load_model  # noqa: E402
 
 

@@ -106,7 +106,8 @@ def main(argv=None) -> int:
 
     from pipelines.ingest.batches import build_dataset
     from pipelines.ingest.scan import scan
-    from pipelines.evaluation.evaluate import EvalConfig, evaluate
+    from pipelines.evaluation.evaluate import evaluate
+    from pipelines.evaluation.runtime import EvalConfig
 
     work = Path(tempfile.mkdtemp(prefix="infoform-evalscale-"))
     ray_tmp = tempfile.mkdtemp(prefix="res", dir="/tmp")

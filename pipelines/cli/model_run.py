@@ -26,7 +26,8 @@ __all__ = ["ModelRun", "actor_resources", "NOT_IN_FINGERPRINT"]
 NOT_IN_FINGERPRINT = frozenset({"checkpoint_every_s", "gpus_per_worker", "bucket_mb", "log_every_s"})
 #: evaluation settings that do not change results (samples depend on (seed, t); retries and
 #: actor resources do not matter, so a stage computed on CPU stays valid on GPU)
-EVAL_NOT_IN_FINGERPRINT = frozenset({"max_failures", "cpus_per_actor", "gpus_per_actor", "placement_timeout_s"})
+EVAL_NOT_IN_FINGERPRINT = frozenset({"max_failures", "cpus_per_actor", "gpus_per_actor", "placement_timeout_s",
+                                     "chunk_size", "sample_cache_mb", "torch_threads", "log_every_s"})
 
 
 def actor_resources(ev: EvalSpec) -> dict[str, float]:
@@ -154,11 +155,15 @@ class ModelRun:
     def search(self) -> dict[str, Any] | None:
         ev = self.cfg.evaluate
         self.runtime = {"num_actors": ev.num_actors, "batch_size": ev.batch_size}
-        settings = to_dict(self.cfg.search)
+        settings = {k: v for k, v in to_dict(self.cfg.search).items() if k != "chunk_size"}  # grouping only
         if not settings["method_ranges"]:
             del settings["method_ranges"]  # the fingerprint of runs from before method_ranges existed
         self.search_fp = {**self.post_fp, "search": settings, "val": self.splits.search.fingerprint,
                           "runtime": self.runtime, "pred_type": ev.pred_type}
+        if (ev.ece_mode, ev.ece_bins) != ("equal_width", 15):  # the search scores with the evaluation's ECE
+            self.search_fp["ece"] = [ev.ece_mode, ev.ece_bins]
+        if ev.dtype != "float32":
+            self.search_fp["dtype"] = ev.dtype
         srch = self.st.run("search", self.search_fp, self._do_search)
         if srch is not None:
             self.hyper = {m: (c["n_data"], c["prior_precision"]) for m, c in srch["chosen"].items() if c is not None}
@@ -166,13 +171,12 @@ class ModelRun:
         return srch
 
     def _do_search(self) -> dict[str, Any]:
-        from pipelines.evaluation.search import SearchConfig, search
+        from pipelines.evaluation.runtime import search_config
+        from pipelines.evaluation.search import search
         from pipelines.ingest.batches import build_dataset
 
         ev, s = self.cfg.evaluate, self.splits
-        search_cfg = SearchConfig.from_spec(self.cfg.search, pred_type=ev.pred_type, max_failures=ev.max_failures,
-                                            expected_rows=(len(s.search), None), **self.runtime,
-                                            **actor_resources(ev), placement_timeout_s=ev.placement_timeout_s)
+        search_cfg = search_config(self.cfg, expected_rows=(len(s.search), None), **actor_resources(ev))
         res = search(self.spec, self.uris, build_dataset(s.search, s.search_config), search_cfg, output=self.output,
                      endpoint_url=self.ep)
         return {"chosen": res.chosen, "notes": res.notes, "map": res.map,
@@ -190,12 +194,13 @@ class ModelRun:
         return self.st.run("evaluate", self.eval_fp, self._do_evaluate)
 
     def _do_evaluate(self) -> dict[str, Any]:
-        from pipelines.evaluation.evaluate import EvalConfig, evaluate
+        from pipelines.evaluation.evaluate import evaluate
+        from pipelines.evaluation.runtime import eval_config
         from pipelines.ingest.batches import build_dataset
 
         ev, s = self.cfg.evaluate, self.splits
-        eval_cfg = EvalConfig.from_spec(ev, expected_rows=(len(s.test), None if s.ood is None else len(s.ood)),
-                                        **actor_resources(ev), placement_timeout_s=ev.placement_timeout_s)
+        eval_cfg = eval_config(self.cfg, expected_rows=(len(s.test), None if s.ood is None else len(s.ood)),
+                               **actor_resources(ev))
         ood_ds = None if s.ood is None else build_dataset(s.ood, s.ood_config)
         res = evaluate(self.spec, self.uris, build_dataset(s.test, s.test_config), ood_ds, eval_cfg,
                        output=self.output, hyper=self.hyper, endpoint_url=self.ep)

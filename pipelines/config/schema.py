@@ -160,6 +160,7 @@ class SearchSpec:
     mc_samples: int = 10
     seed: int = 0
     method_ranges: tuple[MethodRange, ...] = ()  # e.g. [{method: kfac, log10_tau: [-2, 6]}]
+    chunk_size: int = 4096  # examples per re-targeted configuration and group of weight samples
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,13 @@ class EvalSpec:
     cpus_per_actor: float = 0.5  # Ray CPUs per search/evaluation actor (its torch threads: max(1, round(cpus)))
     gpus_per_actor: float | None = None  # None: 1, or 1/k so that every actor fits the cluster's GPUs; 0 without
     placement_timeout_s: float = 900.0  # actors not placed by then (resources the cluster lacks) end the stage
+    chunk_size: int = 1024  # examples per group of weight samples (a draw is amortised over the chunk)
+    sample_cache_mb: float = 256.0  # keep a method's K weight samples in memory when they fit (MiB)
+    dtype: str = "float32"  # the actors' model and input dtype (float64 for exact checks)
+    torch_threads: int | None = None  # intra-op threads per actor (null: max(1, round(cpus_per_actor)))
+    log_every_s: float = 30.0  # progress line interval of the actors (seconds)
+    entropy_bins: int = 50  # histogram bins of the predictive entropies
+    ood_exact_limit: int = 0  # keep raw OOD scores (exact AUROC) while in + out examples <= this
 
 
 @dataclass(frozen=True)
@@ -264,6 +272,16 @@ class RunConfig:
                 raise ConfigError(f"{key} must be > 0, got {v!r}")
         if d.decode_batch_size < 1:
             raise ConfigError("data.decode_batch_size must be >= 1")
+        ev = self.evaluate
+        if ev.dtype not in DTYPES:
+            raise ConfigError(f"unknown evaluate.dtype {ev.dtype!r}; valid: {', '.join(DTYPES)}")
+        for key, v, low in (("evaluate.chunk_size", ev.chunk_size, 1), ("search.chunk_size", self.search.chunk_size, 1),
+                            ("evaluate.entropy_bins", ev.entropy_bins, 1), ("evaluate.ood_exact_limit", ev.ood_exact_limit, 0),
+                            ("evaluate.torch_threads", 1 if ev.torch_threads is None else ev.torch_threads, 1)):
+            if v < low:
+                raise ConfigError(f"{key} must be >= {low}, got {v!r}")
+        if not (ev.sample_cache_mb >= 0 and ev.log_every_s > 0):
+            raise ConfigError("evaluate.sample_cache_mb must be >= 0 and evaluate.log_every_s > 0")
 
     def _validate_method_ranges(self) -> None:
         seen = set()

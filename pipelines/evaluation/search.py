@@ -1,4 +1,4 @@
-"""Random search over the Laplace hyperparameters ``(N, τ)`` on Ray actors (DESIGN §1, §2).
+"""Random search over the Laplace hyperparameters ``(N, τ)`` on Ray actors (``docs/design.md`` §1, §2).
 
 ``P = N F/M + τ I``: the search draws ``cfg.num_configs`` pairs ``(log10 N, log10 τ)``
 uniformly from ``cfg.log10_n`` x ``cfg.log10_tau`` with ``numpy.random.default_rng(seed)``
@@ -10,8 +10,10 @@ the MC predictive (``cfg.mc_samples``, default 10; the same ``θ_t`` noise ``(se
 for every configuration, i.e. common random numbers, which makes the comparison less
 noisy).
 
-Parallelism: data-parallel, like :mod:`pipelines.evaluation.evaluate`. Each of ``cfg.num_actors``
-actors loads the model and the posteriors once, takes one iterator of
+Settings: :class:`pipelines.evaluation.runtime.SearchConfig` (in a run, the ECE variant and
+bins are the evaluation's, ``evaluate.ece_mode`` / ``evaluate.ece_bins``). Parallelism:
+data-parallel, on the actor engine of :mod:`pipelines.evaluation.actors` that
+:mod:`pipelines.evaluation.evaluate` uses too. Each of ``cfg.num_actors`` actors loads the model and the posteriors once, takes one iterator of
 ``val_ds.streaming_split(num_actors, equal=False)`` and evaluates **every**
 configuration of every method on its shard; per configuration it returns small
 mergeable accumulators (accuracy, NLL, Brier, ECE histogram), which the driver merges.
@@ -46,32 +48,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from laplace_core.metrics.base import DEFAULT_ECE_BINS, ECE_STRATEGIES
 from laplace_core.metrics.calibration import Calibration
 from laplace_core.metrics.scores import NLL, Accuracy, Brier
 
+from pipelines.evaluation.actors import ActorProgress, ModelActor, run_actors
+from pipelines.evaluation.chunks import iter_chunks, valid_batches
+from pipelines.evaluation.predictors import MAP, finite_or_reason, make_predictor, model_ref, predict_chunk
+from pipelines.evaluation.runtime import OBJECTIVES, SearchConfig, eval_uri
 from pipelines.storage import uris as storage
-from pipelines.evaluation.evaluate import (
-    MAP,
-    ActorProgress,
-    EvalWorker,
-    RuntimeFields,
-    finite_or_reason,
-    predict_chunk,
-    valid_batches,
-    eval_uri,
-    iter_chunks,
-    load_eval_model,
-    load_posteriors,
-    check_pred_type,
-    make_predictor,
-    model_ref,
-    run_actors,
-)
 
 __all__ = [
-    "OBJECTIVES",
-    "SearchConfig",
+    "TABLE_COLUMNS",
     "HyperConfig",
     "SearchAccumulator",
     "SearchResult",
@@ -82,23 +69,9 @@ __all__ = [
     "choose",
 ]
 
-#: Search objectives.
-OBJECTIVES: dict[str, str] = {
-    "nll": "smallest validation NLL",
-    "ece": "smallest validation ECE among configurations with accuracy >= accuracy_floor",
-}
+#: Columns of ``search.parquet`` (:meth:`SearchResult.table`).
 TABLE_COLUMNS = ("config_id", "method", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece",
                  "accuracy", "brier", "count", "status", "reason", "seconds")
-
-
-def _range(name: str, r: Any) -> tuple[float, float]:
-    try:
-        lo, hi = (float(v) for v in r)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a (low, high) pair of numbers, got {r!r}") from None
-    if not (math.isfinite(lo) and math.isfinite(hi) and lo <= hi):
-        raise ValueError(f"{name} must be finite with low <= high, got {r!r}")
-    return lo, hi
 
 
 @dataclass(frozen=True)
@@ -116,101 +89,6 @@ class HyperConfig:
     @property
     def prior_precision(self) -> float:
         return 0.0 if self.log10_tau == -math.inf else 10.0 ** self.log10_tau
-
-
-@dataclass(frozen=True)
-class SearchConfig(RuntimeFields):
-    """Random-search settings. num_configs / log10_n / log10_tau / seed: the configurations
-    (:func:`sample_configs`); configs: explicit ``(log10_n, log10_tau)`` pairs instead (then
-    num_configs/ranges are ignored). method_ranges: ``(method, log10_n, log10_tau)`` entries
-    (or ``pipelines.config.schema.MethodRange`` objects) overriding the ranges for that method; a
-    ``None`` range keeps the common one. objective: "nll" or "ece"; accuracy_floor: minimum
-    validation accuracy for "ece" (None: no floor). mc_samples: ``K`` per configuration
-    (default 10). ece_bins / ece_mode: the ECE used. Runtime fields: see
-    ``pipelines.evaluation.evaluate.RuntimeFields`` (chunk_size defaults to 4096 here)."""
-
-    num_configs: int = 100
-    log10_n: tuple[float, float] = (0.0, 8.0)
-    log10_tau: tuple[float, float] = (-4.0, 4.0)
-    objective: str = "nll"
-    accuracy_floor: float | None = None
-    mc_samples: int = 10
-    seed: int = 0
-    ece_bins: int = DEFAULT_ECE_BINS
-    ece_mode: str = "equal_width"
-    configs: tuple[tuple[float, float], ...] | None = None
-    chunk_size: int = 4096
-    pred_type: str = "nn"
-    method_ranges: tuple[tuple[str, tuple[float, float], tuple[float, float]], ...] = ()
-
-    def __post_init__(self) -> None:
-        self._check_runtime()
-        check_pred_type(self.pred_type)
-        for n in ("num_configs", "mc_samples", "ece_bins"):
-            v = getattr(self, n)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{n} must be a positive int, got {v!r}")
-        object.__setattr__(self, "log10_n", _range("log10_n", self.log10_n))
-        object.__setattr__(self, "log10_tau", _range("log10_tau", self.log10_tau))
-        object.__setattr__(self, "method_ranges", self._method_ranges())
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"unknown search objective {self.objective!r}; valid: {', '.join(OBJECTIVES)}")
-        if self.ece_mode not in ECE_STRATEGIES:
-            raise ValueError(f"unknown ece_mode {self.ece_mode!r}; valid: {', '.join(ECE_STRATEGIES)}")
-        if self.accuracy_floor is not None and not (0.0 <= float(self.accuracy_floor) <= 1.0):
-            raise ValueError(f"accuracy_floor must be in [0, 1] or None, got {self.accuracy_floor!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
-        if self.configs is not None:
-            pairs = []
-            for c in self.configs:
-                try:
-                    a, b = (float(v) for v in c)
-                except (TypeError, ValueError):
-                    raise ValueError(f"configs entries must be (log10_n, log10_tau) pairs, got {c!r}") from None
-                if not math.isfinite(a) or math.isnan(b) or b == math.inf:
-                    raise ValueError(f"configs entry {c!r}: log10_n must be finite, log10_tau finite or -inf")
-                pairs.append((a, b))
-            if not pairs:
-                raise ValueError("configs must not be empty (or None to sample)")
-            object.__setattr__(self, "configs", tuple(pairs))
-
-    def _method_ranges(self) -> tuple[tuple[str, tuple[float, float], tuple[float, float]], ...]:
-        """``method_ranges`` normalised: one ``(method, log10_n, log10_tau)`` per method,
-        ``None`` ranges filled with the common ones."""
-        out, seen = [], set()
-        for e in self.method_ranges:
-            if hasattr(e, "method"):  # pipelines.config.schema.MethodRange
-                e = (e.method, e.log10_n, e.log10_tau)
-            try:
-                method, rn, rt = e
-            except (TypeError, ValueError):
-                raise ValueError(f"method_ranges entries must be (method, log10_n, log10_tau), got {e!r}") from None
-            if not isinstance(method, str) or not method:
-                raise ValueError(f"method_ranges entry {e!r}: the method must be a name")
-            if method in seen:
-                raise ValueError(f"method_ranges names {method!r} twice")
-            seen.add(method)
-            out.append((method,
-                        self.log10_n if rn is None else _range(f"method_ranges[{method}].log10_n", rn),
-                        self.log10_tau if rt is None else _range(f"method_ranges[{method}].log10_tau", rt)))
-        return tuple(out)
-
-    def ranges(self, method: str | None = None) -> tuple[tuple[float, float], tuple[float, float]]:
-        """``(log10_n, log10_tau)`` searched for ``method`` (the common ranges for ``None``)."""
-        for m, rn, rt in self.method_ranges:
-            if m == method:
-                return rn, rt
-        return self.log10_n, self.log10_tau
-
-    @classmethod
-    def from_spec(cls, spec: Any, **overrides: Any) -> "SearchConfig":
-        """From ``pipelines.config.schema.SearchSpec`` plus keyword overrides (runtime fields)."""
-        names = ("num_configs", "log10_n", "log10_tau", "objective", "accuracy_floor", "mc_samples", "seed",
-                 "method_ranges")
-        kw = {n: getattr(spec, n) for n in names if hasattr(spec, n)}
-        kw.update(overrides)
-        return cls(**kw)
 
 
 def sample_configs(cfg: SearchConfig, method: str | None = None) -> tuple[HyperConfig, ...]:
@@ -333,15 +211,16 @@ def search_shard(
     return {"acc": acc, "map": map_acc, "failed": failed, "seconds": seconds, "examples": n}
 
 
-class SearchWorker(EvalWorker):
-    """Ray actor body for :func:`search`: loads model and posteriors once (posteriors as
-    built; every configuration is applied with ``with_hyper``)."""
+class SearchWorker(ModelActor):
+    """Ray actor body for :func:`search` (:class:`pipelines.evaluation.actors.ModelActor`:
+    model and posteriors loaded once, posteriors as built; every configuration is applied
+    with ``with_hyper``)."""
 
     def __init__(self, model: Mapping[str, Any], posterior_uris: Mapping[str, str], cfg: SearchConfig,
                  endpoint_url: str | None = None):
         super().__init__(model, posterior_uris, None, cfg, endpoint_url)
 
-    def run(self, shard: Any, actor_index: int = 0) -> dict[str, Any]:  # type: ignore[override]
+    def run(self, shard: Any, actor_index: int = 0) -> dict[str, Any]:
         if self.init_error is not None:  # the driver stops the stage on ``started()``
             return {"init_error": self.init_error}
         t0 = time.perf_counter()

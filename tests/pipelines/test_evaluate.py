@@ -17,8 +17,10 @@ import torch
 import laplace_core as lc
 from laplace_core.metrics.suite import MetricSuite
 from laplace_core.predictive import MCPredictor
-from pipelines.evaluation.evaluate import MAP, EvalConfig, evaluate
-from pipelines.evaluation.search import SearchConfig, search
+from pipelines.evaluation.evaluate import evaluate
+from pipelines.evaluation.predictors import MAP
+from pipelines.evaluation.runtime import EvalConfig, SearchConfig
+from pipelines.evaluation.search import search
 
 METHODS = ("diag", "kfac", "efb", "inf")
 SIZE = 16
@@ -292,11 +294,11 @@ def test_actors_waiting_for_resources_are_reported(ray_session, capsys):
     driver says what it asks for and what the cluster has, and the wait ends when it dies."""
     import threading
 
-    from pipelines.evaluation.evaluate import _actor_options, _wait_for_actors
+    from pipelines.evaluation.actors import actor_options, wait_for_actors
 
     cfg = EvalConfig(num_actors=1, gpus_per_actor=1000.0, cpus_per_actor=0.0, log_every_s=0.5)
-    actor = ray_session.remote(_Idle).options(**_actor_options(cfg)).remote()
-    waiter = threading.Thread(target=_wait_for_actors, args=([actor.__ray_ready__.remote()], cfg, "EvalWorker"),
+    actor = ray_session.remote(_Idle).options(**actor_options(cfg)).remote()
+    waiter = threading.Thread(target=wait_for_actors, args=([actor.__ray_ready__.remote()], cfg, "EvalWorker"),
                               daemon=True)
     waiter.start()
     waiter.join(2.0)
@@ -319,7 +321,7 @@ def test_actors_that_cannot_be_placed_end_the_stage_after_the_timeout(ray_sessio
     forever: after ``placement_timeout_s`` the stage ends with one line saying what was asked
     and what the cluster has."""
     from pipelines.errors import StageError
-    from pipelines.evaluation.evaluate import run_actors
+    from pipelines.evaluation.actors import run_actors
 
     cfg = EvalConfig(num_actors=2, gpus_per_actor=1000.0, cpus_per_actor=0.0, log_every_s=0.5,
                      placement_timeout_s=2.0)
@@ -331,7 +333,7 @@ def test_actors_that_cannot_be_placed_end_the_stage_after_the_timeout(ray_sessio
 
 
 def test_iter_chunks_gives_fixed_size_batches_in_order():
-    from pipelines.evaluation.evaluate import iter_chunks
+    from pipelines.evaluation.chunks import iter_chunks
 
     g = torch.Generator().manual_seed(0)
     sizes = [5, 0, 17, 3, 30, 15]  # 70 rows in uneven pieces
@@ -367,7 +369,7 @@ def test_eval_accumulator_json_round_trip_and_merge():
 def test_actor_progress_lines(capsys, monkeypatch):
     """Actor 0 logs images (its count x num_actors), images/s and the ETA from
     ``expected_rows``; other actors log nothing; unknown totals give '?'."""
-    from pipelines.evaluation import evaluate as ev
+    from pipelines.evaluation import actors as ev
 
     clock = iter([0.0, 0.0, 10.0, 10.0, 20.0])
     monkeypatch.setattr(ev.time, "perf_counter", lambda: next(clock))

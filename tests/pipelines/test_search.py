@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipelines.evaluation.search import SearchConfig, choose, sample_configs, search, TABLE_COLUMNS
+from pipelines.evaluation.runtime import SearchConfig
+from pipelines.evaluation.search import choose, sample_configs, search, TABLE_COLUMNS
 
 METHODS = ("diag", "kfac", "efb", "inf")
 N_EXAMPLES = 48
@@ -242,10 +243,56 @@ def test_ece_objective_respects_the_accuracy_floor(ray_session, tiny):
 
 def test_configs_from_the_run_config_specs():
     from pipelines.config.schema import EvalSpec, SearchSpec
-    from pipelines.evaluation.evaluate import EvalConfig
+    from pipelines.evaluation.runtime import EvalConfig
 
     s = SearchConfig.from_spec(SearchSpec(num_configs=5, objective="ece", accuracy_floor=0.5), num_actors=1)
     assert (s.num_configs, s.objective, s.accuracy_floor, s.mc_samples, s.num_actors) == (5, "ece", 0.5, 10, 1)
     assert len(sample_configs(s)) == 5
     e = EvalConfig.from_spec(EvalSpec(mc_samples=7, ece_mode="equal_mass"), batch_size=8)
     assert (e.mc_samples, e.ece_mode, e.batch_size, e.pred_type) == (7, "equal_mass", 8, "nn")
+
+
+def test_the_run_scores_the_search_with_the_evaluation_ece():
+    """``evaluate.ece_mode`` / ``evaluate.ece_bins`` (and the actor settings) reach the
+    SearchConfig the run builds, and its accumulators use them; the search section keeps its
+    own ``mc_samples``, ``seed`` and ``chunk_size``."""
+    from pipelines.config.schema import load_config
+    from pipelines.evaluation.runtime import eval_config, search_config
+    from pipelines.evaluation.search import SearchAccumulator
+
+    cfg = load_config("smoke", ["evaluate.ece_mode=equal_mass", "evaluate.ece_bins=7", "evaluate.num_actors=3",
+                                "evaluate.mc_samples=5", "evaluate.seed=11", "evaluate.chunk_size=256",
+                                "evaluate.sample_cache_mb=8", "search.mc_samples=2", "search.seed=4",
+                                "search.chunk_size=512"])
+    s = search_config(cfg, gpus_per_actor=0.0, expected_rows=(40, None))
+    e = eval_config(cfg, gpus_per_actor=0.0)
+    assert (s.ece_mode, s.ece_bins) == (e.ece_mode, e.ece_bins) == ("equal_mass", 7)
+    assert (s.num_actors, s.mc_samples, s.seed, s.chunk_size, s.expected_rows) == (3, 2, 4, 512, (40, None))
+    assert (e.num_actors, e.mc_samples, e.seed, e.chunk_size, e.sample_cache_mb) == (3, 5, 11, 256, 8.0)
+    ece = SearchAccumulator.create(s).ece
+    assert (ece.strategy, ece.n_bins) == ("equal_mass", 7)
+
+
+def test_runtime_configs_copy_every_field_they_share_with_the_specs():
+    """``from_spec`` copies every field a spec shares with the runtime class (no hand-written
+    list): each shared field, set away from its default in the spec, arrives; the fields only
+    the run or the tests set are named here."""
+    import dataclasses
+
+    from pipelines.config.schema import EvalSpec, SearchSpec
+    from pipelines.evaluation.runtime import EvalConfig
+
+    changed = {"mc_samples": 3, "num_actors": 5, "batch_size": 9, "ece_bins": 4, "ece_mode": "equal_mass",
+               "pred_type": "glm", "seed": 13, "max_failures": 0, "cpus_per_actor": 1.5, "gpus_per_actor": 0.25,
+               "placement_timeout_s": 7.0, "chunk_size": 33, "sample_cache_mb": 1.0, "num_configs": 6,
+               "log10_n": (1.0, 2.0), "log10_tau": (-1.0, 0.5), "objective": "ece", "accuracy_floor": 0.3,
+               "method_ranges": (("kfac", (0.0, 1.0), (2.0, 3.0)),), "dtype": "float64", "torch_threads": 3,
+               "log_every_s": 2.0, "entropy_bins": 7, "ood_exact_limit": 11}
+    for spec_cls, cfg_cls in ((EvalSpec, EvalConfig), (SearchSpec, SearchConfig)):
+        shared = {f.name for f in dataclasses.fields(spec_cls)} & {f.name for f in dataclasses.fields(cfg_cls)}
+        assert shared <= set(changed), f"give the test a value for {sorted(shared - set(changed))}"
+        spec = spec_cls(**{k: changed[k] for k in shared})
+        got = cfg_cls.from_spec(spec)
+        assert {k: getattr(got, k) for k in shared} == {k: changed[k] for k in shared}
+    run_only = {f.name for f in dataclasses.fields(EvalConfig)} - {f.name for f in dataclasses.fields(EvalSpec)}
+    assert run_only == {"device", "fault_marker", "expected_rows"}  # from gpus_per_actor; tests; the scanned split

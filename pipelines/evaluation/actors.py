@@ -1,0 +1,183 @@
+"""The actor engine of the search and the evaluation (``docs/design.md`` §2).
+
+:func:`run_actors` starts ``cfg.num_actors`` Ray actors of a class, gives actor ``i`` the
+``i``-th iterator of ``streaming_split(num_actors, equal=False)`` of every dataset, waits
+for them to be placed (:func:`wait_for_actors`: says what is missing, ends after
+``cfg.placement_timeout_s``), collects their ``run`` results in actor order and starts
+the round again when an actor dies. :class:`ModelActor` is the body both stages' actors
+share: it loads the model and every posterior **once**, in ``__init__``, and keeps an
+error of that load for ``started()`` (the driver reports it in one line).
+:class:`ActorProgress` is the progress log of a round (actor 0 only); :func:`inject_fault`
+is the test-only fault of ``RuntimeFields.fault_marker``.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from pipelines.distributed.malloc import tune_malloc
+from pipelines.errors import StageError, cause_line
+from pipelines.evaluation.predictors import load_eval_model, load_posteriors
+from pipelines.evaluation.runtime import RuntimeFields
+from pipelines.storage import uris as storage
+
+__all__ = ["ActorProgress", "ModelActor", "inject_fault", "actor_options", "wait_for_actors", "run_actors"]
+
+
+class ActorProgress:
+    """Progress log of a round of actors, written by actor 0 only: every ``cfg.log_every_s``
+    seconds one line with the images done (estimated for all actors as actor 0's count
+    times ``num_actors``: the shards are split dynamically), images/s and the ETA when
+    ``cfg.expected_rows`` (or ``totals``) gives the split's size. ``__call__(split, n)``
+    counts ``n`` units (images, or for the search examples x configurations) of ``split``
+    (0: in-domain or validation, 1: OOD)."""
+
+    def __init__(self, what: str, index: int, cfg: RuntimeFields, splits: Sequence[str] = ("test", "ood"),
+                 totals: Sequence[int | None] | None = None, unit: str = "images"):
+        self.what, self.on, self.k = what, index == 0, cfg.num_actors
+        self.every, self.names, self.unit = cfg.log_every_s, splits, unit
+        self.totals = tuple(cfg.expected_rows if totals is None else totals)
+        self.done = [0, 0]
+        self.t0 = [None, None]
+        self.last = time.perf_counter()
+
+    def __call__(self, split: int, n: int) -> None:
+        now = time.perf_counter()
+        if self.t0[split] is None:
+            self.t0[split] = now
+        self.done[split] += n
+        if not self.on or now - self.last < self.every:
+            return
+        self.last = now
+        est = self.done[split] * self.k
+        rate = est / max(now - self.t0[split], 1e-9)
+        total = self.totals[split] if split < len(self.totals) else None
+        eta = "?" if not total else f"{max(total - est, 0) / max(rate, 1e-9):.0f}s"
+        print(f"[{self.what}] {self.names[split]}: ~{est}/{total or '?'} {self.unit}, {rate:.1f}/s, ETA {eta}",
+              flush=True)
+
+
+class ModelActor:
+    """Ray actor body shared by the search and the evaluation (wrapped with ``ray.remote`` by
+    :func:`run_actors`): loads the model and the posteriors (re-targeted to ``hyper[method] =
+    (N, τ)`` when given) once in ``__init__``, with ``cfg.threads`` torch threads, on
+    ``cfg.resolved_device``, in ``cfg.torch_dtype``. Subclasses define ``run``."""
+
+    def __init__(self, model: Mapping[str, Any], posterior_uris: Mapping[str, str],
+                 hyper: Mapping[str, Sequence[float]] | None, cfg: RuntimeFields,
+                 endpoint_url: storage.Store = None):
+        # an exception here is kept, not raised: Ray would print its traceback from every
+        # actor; the driver asks ``started()`` and reports the first one in one line
+        self.cfg = cfg
+        self.init_error: str | None = None
+        try:
+            self._load(model, posterior_uris, hyper, cfg, endpoint_url)
+        except Exception as e:  # noqa: BLE001 - reported to the driver, which stops the stage
+            self.init_error = f"{type(e).__name__}: {e}"
+
+    def started(self) -> str | None:
+        """``None`` once the model and posteriors are loaded, else the error, in one line."""
+        return self.init_error
+
+    def _load(self, model, posterior_uris, hyper, cfg, endpoint_url) -> None:
+        t0 = time.perf_counter()
+        torch.set_num_threads(cfg.threads)
+        tune_malloc()  # reuse the per-batch buffers instead of page-faulting them in again
+        self.model = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device,
+                                     endpoint_url=endpoint_url)
+        dev = torch.device(cfg.resolved_device)
+        # draws happen where the model runs (the posterior's device, laplace_core.predictive)
+        self.posteriors = {m: p if dev.type == "cpu" else p.to(dev)
+                           for m, p in load_posteriors(posterior_uris, hyper, endpoint_url).items()}
+        self.load_seconds = time.perf_counter() - t0
+
+
+def inject_fault(batches: Iterable[Any], marker: str) -> Iterator[Any]:
+    """Test-only fault (``RuntimeFields.fault_marker``): after the first batch, exit the
+    process unless ``marker`` exists; write it first, so that a retried round runs clean."""
+    for i, b in enumerate(batches):
+        yield b
+        if i == 0 and not storage.exists(marker):
+            storage.write_json_atomic(marker, {"pid": os.getpid(), "time": time.time()})
+            print(f"[evaluate] fault injection: actor process {os.getpid()} exits", flush=True)
+            os._exit(1)
+
+
+def actor_options(cfg: RuntimeFields) -> dict[str, Any]:
+    """The Ray resources of each actor: ``num_cpus`` / ``num_gpus`` from ``cfg``."""
+    return {"num_cpus": cfg.cpus_per_actor, "num_gpus": cfg.gpus_per_actor}
+
+
+def wait_for_actors(ready: Sequence[Any], cfg: RuntimeFields, what: str) -> None:
+    """Return once every actor is placed and constructed (or has died: ``run`` then raises).
+    ``ready``: each actor's ``__ray_ready__`` ref, queued before any other call. While some
+    wait for resources, print every ``cfg.log_every_s`` seconds what each asks for and what
+    the cluster has: an actor that asks for a GPU on a cluster without one (and no autoscaler
+    to add one) would otherwise wait silently forever. After ``cfg.placement_timeout_s``
+    seconds the wait ends with a :class:`pipelines.errors.StageError` saying the same."""
+    import ray
+
+    pending = list(ready)
+    t0 = time.perf_counter()
+    deadline = t0 + cfg.placement_timeout_s
+    while pending:
+        wait = max(0.0, min(cfg.log_every_s, deadline - time.perf_counter()))
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=wait)
+        if not pending:
+            break
+        have = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
+        asks = f"each asks for {actor_options(cfg)}, the cluster has {have}"
+        if time.perf_counter() >= deadline:
+            raise StageError(f"{what}: {len(pending)} of {len(ready)} actor(s) could not be placed within "
+                             f"{cfg.placement_timeout_s:g} s: {asks} (lower evaluate.gpus_per_actor or "
+                             "evaluate.cpus_per_actor, add nodes, or raise evaluate.placement_timeout_s)")
+        print(f"[{what}] {len(pending)} of {len(ready)} actor(s) not started after "
+              f"{time.perf_counter() - t0:.0f} s: {asks} "
+              "(on a cluster without GPUs, set evaluate.gpus_per_actor=0)", flush=True)
+
+
+def run_actors(actor_cls: type, init_args: tuple, datasets: Sequence[Any], cfg: RuntimeFields) -> list[dict[str, Any]]:
+    """Start ``cfg.num_actors`` actors of ``actor_cls(*init_args)``, give actor ``i`` the
+    ``i``-th ``streaming_split(num_actors, equal=False)`` iterator of every dataset in
+    ``datasets`` (``None`` entries stay ``None``) and return their ``run`` results in actor
+    order. Actors are killed afterwards. When an actor dies (``ray.exceptions.RayActorError``)
+    the whole round starts again with new actors and new splits, at most ``cfg.max_failures``
+    times. An error raised by the actors' code (in ``__init__``, reported by ``started()``, or in
+    ``run``) stops the round at once as a :class:`pipelines.errors.StageError` carrying the
+    cause's own one-line message (which names the URI), not the remote tracebacks."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    n = cfg.num_actors
+    name = actor_cls.__name__
+    remote_cls = ray.remote(actor_cls).options(**actor_options(cfg))
+    for attempt in range(cfg.max_failures + 1):
+        actors = [remote_cls.remote(*init_args) for _ in range(n)]
+        # queued before ``run`` (an actor runs its calls in order): resolves once it is constructed;
+        # actors with a ``started()`` method report an error of their ``__init__`` through it
+        ready = [(a.started if hasattr(actor_cls, "started") else a.__ray_ready__).remote() for a in actors]
+        try:
+            splits = [None if ds is None else ds.streaming_split(n, equal=False) for ds in datasets]
+            refs = [a.run.remote(*[None if s is None else s[i] for s in splits], actor_index=i)
+                    for i, a in enumerate(actors)]
+            wait_for_actors(ready, cfg, name)
+            errors = [e for e in ray.get(ready) if isinstance(e, str)]
+            if errors:
+                raise StageError(f"{name}: {len(errors)} of {n} actor(s) could not start: {errors[0]}")
+            try:
+                return ray.get(refs)
+            except RayTaskError as e:  # the actors' own code raised: its message, not the remote traceback
+                raise StageError(f"{name} failed: {cause_line(e)}") from None
+        except RayActorError as e:
+            if attempt == cfg.max_failures:
+                raise
+            why = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            print(f"[{actor_cls.__name__}] an actor died ({why}); starting the round again "
+                  f"(attempt {attempt + 2} of {cfg.max_failures + 1})", flush=True)
+        finally:
+            for a in actors:
+                ray.kill(a)
+    raise AssertionError("unreachable")

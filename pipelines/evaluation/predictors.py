@@ -1,0 +1,133 @@
+"""What the search and evaluation actors predict with (``docs/design.md`` §1 "Predictive").
+
+* :func:`model_ref` / :func:`load_eval_model`: the model an actor loads (a name and a
+  weights URI, ``pipelines.ingest.models.load_model``), in eval mode, cast and placed;
+* :func:`load_posteriors`: ``method -> Posterior`` from artifact URIs, optionally
+  re-targeted to ``(N, τ)`` with ``laplace_core.posterior.with_hyper``;
+* :func:`make_predictor`: the predictive of a posterior, ``"nn"`` (MC over weight
+  samples) or ``"glm"`` (MC-GLM); sample ``t`` is drawn from ``(seed, t)``;
+* :func:`predict_chunk`: the probabilities of the real rows of a chunk of fixed-size
+  batches (``pipelines.evaluation.chunks``), MAP when no predictor is given.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from pipelines.storage import uris as storage
+
+__all__ = [
+    "PRED_TYPES",
+    "MAP",
+    "check_pred_type",
+    "make_predictor",
+    "model_ref",
+    "load_eval_model",
+    "load_posteriors",
+    "finite_or_reason",
+    "predict_chunk",
+]
+
+#: Predictive types: "nn" = MC over weight samples through the network; "glm" = MC-GLM, the
+#: same samples pushed through the network's Jacobian (linearised predictive).
+PRED_TYPES: dict[str, str] = {
+    "nn": "Monte-Carlo over weight samples, average of softmax",
+    "glm": "linearised (GLM) predictive, MC-GLM: the same weight samples pushed through the Jacobian (JVP)",
+}
+_PLANNED_PRED_TYPES: tuple[str, ...] = ()
+#: Name of the MAP baseline in every result dict.
+MAP = "map"
+
+
+# --------------------------------------------------------------------------- predictors
+def make_predictor(model: nn.Module, post: Any, pred_type: str, mc_samples: int, seed: int, cache_bytes: int):
+    """``MCPredictor`` (``"nn"``: weight sampling) or ``GLMPredictor`` (``"glm"``: MC-GLM,
+    Banerjee et al. Alg. 4, one JVP per sample); both draw sample ``t`` from ``(seed, t)``."""
+    check_pred_type(pred_type)
+    if pred_type == "nn":
+        from laplace_core.predictive import MCPredictor
+
+        return MCPredictor(model, post, mc_samples, seed, cache_bytes=cache_bytes)
+    if pred_type == "glm":
+        from laplace_core.glm import GLMPredictor
+
+        return GLMPredictor(model, post, mc_samples, seed, link="mc", variance="mc", cache_bytes=cache_bytes)
+    raise ValueError(f"unknown pred_type {pred_type!r}; valid: {', '.join(PRED_TYPES)}")  # pragma: no cover
+
+
+def check_pred_type(pred_type: str) -> None:
+    """``ValueError`` for an unknown or not-yet-implemented predictive type."""
+    if pred_type in _PLANNED_PRED_TYPES:
+        raise ValueError(
+            f"pred_type {pred_type!r} (linearised predictive) is not implemented yet; valid now: {', '.join(PRED_TYPES)}"
+        )
+    if pred_type not in PRED_TYPES:
+        raise ValueError(f"unknown pred_type {pred_type!r}; valid: {', '.join(PRED_TYPES)}")
+
+
+# --------------------------------------------------------------------------- loading
+def model_ref(spec: Any) -> dict[str, Any]:
+    """``{"name", "weights", "num_classes"}`` from a ``pipelines.config.schema.ModelSpec``-like object
+    or a mapping (what actors receive; they call ``load_model`` with it)."""
+    if isinstance(spec, Mapping):
+        get = spec.get
+    else:
+        get = lambda k, d=None: getattr(spec, k, d)  # noqa: E731
+    name = get("name")
+    if not name or not isinstance(name, str):
+        raise ValueError(f"model spec needs a model name, got {spec!r}")
+    return {"name": name, "weights": get("weights"), "num_classes": get("num_classes")}
+
+
+def load_eval_model(ref: Mapping[str, Any], *, dtype: torch.dtype, device: str,
+                    endpoint_url: str | None = None) -> nn.Module:
+    """``load_model(name, weights, num_classes)`` in eval mode, cast to ``dtype``, on ``device``."""
+    from pipelines.ingest.models import load_model
+
+    model = load_model(ref["name"], ref.get("weights"), ref.get("num_classes"), endpoint_url=endpoint_url)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_posteriors(uris: Mapping[str, str], hyper: Mapping[str, Sequence[float]] | None = None,
+                    endpoint_url: storage.Store = None) -> dict[str, Any]:
+    """``method -> Posterior`` from artifact URIs; ``hyper[method] = (N, τ)`` re-targets a
+    posterior with ``laplace_core.posterior.with_hyper`` (no eigendecomposition redone)."""
+    from laplace_core.structures.base import load_posterior
+    from laplace_core.posterior import with_hyper
+
+    out = {}
+    for method, uri in uris.items():
+        if method == MAP:
+            raise ValueError(f"{MAP!r} is the baseline and always evaluated; do not pass a posterior under that name")
+        post = load_posterior(uri, storage.fsspec_options(uri, endpoint_url))
+        if hyper and method in hyper and hyper[method] is not None:
+            n_data, tau = hyper[method]
+            post = with_hyper(post, n_data, tau)
+        out[method] = post
+    if hyper:
+        unknown = sorted(set(hyper) - set(uris))
+        if unknown:
+            raise ValueError(f"hyper given for methods without a posterior: {unknown}; posteriors: {sorted(uris)}")
+    return out
+
+
+# --------------------------------------------------------------------------- predictions
+def finite_or_reason(p: torch.Tensor) -> str:
+    """``""`` when every entry of ``p`` is finite, else the reason (how many are NaN/inf)."""
+    if bool(torch.isfinite(p).all()):
+        return ""
+    return f"non-finite predictions ({int((~torch.isfinite(p)).sum())} entries NaN/inf)"
+
+
+def predict_chunk(model: nn.Module, predictor: Any, chunk: Any) -> list[torch.Tensor]:
+    """Probabilities of the real rows of each batch of ``chunk`` (a
+    :class:`pipelines.evaluation.chunks.Chunk`): MAP when ``predictor`` is None."""
+    from laplace_core.predictive import map_predict
+
+    if predictor is None:
+        probs = [map_predict(model, x) for x in chunk.xs]
+    else:
+        probs = predictor.predict_batches(chunk.xs)
+    return [p[:n].detach().cpu() for p, n in zip(probs, chunk.sizes)]
