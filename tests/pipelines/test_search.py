@@ -256,7 +256,7 @@ def test_the_run_scores_the_search_with_the_evaluation_ece():
     """``evaluate.ece_mode`` / ``evaluate.ece_bins`` (and the actor settings) reach the
     SearchConfig the run builds, and its accumulators use them; the search section keeps its
     own ``mc_samples``, ``seed`` and ``chunk_size``."""
-    from pipelines.config.schema import load_config
+    from pipelines.config.load import load_config
     from pipelines.evaluation.runtime import eval_config, search_config
     from pipelines.evaluation.search import SearchAccumulator
 
