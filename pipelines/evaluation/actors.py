@@ -31,9 +31,11 @@ class ActorProgress:
     """Progress log of a round of actors, written by actor 0 only: every ``cfg.log_every_s``
     seconds one line with the images done (estimated for all actors as actor 0's count
     times ``num_actors``: the shards are split dynamically), images/s and the ETA when
-    ``cfg.expected_rows`` (or ``totals``) gives the split's size. ``__call__(split, n)``
-    counts ``n`` units (images, or for the search examples x configurations) of ``split``
-    (0: in-domain or validation, 1: OOD)."""
+    ``cfg.expected_rows`` (or ``totals``) gives the split's size (the estimate never exceeds
+    it). ``__call__(split, n)`` counts ``n`` units (images, or for the search examples x
+    configurations) of ``split`` (0: in-domain or validation, 1: OOD) just processed; the
+    rate is over the time since the split's first units started (the previous call, or the
+    construction), so a first line after a long start-up is not a burst."""
 
     def __init__(self, what: str, index: int, cfg: RuntimeFields, splits: Sequence[str] = ("test", "ood"),
                  totals: Sequence[int | None] | None = None, unit: str = "images"):
@@ -41,23 +43,29 @@ class ActorProgress:
         self.every, self.names, self.unit = cfg.log_every_s, splits, unit
         self.totals = tuple(cfg.expected_rows if totals is None else totals)
         self.done = [0, 0]
-        self.t0 = [None, None]
-        self.last = time.perf_counter()
+        self.t0: list[float | None] = [None, None]  # when the split's first units started
+        self.last = self.prev = time.perf_counter()
 
     def __call__(self, split: int, n: int) -> None:
         now = time.perf_counter()
-        if self.t0[split] is None:
-            self.t0[split] = now
+        if self.t0[split] is None:  # its first units were processed after the previous call
+            self.t0[split] = self.prev
+        self.prev = now
         self.done[split] += n
-        if not self.on or now - self.last < self.every:
+        if not self.on or now - self.last < self.every or now <= self.t0[split]:
             return
         self.last = now
-        est = self.done[split] * self.k
-        rate = est / max(now - self.t0[split], 1e-9)
+        print(self.line(split, now), flush=True)
+
+    def line(self, split: int, now: float) -> str:
+        """``[what] split: ~done/total units, rate/s, ETA`` (the estimate capped at the total)."""
         total = self.totals[split] if split < len(self.totals) else None
-        eta = "?" if not total else f"{max(total - est, 0) / max(rate, 1e-9):.0f}s"
-        print(f"[{self.what}] {self.names[split]}: ~{est}/{total or '?'} {self.unit}, {rate:.1f}/s, ETA {eta}",
-              flush=True)
+        est = self.done[split] * self.k
+        if total:
+            est = min(est, total)
+        rate = self.done[split] * self.k / (now - self.t0[split])
+        eta = "?" if not total or rate <= 0 else f"{max(total - est, 0) / rate:.0f}s"
+        return f"[{self.what}] {self.names[split]}: ~{est}/{total or '?'} {self.unit}, {rate:.1f}/s, ETA {eta}"
 
 
 class ModelActor:

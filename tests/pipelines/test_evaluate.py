@@ -388,3 +388,21 @@ def test_actor_progress_lines(capsys, monkeypatch):
     assert capsys.readouterr().out == ""
     with pytest.raises(ValueError, match="log_every_s must be > 0"):
         EvalConfig(log_every_s=0.0)
+
+
+def test_actor_progress_is_right_after_a_slow_start_and_never_passes_the_total(capsys, monkeypatch):
+    """The first line after a long start (model loading, first decode) gave
+    ``~936/750 images, 936000000000.0/s, ETA 0s``: the rate counted the first batch over no
+    time and the estimate (actor 0's count x actors) passed the split's size."""
+    from pipelines.evaluation import actors as ev
+
+    clock = iter([0.0, 40.0, 41.0, 75.0])
+    monkeypatch.setattr(ev.time, "perf_counter", lambda: next(clock))
+    cfg = EvalConfig(num_actors=4, log_every_s=30.0, expected_rows=(750, None))
+    p = ev.ActorProgress("evaluate", 0, cfg)  # clock 0.0
+    p(0, 117)  # 40.0: the first batch, after a 40 s start
+    p(0, 117)  # 41.0
+    p(0, 3)  # 75.0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["[evaluate] test: ~468/750 images, 11.7/s, ETA 24s",
+                   "[evaluate] test: ~750/750 images, 12.6/s, ETA 0s"], out
