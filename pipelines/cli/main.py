@@ -72,6 +72,7 @@ def get_args_parser(add_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--endpoint-url", help="S3-compatible endpoint URL (credentials come from the AWS chain)")
     p.add_argument("--address", help="Ray address (default: RAY_ADDRESS, else a local instance)")
     p.add_argument("--dry-run", action="store_true", help="parse and validate the config, print it, and exit")
+    p.add_argument("--verbose", action="store_true", help="also show Ray's own log lines (Train, Data, the local instance)")
     return p
 
 
@@ -120,20 +121,45 @@ def runtime_env_for(address: str | None) -> dict | None:
     return {"working_dir": root, "excludes": list(WORKING_DIR_EXCLUDES)}
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _init_ray(address: str | None) -> None:
+    import logging
+
     import ray
 
+    from pipelines.distributed.cluster import quiet_env, verbose
+
+    level = logging.INFO if verbose() else logging.WARNING
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         env = runtime_env_for(address)
         if env is not None:
+            env["env_vars"] = quiet_env()
             print(f"infoform: connecting to {address}; shipping {env['working_dir']} as the job's working dir")
-        ray.init(address=address, runtime_env=env)
-    else:
-        # A private local instance, bound to loopback only.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        ray.init(include_dashboard=False)
+        ray.init(address=address, runtime_env=env, logging_level=level)
+        return
+    # A private local instance, bound to loopback only, on a port chosen here so that its
+    # processes can be told its address (another Ray instance on the machine must not make
+    # Ray's own clients inside the job ask which one to use).
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    port = _free_port()
+    here = f"127.0.0.1:{port}"
+    os.environ["RAY_GCS_SERVER_PORT"] = str(port)
+    try:
+        # the dashboard serves the state API that Ray Train's placement-group cleaner polls
+        ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=_free_port(),
+                 _node_ip_address="127.0.0.1", logging_level=level, runtime_env={"env_vars": quiet_env(here)})
+    finally:
+        del os.environ["RAY_GCS_SERVER_PORT"]
+    os.environ["RAY_ADDRESS"] = here  # this process's own Ray clients (state API, Ray Data, Train)
 
 
 def run_job(argv: list[str] | None = None, prog: str = "imagenet_inf.py") -> int:
@@ -164,6 +190,12 @@ def cmd_run(args: argparse.Namespace, prog: str | None = None) -> int:
     if cfg.data.demo:
         print(f"infoform: running the embedded demo (preset {cfg.preset}): digits in-distribution, "
               "rendered letters out-of-distribution, a small CNN trained on the spot")
+    from pipelines.distributed.cluster import VERBOSE_ENV, quiet_env
+
+    if getattr(args, "verbose", False):
+        os.environ[VERBOSE_ENV] = "1"
+    for k, v in quiet_env().items():  # this process (the driver's Ray Data)
+        os.environ.setdefault(k, v)
     from pipelines.errors import StageError
     from pipelines.errors import PreflightError
     from pipelines.cli.run import run

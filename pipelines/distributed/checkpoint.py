@@ -19,6 +19,7 @@ import torch
 
 from laplace_core.io import load_tensors, save_tensors
 
+from pipelines.distributed.progress import say
 from pipelines.storage import uris as storage
 
 __all__ = ["MANIFEST", "list_checkpoints", "load_checkpoint", "save_checkpoint", "tensor_bytes"]
@@ -48,7 +49,7 @@ def list_checkpoints(base: str, fingerprint: str, store: storage.Store = None, f
             meta = storage.read_json(man, store).get("meta", {})
             done = len(meta["done"]) if fmt is None or meta.get("format") == fmt else -1
         except (ValueError, OSError, KeyError, TypeError, AttributeError) as e:
-            print(f"[{tag}] checkpoint {uri} has an unreadable manifest ({type(e).__name__}); not used", flush=True)
+            say(f"[{tag}] checkpoint {uri} has an unreadable manifest ({type(e).__name__}); not used")
             continue
         if done >= 0 and meta.get("fingerprint") == fingerprint:
             found.append((done, name, uri, meta))
@@ -66,8 +67,8 @@ def load_checkpoint(base: str, fingerprint: str, store: storage.Store = None, fm
             tensors, _ = load_tensors(uri, storage.fsspec_options(uri, store))
             return uri, meta, tensors
         except (ValueError, OSError, KeyError) as e:
-            print(f"[{tag}] checkpoint {uri} is unusable ({str(e).splitlines()[0][:200]}); "
-                  f"its partitions are computed again", flush=True)
+            say(f"[{tag}] checkpoint {uri} is unusable ({str(e).splitlines()[0][:200]}); "
+                  f"its partitions are computed again")
     return None
 
 

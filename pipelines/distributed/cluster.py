@@ -156,3 +156,30 @@ def resolve_output(output: str, cwd: str | None = None) -> str:
     if in_ray_working_dir(cwd):
         base = os.environ.get(HOME_ENV) or str(Path.home() / "infoform")
     return os.path.normpath(os.path.join(base, path))
+
+
+# --------------------------------------------------------------------------- a quiet log
+#: ``--verbose`` sets this: Ray's own INFO lines (Ray Train's controller, Ray Data's
+#: per-dataset lines, the local instance's start) come back.
+VERBOSE_ENV = "INFOFORM_VERBOSE"
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def quiet_env(address: str | None = None) -> dict[str, str]:
+    """Environment for the processes of a local Ray instance the job starts: Ray Data at
+    ERROR unless ``--verbose``, and Ray's internal clients (e.g. Ray Train's placement-group
+    cleaner, which looks the cluster up by itself) pointed at this instance, so that another
+    Ray instance on the machine does not make them fail with "Found multiple active Ray
+    instances"."""
+    env = {} if verbose() else {"RAY_DATA_LOG_LEVEL": "ERROR"}
+    if address:
+        env["RAY_ADDRESS"] = address
+    return env
+
+
+def train_log_level() -> str:
+    """Ray Train's own log level: its controller's INFO lines only with ``--verbose``."""
+    return "INFO" if verbose() else "WARNING"

@@ -38,7 +38,7 @@ import torch
 from pipelines.storage import uris as storage
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import allreduce_sum, broadcast_object, new_comm_record
-from .progress import Progress
+from .progress import Progress, say
 from .workers import Job, path_keys
 
 __all__ = ["PassKind", "PassResult", "PassRun", "dataset_name", "new_pass_record"]
@@ -291,8 +291,7 @@ class PassRun:
                 if not storage.exists(fi.once_marker, job.store):
                     storage.write_json_atomic(fi.once_marker, {"pass": pass_no, "partition": pid, "rank": rank,
                                                                "time": time.time()}, job.store)
-                    print(f"[{self.kind.tag}] fault injection: rank {rank} exits in pass {pass_no} partition {pid}",
-                          flush=True)
+                    say(f"[{self.kind.tag}] fault injection: rank {rank} exits in pass {pass_no} partition {pid}")
                     os._exit(1)
 
     # ------------------------------------------------------------------ run
@@ -310,8 +309,8 @@ class PassRun:
             k.unflatten(state, [t.to(self.device) for t in k.from_tensors(self._ckpt_tensors)])
             self._ckpt_tensors = None
         if rank == 0 and self.todo:
-            print(f"[{k.tag}] pass {k.pass_no} ({k.name}): {len(self.todo)} partition(s) to compute, "
-                  f"{len(rec['reused'])} from {rec['resumed_from'] or 'no checkpoint'}", flush=True)
+            say(f"[{k.tag}] pass {k.pass_no} ({k.name}): {len(self.todo)} partition(s) to compute, "
+                  f"{len(rec['reused'])} from {rec['resumed_from'] or 'no checkpoint'}")
         seg: list[int] = []
         counters: dict[int, _Counter] = {}
         local = [0] * len(k.count_names)
@@ -425,5 +424,5 @@ class PassRun:
         self.rec["write_s"] += dt
         self.rec["bytes_written"] += nbytes
         self.rec["checkpoints"] += 1
-        print(f"[{k.tag}] pass {k.pass_no} ({k.name}): checkpoint of {len(self.totals.done)} of {len(self.ids)} "
-              f"partition(s) in {uri} ({nbytes / 2**20:.1f} MiB, {dt:.1f} s)", flush=True)
+        say(f"[{k.tag}] pass {k.pass_no} ({k.name}): checkpoint of {len(self.totals.done)} of {len(self.ids)} "
+              f"partition(s) in {uri} ({nbytes / 2**20:.1f} MiB, {dt:.1f} s)")

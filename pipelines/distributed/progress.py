@@ -2,9 +2,18 @@
 actor that counts images against a known total)."""
 from __future__ import annotations
 
+import sys
 import time
 
-__all__ = ["Progress"]
+__all__ = ["Progress", "say"]
+
+
+def say(line: str) -> None:
+    """One log line from a worker, written to its stdout once (Ray forwards it to the driver).
+    Not ``print``: Ray Train's workers patch ``print`` to also log each line, which the
+    driver then shows twice."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
 
 
 class Progress:
@@ -28,7 +37,7 @@ class Progress:
         now = time.perf_counter()
         if self.rank == 0 and now - self.last >= self.every_s:
             self.last = now
-            print(self.line(now), flush=True)
+            say(self.line(now))
 
     def line(self, now: float | None = None) -> str:
         now = time.perf_counter() if now is None else now

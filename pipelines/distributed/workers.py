@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from pipelines.distributed.cluster import train_log_level
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
 
@@ -193,7 +194,8 @@ def make_trainer(loop, loop_config: dict, cfg, use_gpu: bool, name: str, output_
         scaling_config=ray.train.ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu,
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(name=name, storage_path=storage_path,
-                                       failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures)),
+                                       failure_config=ray.train.FailureConfig(max_failures=cfg.max_failures),
+                                       logging_config=ray.train.LoggingConfig(log_level=train_log_level())),
         datasets=datasets,
         dataset_config=lossless_data_config(),
     )

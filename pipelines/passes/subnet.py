@@ -59,6 +59,7 @@ from laplace_core.io import load_tensors, save_tensors
 from laplace_core.statistics import CurvatureStatistics
 from laplace_core.subnet import DEFAULT_MEMORY_BUDGET, SELECTION_RULES, check_subnet_memory, select_subnetwork
 
+from pipelines.distributed.progress import say
 from pipelines.storage import uris as storage
 from pipelines.config.schema import SUBNET_FISHER_TYPES
 from pipelines.passes.curvature import CurvatureConfig, pass_records, reduced_uri
@@ -295,8 +296,8 @@ def _subnet_loop(config: dict) -> None:
     kind = SubnetFisherKind(cfg, S, masks, scfg.fisher, scfg.dtype, scfg.memory_budget_bytes)
     run = PassRun(kind, job, rank, world, device, partial).start()
     if rank == 0 and run.rec["reused"]:
-        print(f"[subnet] resuming from {run.rec['resumed_from']}: {len(run.rec['reused'])} partition(s) done, "
-              f"{len(run.todo)} to compute", flush=True)
+        say(f"[subnet] resuming from {run.rec['resumed_from']}: {len(run.rec['reused'])} partition(s) done, "
+              f"{len(run.todo)} to compute")
     model = load_model(job.model.name, job.model.weights, job.model.num_classes, endpoint_url=ep)
     kind.bind(model.to(device=device, dtype=DTYPES[cfg.model_dtype]).eval())
     res = run.run(scfg.checkpoint_every_s)
@@ -315,8 +316,8 @@ def _subnet_loop(config: dict) -> None:
             "written_at": time.time(), "computed_partitions": r["computed"], "reused_partitions": r["reused"],
         }, ep)
         storage.remove(partial, recursive=True, endpoint_url=ep)
-        print(f"[subnet] S = {S}: Fisher over {count} examples written ({res.rows} rows, "
-              f"{res.invalid} invalid)", flush=True)
+        say(f"[subnet] S = {S}: Fisher over {count} examples written ({res.rows} rows, "
+              f"{res.invalid} invalid)")
     dist.barrier()
 
 
@@ -360,12 +361,11 @@ def run_subnet_pass(
                                for k, mk in masks.items())),
     }
     if meta["zero_fisher"]:
-        print(f"[subnet] note: {meta['zero_fisher']} of the S = {S} selected weights have a zero Fisher diagonal "
-              "(dead units: prior variance, no effect on the training data's predictions; Daxberger et al. §6.3)",
-              flush=True)
+        say(f"[subnet] note: {meta['zero_fisher']} of the S = {S} selected weights have a zero Fisher diagonal "
+              "(dead units: prior variance, no effect on the training data's predictions; Daxberger et al. §6.3)")
         if scfg.rule == "wasserstein":
-            print("[subnet] hint: --set posterior.subnet_rule=wasserstein_live ranks only weights with a live "
-                  "Fisher diagonal", flush=True)
+            say("[subnet] hint: --set posterior.subnet_rule=wasserstein_live ranks only weights with a live "
+                  "Fisher diagonal")
     fp = fingerprint({
         "model": dataclasses.asdict(model), "partitions": ids, "rows": [rows[p] for p in ids],
         "data": [getattr(by_id[p], "fingerprint", None) for p in ids], "masks": _masks_digest(masks),
@@ -376,7 +376,7 @@ def run_subnet_pass(
     old = storage.read_json(storage.join(uri, ckpt.MANIFEST), endpoint_url).get("meta", {}) \
         if storage.exists(storage.join(uri, ckpt.MANIFEST), endpoint_url) else {}
     if old.get("format") == FORMAT and old.get("fingerprint") == fp:
-        print(f"[subnet] {uri}: done earlier (same fingerprint), reused", flush=True)
+        say(f"[subnet] {uri}: done earlier (same fingerprint), reused")
         return SubnetResult(uri=uri, subnet_size=S, d_total=D, count=int(old["count"]), fisher=scfg.fisher,
                             computed=False,
                             fit_s=0.0, allreduce_s=0.0, allreduce_bytes=0, rows=int(old.get("rows", 0)),
@@ -398,8 +398,7 @@ def run_subnet_pass(
     trainer = make_trainer(_subnet_loop, {"job": job, "subnet": scfg, "masks": masks, "meta": meta, "uri": uri,
                                           "partial_uri": partial},
                             cfg, bool(use_gpu), run_id, output_uri, datasets)
-    print(f"[subnet] S = {S} of {D} weights ({scfg.rule}), {scfg.fisher} Fisher on {cfg.num_workers} worker(s)",
-          flush=True)
+    say(f"[subnet] S = {S} of {D} weights ({scfg.rule}), {scfg.fisher} Fisher on {cfg.num_workers} worker(s)")
     t0 = time.perf_counter()
     trainer.fit()
     fit_s = time.perf_counter() - t0
