@@ -28,20 +28,10 @@ from pipelines.report.inputs import (SEARCH_OBJECTIVES, check_metrics, chosen_po
 from pipelines.report.methods import method_color, method_label, order_methods
 from pipelines.storage import uris as storage
 
-__all__ = ["FIGURE_NAMES", "CAPTIONS", "render_reliability", "render_entropy", "render_hyper", "render_comparison",
+__all__ = ["FIGURE_NAMES", "render_reliability", "render_entropy", "render_hyper", "render_comparison",
            "render_standard", "plot_reliability", "plot_entropy", "plot_hyper"]
 
 FIGURE_NAMES: tuple[str, ...] = ("reliability", "entropy", "hyper")
-#: Caption per figure name (a figure without one is captioned with its name).
-CAPTIONS = {
-    "reliability": "Reliability: accuracy against confidence per bin with the gap to the diagonal shaded, "
-                   "and the Maddox et al. (2019) variant (confidence − accuracy per bin, one line per method) "
-                   "as in Lee et al. (2020), Figure 6.",
-    "entropy": "Normalised predictive entropy of the in-distribution test set and the OOD set per method, "
-               "OOD AUROC (entropy as the score) in each title; as in Lee et al. (2020), Figure 7.",
-    "hyper": "Hyper-parameter search over (log10 N, log10 τ) per method and objective; red crosses: failed "
-             "configurations, star: the chosen (N, τ); as in Lee et al. (2020), Figure 9.",
-}
 
 _DPI = 100
 

@@ -12,18 +12,27 @@ import datetime as _dt
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from pipelines.report.figures import CAPTIONS
 from pipelines.report.inputs import (BYTES_PER_NUMBER, chosen_point, count_with_parts, ece_variants, failed_configs,
-                                     failed_row, is_finite, model_name, ood_entropy_means, opt_mapping, order_stages,
+                                     is_finite, model_name, ood_entropy_means, opt_mapping, order_stages,
                                      posterior_sizes, scored, skipped_images, variant_label)
 from pipelines.report.methods import CORRELATIONS, method_label, order_methods
 
-__all__ = ["Table", "FigureRef", "Count", "ReportPage", "ModelSection", "AuditPage", "figure_ref",
+__all__ = ["CAPTIONS", "Table", "FigureRef", "Count", "ReportPage", "ModelSection", "AuditPage", "figure_ref",
            "build_report_page", "model_section", "build_audit_page"]
 
 _EXAMPLES_SHOWN = 5
+#: Caption per figure name (a figure without one is captioned with its name).
+CAPTIONS = {
+    "reliability": "Reliability: accuracy against confidence per bin with the gap to the diagonal shaded, "
+                   "and the Maddox et al. (2019) variant (confidence − accuracy per bin, one line per method) "
+                   "as in Lee et al. (2020), Figure 6.",
+    "entropy": "Normalised predictive entropy of the in-distribution test set and the OOD set per method, "
+               "OOD AUROC (entropy as the score) in each title; as in Lee et al. (2020), Figure 7.",
+    "hyper": "Hyper-parameter search over (log10 N, log10 τ) per method and objective; red crosses: failed "
+             "configurations, star: the chosen (N, τ); as in Lee et al. (2020), Figure 9.",
+}
 KeyValues = list[tuple[str, str]]
 
 
@@ -94,28 +103,23 @@ class AuditPage:
 
 def figure_ref(name: str, png: bytes | None = None, link: str | None = None, caption: str | None = None,
                alt: str | None = None) -> FigureRef:
-    """A :class:`FigureRef` captioned from :data:`~pipelines.report.figures.CAPTIONS` unless given."""
+    """A :class:`FigureRef` captioned from :data:`CAPTIONS` unless given."""
     return FigureRef(name=name, caption=caption if caption is not None else CAPTIONS.get(name, name),
                      alt=alt if alt is not None else name, png=png, link=link)
 
 
 # --------------------------------------------------------------------------- formatting
+_FORMATS: dict[str, Callable[[Any], str]] = {
+    "pct": lambda v: f"{100 * v:.2f}%", "int": lambda v: f"{int(v):,}", "mb": lambda v: f"{v:,.1f}",
+    "s": lambda v: f"{v:,.1f}", "3": lambda v: f"{v:.3f}", "2": lambda v: f"{v:.2f}", "4": lambda v: f"{v:.4f}",
+}
+
+
 def _fmt(v: Any, kind: str) -> str:
+    """``v`` as a table cell (kinds in :data:`_FORMATS`); "—" for a missing or non-finite number."""
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return "—"
-    if kind == "pct":
-        return f"{100 * v:.2f}%"
-    if kind == "int":
-        return f"{int(v):,}"
-    if kind == "mb":
-        return f"{v:,.1f}"
-    if kind == "s":
-        return f"{v:,.1f}"
-    if kind == "3":
-        return f"{v:.3f}"
-    if kind == "2":
-        return f"{v:.2f}"
-    return f"{v:.4f}"
+    return _FORMATS[kind](v)
 
 
 def _dump_config(cfg: Any) -> str:

@@ -8,6 +8,7 @@ local or s3://).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Mapping, Sequence
 
@@ -66,7 +67,8 @@ def write_report(output_dir_or_uri: str, run_summary: Mapping[str, Any],
     for name, uri in given.items():
         if name not in pngs:
             paths[name], pngs[name] = uri, storage.read_bytes(uri, endpoint_url)
-    page.figures = [figure_ref(n, png=pngs[n], link=_relative_link(out, u)) for n, u in paths.items()]
+    page = dataclasses.replace(page, figures=[figure_ref(n, png=pngs[n], link=_relative_link(out, u))
+                                              for n, u in paths.items()])
     paths["html"] = storage.join(out, "report.html")
     paths["md"] = storage.join(out, "report.md")
     storage.write_bytes_atomic(paths["html"], render_html(page).encode("utf-8"), endpoint_url)
