@@ -264,6 +264,37 @@ def test_markdown_lists_methods_and_links_figures(built):
     assert "ECE (equal width, 15 bins)" in md
 
 
+def test_html_and_markdown_show_the_same_sections(built):
+    """One page model, two templates: the same section and sub-section titles in the same order,
+    and the same notes under the methods table."""
+    text = Path(built["paths"]["html"]).read_text(encoding="utf-8")
+    md = Path(built["paths"]["md"]).read_text(encoding="utf-8")
+    html_heads = re.findall(r"<h([23])>([^<]*)</h\1>", text)
+    md_heads = [(str(len(h)), t) for h, t in re.findall(r"^(##+) (.*)$", md, re.M)]
+    # the HTML shows the versions in a <details> instead of an h3
+    assert [h for h in html_heads] == [h for h in md_heads if h != ("3", "Versions")]
+    assert [t for _, t in html_heads] == ["Run", "Model", "Data", "Results per method", "Time per stage (whole run)",
+                                          "Figures", "Data and numerical issues"]
+    html_notes = re.search(r'<ul class="notes">(.*?)</ul>', text).group(1)
+    assert html_notes.count("<li>") == len(re.findall(r"^- ", md.split("## Results per method")[1].split("###")[0], re.M))
+
+
+def test_templates_are_package_data():
+    """A non-editable install ships every template: each file under templates/ matches a
+    package-data glob of pyproject.toml, and pipelines.report is a listed package."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "pipelines.report" in setup["packages"]
+    globs = setup["package-data"]["pipelines.report"]
+    files = sorted(p.relative_to(root / "pipelines" / "report").as_posix()
+                   for p in (root / "pipelines" / "report" / "templates").iterdir())
+    assert any(f.endswith(".html.j2") for f in files) and any(f.endswith(".md.j2") for f in files)
+    for f in files:
+        assert any(fnmatch.fnmatch(f, g) for g in globs), f"{f} is not package data {globs}"
+
 def test_reliability_points_and_ood_mean_estimate():
     metrics, p_in, p_out = _probs(3, 1.2)
     pts = inputs.reliability_points(metrics, "equal_width_15")
