@@ -209,7 +209,8 @@ class ModelRun:
     # ------------------------------------------------------------------ report
     def report(self, summary: dict[str, Any]) -> dict[str, Any] | None:
         def do_report() -> dict[str, Any]:
-            from pipelines.report.report import load_eval_metrics, write_report
+            from pipelines.report.load import load_eval_metrics
+            from pipelines.report.write import write_report
 
             metrics = load_eval_metrics(self.output, self.ep)
             table = read_search(self.output, self.ep)
@@ -263,6 +264,6 @@ def read_search(output: str, ep):
     uri = layout.search_table_uri(output)
     if not storage.exists(uri, ep):
         return None
-    from pipelines.report.report import read_search_table
+    from pipelines.report.load import read_search_table
 
     return read_search_table(uri, ep)

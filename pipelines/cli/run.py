@@ -11,7 +11,7 @@ fully skipped re-run reproduces it.
 
 An audit (``models:`` with several entries) runs the same stages per model under
 ``<output>/models/<name>/`` and writes one comparison report (``audit.html`` + ``audit.md``,
-:func:`pipelines.report.report.write_audit_report`) and a top-level ``run.json`` listing the models,
+:func:`pipelines.report.write.write_audit_report`) and a top-level ``run.json`` listing the models,
 their outputs, posterior sizes and headline results.
 """
 from __future__ import annotations
@@ -189,7 +189,8 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
         summary = _run_model(cfg, models[0], output, plan, ensure_ray)
         report = layout.report_uris(output)["html"]
         return RunResult(output=output, report_path=report, summary=summary)
-    from pipelines.report.report import load_eval_metrics, write_audit_report
+    from pipelines.report.load import load_eval_metrics
+    from pipelines.report.write import write_audit_report
 
     ep = cfg.storage_options()
     per_model, tables, listing = {}, {}, {}

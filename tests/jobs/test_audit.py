@@ -364,7 +364,8 @@ def test_audit_without_evaluations_writes_the_listing_only(audit_run, tmp_path):
 def test_failed_evaluation_is_listed_not_fatal(audit_run, tmp_path):
     """A method whose evaluation failed (metrics.json with status "failed", no numbers) is named
     in the comparison's notes and left out of its rows; the other rows and figures stay."""
-    from pipelines.report.report import load_eval_metrics, write_audit_report
+    from pipelines.report.load import load_eval_metrics
+    from pipelines.report.write import write_audit_report
 
     out, _, _ = audit_run
     per_model = {}

@@ -1,4 +1,4 @@
-"""pipelines.report.report: figures, the self-contained HTML page, Markdown, audit report, headless render.
+"""pipelines.report: figures, the self-contained HTML page, Markdown, audit report, headless render.
 
 The metrics dicts are real: ``laplace_core.metrics.suite.MetricSuite`` run on random probabilities
 (one temperature per method, so the methods differ in calibration), plus an OOD set of flatter
@@ -22,7 +22,9 @@ from PIL import Image
 
 from laplace_core.metrics.base import normalized_entropy
 from laplace_core.metrics.suite import MetricSuite
-from pipelines.report import report
+from pipelines.report import figures, inputs, load, write
+from pipelines.report.methods import method_label
+from pipelines.report.render import md_escape
 from pipelines.storage import uris as storage
 
 _BROWSER_PY = Path(__file__).resolve().parents[1] / "jobs" / "browser.py"
@@ -176,7 +178,7 @@ def built(tmp_path_factory):
     table = make_search_table()
     summary = make_summary()
     t0 = time.perf_counter()
-    paths = report.write_report(str(out), summary, metrics, table)
+    paths = write.write_report(str(out), summary, metrics, table)
     elapsed = time.perf_counter() - t0
     return {"out": out, "paths": paths, "metrics": metrics, "table": table, "summary": summary, "elapsed": elapsed}
 
@@ -200,7 +202,7 @@ def test_html_is_self_contained_with_one_row_per_method(built):
     page = parse(text)
     t = page.tables["methods-table"]
     assert t["keys"] == list(TEMPERATURES)  # one row per method, in METHOD_ORDER
-    assert [r[0] for r in t["rows"]] == [report.method_label(m) for m in TEMPERATURES]
+    assert [r[0] for r in t["rows"]] == [method_label(m) for m in TEMPERATURES]
     assert len(page.imgs) == 3
     for src in page.imgs:
         assert src.startswith("data:image/png;base64,")
@@ -255,7 +257,7 @@ def test_markdown_lists_methods_and_links_figures(built):
     md_path = Path(built["paths"]["md"])
     md = md_path.read_text(encoding="utf-8")
     for m in TEMPERATURES:
-        assert re.search(r"^\| " + re.escape(report._md(report.method_label(m))) + r" \|", md, re.M), m
+        assert re.search(r"^\| " + re.escape(md_escape(method_label(m))) + r" \|", md, re.M), m
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
     assert links == ["figures/reliability.png", "figures/entropy.png", "figures/hyper.png"]
     for link in links:
@@ -263,9 +265,40 @@ def test_markdown_lists_methods_and_links_figures(built):
     assert "ECE (equal width, 15 bins)" in md
 
 
+def test_html_and_markdown_show_the_same_sections(built):
+    """One page model, two templates: the same section and sub-section titles in the same order,
+    and the same notes under the methods table."""
+    text = Path(built["paths"]["html"]).read_text(encoding="utf-8")
+    md = Path(built["paths"]["md"]).read_text(encoding="utf-8")
+    html_heads = re.findall(r"<h([23])>([^<]*)</h\1>", text)
+    md_heads = [(str(len(h)), t) for h, t in re.findall(r"^(##+) (.*)$", md, re.M)]
+    # the HTML shows the versions in a <details> instead of an h3
+    assert [h for h in html_heads] == [h for h in md_heads if h != ("3", "Versions")]
+    assert [t for _, t in html_heads] == ["Run", "Model", "Data", "Results per method", "Time per stage (whole run)",
+                                          "Figures", "Data and numerical issues"]
+    html_notes = re.search(r'<ul class="notes">(.*?)</ul>', text).group(1)
+    assert html_notes.count("<li>") == len(re.findall(r"^- ", md.split("## Results per method")[1].split("###")[0], re.M))
+
+
+def test_templates_are_package_data():
+    """A non-editable install ships every template: each file under templates/ matches a
+    package-data glob of pyproject.toml, and pipelines.report is a listed package."""
+    import fnmatch
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "pipelines.report" in setup["packages"]
+    globs = setup["package-data"]["pipelines.report"]
+    files = sorted(p.relative_to(root / "pipelines" / "report").as_posix()
+                   for p in (root / "pipelines" / "report" / "templates").iterdir())
+    assert any(f.endswith(".html.j2") for f in files) and any(f.endswith(".md.j2") for f in files)
+    for f in files:
+        assert any(fnmatch.fnmatch(f, g) for g in globs), f"{f} is not package data {globs}"
+
 def test_reliability_points_and_ood_mean_estimate():
     metrics, p_in, p_out = _probs(3, 1.2)
-    pts = report.reliability_points(metrics, "equal_width_15")
+    pts = inputs.reliability_points(metrics, "equal_width_15")
     assert sum(p["count"] for p in pts) == N_IN
     conf = p_in.max(dim=1).values
     for p in pts:  # bin mean confidence recomputed independently
@@ -273,22 +306,22 @@ def test_reliability_points_and_ood_mean_estimate():
         assert int(inside.sum()) == p["count"]
         assert math.isclose(p["confidence"], float(conf[inside].mean()), rel_tol=1e-12)
         assert math.isclose(p["gap"], p["confidence"] - p["accuracy"], abs_tol=1e-15)
-    mean_in, mean_out, est = report.ood_entropy_means(metrics)
+    mean_in, mean_out, est = inputs.ood_entropy_means(metrics)
     assert est and math.isclose(mean_in, float(normalized_entropy(p_in).mean()), rel_tol=1e-12)
     assert abs(mean_out - float(normalized_entropy(p_out).mean())) <= 0.5 / 50 + 1e-12  # half a bin
 
 
 def test_plot_functions_write_pngs(tmp_path):
     metrics = make_metrics(("map", "inf"))
-    report.plot_reliability(metrics, str(tmp_path / "r.png"))
-    report.plot_reliability(metrics, str(tmp_path / "rm.png"), variant="equal_mass_15")
-    report.plot_entropy(metrics, str(tmp_path / "e.png"))
+    figures.plot_reliability(metrics, str(tmp_path / "r.png"))
+    figures.plot_reliability(metrics, str(tmp_path / "rm.png"), variant="equal_mass_15")
+    figures.plot_entropy(metrics, str(tmp_path / "e.png"))
     rows = [{"method": "inf", "log10_n": 3.0 + i / 4, "log10_tau": -1.0 + i / 8, "nll": 1.0 + i / 10,
              "status": "ok" if i != 2 else "error", "reason": ""} for i in range(6)]
-    report.plot_hyper(rows, {"inf": {"n": 1e4, "tau": 0.1}}, str(tmp_path / "h.png"))
+    figures.plot_hyper(rows, {"inf": {"n": 1e4, "tau": 0.1}}, str(tmp_path / "h.png"))
     rows = [dict(r, ece_equal_mass_15=0.01 * i) for i, r in enumerate(rows)]
-    assert report.search_rows(rows)[1]["ece_equal_mass_15"] == 0.01
-    report.plot_hyper(rows, None, str(tmp_path / "h2.png"), objectives=["nll", "ece_equal_mass_15"])
+    assert inputs.search_rows(rows)[1]["ece_equal_mass_15"] == 0.01
+    figures.plot_hyper(rows, None, str(tmp_path / "h2.png"), objectives=["nll", "ece_equal_mass_15"])
     for n in ("r", "rm", "e", "h", "h2"):
         _decode_png((tmp_path / f"{n}.png").read_bytes())
 
@@ -296,17 +329,17 @@ def test_plot_functions_write_pngs(tmp_path):
 def test_bad_inputs_are_one_line_value_errors(tmp_path):
     metrics = make_metrics(("map",))
     with pytest.raises(ValueError, match="non-empty mapping"):
-        report.write_report(str(tmp_path), {}, {})
+        write.write_report(str(tmp_path), {}, {})
     with pytest.raises(ValueError, match="lack 'nll'"):
-        report.write_report(str(tmp_path), {}, {"map": {"accuracy": 0.5, "brier": 0.1}})
+        write.write_report(str(tmp_path), {}, {"map": {"accuracy": 0.5, "brier": 0.1}})
     with pytest.raises(ValueError, match=r"lacks column\(s\) \['log10_tau'\]"):
-        report.write_report(str(tmp_path), {}, metrics, [{"method": "inf", "log10_n": 1.0, "nll": 1.0}])
+        write.write_report(str(tmp_path), {}, metrics, [{"method": "inf", "log10_n": 1.0, "nll": 1.0}])
     with pytest.raises(ValueError, match="run_summary\\['timings'\\] must be a mapping"):
-        report.write_report(str(tmp_path), {"timings": [1, 2]}, metrics)
+        write.write_report(str(tmp_path), {"timings": [1, 2]}, metrics)
     with pytest.raises(ValueError, match="unknown ECE variant"):
-        report.render_reliability(metrics, variant="quantile_10")
+        figures.render_reliability(metrics, variant="quantile_10")
     with pytest.raises(ValueError, match="chosen\\['inf'\\]"):
-        report.render_hyper([{"method": "inf", "log10_n": 1.0, "log10_tau": 0.0, "nll": 1.0}], {"inf": {"x": 1}})
+        figures.render_hyper([{"method": "inf", "log10_n": 1.0, "log10_tau": 0.0, "nll": 1.0}], {"inf": {"x": 1}})
     assert not (tmp_path / "report.html").exists()
 
 
@@ -314,8 +347,8 @@ def test_without_ood_or_search_and_with_given_figure(tmp_path):
     metrics = make_metrics(("map", "diag"), ood=False)
     extra = tmp_path / "elsewhere" / "custom.png"
     extra.parent.mkdir()
-    extra.write_bytes(report.render_entropy(metrics))
-    paths = report.write_report(str(tmp_path / "out"), {"model": "tiny"}, metrics, None, {"custom": str(extra)})
+    extra.write_bytes(figures.render_entropy(metrics))
+    paths = write.write_report(str(tmp_path / "out"), {"model": "tiny"}, metrics, None, {"custom": str(extra)})
     assert set(paths) == {"html", "md", "reliability", "entropy", "custom"}
     page = parse(Path(paths["html"]).read_text(encoding="utf-8"))
     t = page.tables["methods-table"]
@@ -331,7 +364,7 @@ def test_failed_evaluations_are_listed_not_fatal(tmp_path):
     the table; the others are reported as usual; with every method failed the page still says why."""
     metrics = make_metrics(("map", "diag"), ood=False)
     metrics["kfac"] = {"status": "failed", "reason": "NaN logits in 3 of 4 batches"}
-    paths = report.write_report(str(tmp_path / "some"), {"model": "tiny"}, metrics)
+    paths = write.write_report(str(tmp_path / "some"), {"model": "tiny"}, metrics)
     page = parse(Path(paths["html"]).read_text(encoding="utf-8"))
     assert page.tables["methods-table"]["keys"] == ["map", "diag"]
     line = "Evaluation failed, not in the table: kfac: failed (NaN logits in 3 of 4 batches)"
@@ -340,13 +373,13 @@ def test_failed_evaluations_are_listed_not_fatal(tmp_path):
     assert {"reliability", "entropy"} <= set(paths)
 
     only = {"diag": {"status": "failed", "reason": ""}}
-    paths = report.write_report(str(tmp_path / "none"), {"model": "tiny"}, only)
+    paths = write.write_report(str(tmp_path / "none"), {"model": "tiny"}, only)
     assert set(paths) == {"html", "md"}  # no figures without numbers
     text = Path(paths["html"]).read_text(encoding="utf-8")
     assert parse(text).tables["methods-table"]["rows"] == []
     assert "Evaluation failed, not in the table: diag: failed (no reason given)" in text
     with pytest.raises(ValueError, match="non-empty mapping"):
-        report.write_report(str(tmp_path / "empty"), {"model": "tiny"}, {})
+        write.write_report(str(tmp_path / "empty"), {"model": "tiny"}, {})
 
 
 def test_search_without_a_scored_configuration_is_a_note_not_a_crash(tmp_path):
@@ -356,14 +389,14 @@ def test_search_without_a_scored_configuration_is_a_note_not_a_crash(tmp_path):
     rows = [{"config_id": i, "method": "diag", "log10_n": 1.0, "log10_tau": -3.0, "n_data": 10.0,
              "prior_precision": 1e-3, "nll": None, "ece": None, "accuracy": None, "brier": None, "count": 0,
              "status": "failed", "reason": "non-finite predictions", "seconds": 0.0} for i in range(2)]
-    paths = report.write_report(str(tmp_path / "r"), {"model": "tiny"}, metrics, rows)
+    paths = write.write_report(str(tmp_path / "r"), {"model": "tiny"}, metrics, rows)
     assert "hyper" not in paths and {"reliability", "entropy"} <= set(paths)
     note = ("Search: none of the 2 (method, configuration) pairs could be scored "
             "(first reason: non-finite predictions); no search figure.")
     assert note in Path(paths["html"]).read_text(encoding="utf-8")
     assert note in Path(paths["md"]).read_text(encoding="utf-8")
     rows[0].update(nll=0.5, ece=0.1, accuracy=0.9, brier=0.2, count=10, status="ok", reason=None)
-    paths = report.write_report(str(tmp_path / "r2"), {"model": "tiny"}, metrics, rows)
+    paths = write.write_report(str(tmp_path / "r2"), {"model": "tiny"}, metrics, rows)
     assert "hyper" in paths and "Search: none" not in Path(paths["md"]).read_text(encoding="utf-8")
 
 
@@ -375,22 +408,22 @@ def test_load_eval_metrics_and_search_table(tmp_path):
     for m, d in metrics.items():
         storage.write_json_atomic(str(tmp_path / "eval" / m / "metrics.json"), d)
     (tmp_path / "eval" / "search").mkdir()  # a directory without metrics.json is ignored
-    loaded = report.load_eval_metrics(str(tmp_path))
+    loaded = load.load_eval_metrics(str(tmp_path))
     assert list(loaded) == ["map", "inf"] and loaded["inf"]["nll"] == metrics["inf"]["nll"]
     df = make_search_table(("inf",))
     pq.write_table(pa.Table.from_pandas(df, preserve_index=False), str(tmp_path / "search.parquet"))
-    rows = report.read_search_table(str(tmp_path / "search.parquet"))
+    rows = load.read_search_table(str(tmp_path / "search.parquet"))
     assert len(rows) == 14 and sum(r["status"] != "ok" for r in rows) == 2
     assert rows[3]["nll"] is None and rows[0]["nll"] == df["nll"][0]
     with pytest.raises(ValueError, match="no eval/<method>/metrics.json"):
-        report.load_eval_metrics(str(tmp_path / "nothing"))
+        load.load_eval_metrics(str(tmp_path / "nothing"))
 
 
 @pytest.mark.s3
 def test_write_report_to_s3(s3_bucket):
     bucket, endpoint = s3_bucket
     uri = bucket + "/runs/r1"
-    paths = report.write_report(uri, make_summary(("map", "inf")), make_metrics(("map", "inf")), make_search_table(("inf",)),
+    paths = write.write_report(uri, make_summary(("map", "inf")), make_metrics(("map", "inf")), make_search_table(("inf",)),
                                 endpoint_url=endpoint)
     assert paths["html"] == uri + "/report.html" and paths["hyper"] == uri + "/figures/hyper.png"
     page = parse(storage.read_bytes(paths["html"], endpoint).decode("utf-8"))
@@ -406,7 +439,7 @@ def test_audit_report_compares_models(tmp_path):
         summary = make_summary(methods)
         summary["posterior_sizes"] = {k: v for k, v in summary["posterior_sizes"].items() if k in methods}
         per_model[name] = (summary, make_metrics(methods))
-    paths = report.write_audit_report(str(tmp_path), per_model, {"resnet18": make_search_table(("diag", "inf"))})
+    paths = write.write_audit_report(str(tmp_path), per_model, {"resnet18": make_search_table(("diag", "inf"))})
     assert paths["html"] == str(tmp_path / "audit.html")
     assert Path(paths["densenet/121/reliability"]) == tmp_path / "figures" / "densenet_121" / "reliability.png"
     assert "densenet/121/hyper" not in paths and "resnet18/hyper" in paths
