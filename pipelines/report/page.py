@@ -18,6 +18,7 @@ from pipelines.report.inputs import (BYTES_PER_NUMBER, chosen_point, count_with_
                                      is_finite, model_name, ood_entropy_means, opt_mapping, order_stages,
                                      posterior_sizes, scored, skipped_images, variant_label)
 from pipelines.report.methods import CORRELATIONS, method_label, order_methods
+from pipelines.report.verdict import summary_table, verdict_sentences
 
 __all__ = ["CAPTIONS", "Table", "FigureRef", "Count", "ReportPage", "ModelSection", "AuditPage", "figure_ref",
            "build_report_page", "model_section", "build_audit_page"]
@@ -44,6 +45,7 @@ class Table:
     rows: list[list[str]]
     id: str | None = None
     keys: list[str] | None = None
+    marked: list[tuple[int, int]] | None = None  # (row, column) cells shown bold: the best values
 
 
 @dataclass
@@ -77,6 +79,8 @@ class ReportPage:
     stages: Table | None
     figures: list[FigureRef]
     counts: list[Count]
+    summary: Table | None = None  # the verdict first: best method per headline metric
+    verdict: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -99,6 +103,8 @@ class AuditPage:
     notes: list[str]
     comparison: FigureRef
     models: list[ModelSection]
+    summary: Table | None = None
+    verdict: list[str] = field(default_factory=list)
 
 
 def figure_ref(name: str, png: bytes | None = None, link: str | None = None, caption: str | None = None,
@@ -135,12 +141,46 @@ def _dump_config(cfg: Any) -> str:
         return json.dumps(cfg, indent=2, default=str)
 
 
-def _kv(obj: Any) -> KeyValues:
+def _readable(v: Any) -> str:
+    """A cell a reader reads: numbers as numbers, lists joined, nothing as JSON."""
+    if isinstance(v, bool) or v is None:
+        return {True: "yes", False: "no", None: "—"}[v]
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, (list, tuple)):
+        return ", ".join(_readable(x) for x in v) if v else "—"
+    return str(v)
+
+
+def _kv(obj: Any, prefix: str = "") -> KeyValues:
+    """Key/value rows; nested mappings become dotted keys (``train.num_files``)."""
     if obj is None:
         return []
     if isinstance(obj, Mapping):
-        return [(str(k), v if isinstance(v, str) else json.dumps(v, default=str)) for k, v in obj.items()]
+        out: KeyValues = []
+        for k, v in obj.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, Mapping) and v:
+                out += _kv(v, f"{key}.")
+            elif isinstance(v, (list, tuple)) and v and all(isinstance(x, Mapping) for x in v):
+                for i, x in enumerate(v):
+                    out += _kv(x, f"{key}[{i}].")
+            else:
+                out.append((key, v if isinstance(v, str) else _readable(v)))
+        return out
     return [("", str(obj))]
+
+
+def _summary(run_summary: Mapping[str, Any], model: str | None = None) -> tuple[Table | None, list[str]]:
+    """The verdict-first summary table and sentences (:mod:`pipelines.report.verdict`)."""
+    results = run_summary.get("results")
+    if not isinstance(results, Mapping) or not results:
+        return None, []
+    header, rows, marked, keys = summary_table(results)
+    if not rows:
+        return None, []
+    sentences = verdict_sentences(results, run_summary.get("posterior_sizes") or {})
+    return Table(header, rows, "summary-table", keys, marked), sentences
 
 
 def _title(summary: Mapping[str, Any]) -> str:
@@ -272,7 +312,8 @@ def build_report_page(run_summary: Mapping[str, Any], mbm: Mapping[str, Mapping[
     header, trows, notes, methods = _method_rows(mbm, run_summary)
     notes += [f"Evaluation failed, not in the table: {f}" for f in failed] + _search_notes(rows)
     srows = _stage_rows(run_summary)
-    return ReportPage(
+    summary, verdict = _summary(run_summary)
+    return ReportPage(summary=summary, verdict=verdict,
         title=_title(run_summary), meta=_meta_line(run_summary), model=_kv(run_summary.get("model")),
         data=_kv(run_summary.get("data")) if run_summary.get("data") is not None else None,
         config=_dump_config(run_summary.get("config")),
@@ -325,6 +366,35 @@ def _methods_table(models: Models) -> tuple[Table, list[str]]:
     return Table(header, [[r.get(c, "—") for c in header] for r in rows], "methods-table", keys), notes
 
 
+def _audit_summary(models: Models) -> tuple[Table | None, list[str]]:
+    """One summary table for every model (rows ``model · metric``) and each model's sentences."""
+    header: list[str] | None = None
+    rows: list[list[str]] = []
+    marked: list[tuple[int, int]] = []
+    keys: list[str] = []
+    verdict: list[str] = []
+    for model, (summary, _) in models.items():
+        t, sentences = _summary(summary)
+        if t is None:
+            continue
+        h = ["Model · metric"] + t.header[1:]
+        if header is None:
+            header = h
+        elif h != header:  # other methods for this model: its own header row would be needed; align by name
+            header = header + [c for c in h if c not in header]
+        for i, r in enumerate(t.rows):
+            cells = dict(zip(h, [f"{model} · {r[0]}"] + r[1:]))
+            rows.append(cells)  # type: ignore[arg-type]
+            keys.append(f"{model}:{t.keys[i]}")
+        marked += [(len(rows) - len(t.rows) + r, h[c]) for r, c in (t.marked or [])]  # type: ignore[misc]
+        verdict += [f"{model}: {s}" for s in sentences]
+    if header is None:
+        return None, []
+    table_rows = [[r.get(c, "—") for c in header] for r in rows]  # type: ignore[union-attr]
+    marks = [(r, header.index(name)) for r, name in marked]  # type: ignore[arg-type]
+    return Table(header, table_rows, "summary-table", keys, marks), verdict
+
+
 def model_section(name: str, anchor: str, summary: Mapping[str, Any], rows: list[dict],
                   figures: Sequence[FigureRef]) -> ModelSection:
     """One model of the audit page: its data, configuration, figures and counts."""
@@ -340,6 +410,7 @@ def build_audit_page(models: Models, comparison: FigureRef, sections: Sequence[M
     ``failed`` the ``"model/method: reason"`` lines of evaluations that did not finish."""
     methods, notes = _methods_table(models)
     notes += [f"Evaluation failed, not in the table: {f}" for f in failed]
-    return AuditPage(title=title or "infoform comparison: " + ", ".join(models),
+    summary, verdict = _audit_summary(models)
+    return AuditPage(summary=summary, verdict=verdict,title=title or "infoform comparison: " + ", ".join(models),
                      meta=f"{_meta_line({})} · {len(models)} models", sizes=_sizes_table(models), methods=methods,
                      notes=notes, comparison=comparison, models=list(sections))

@@ -24,7 +24,8 @@ from laplace_core.metrics.base import normalized_entropy
 from laplace_core.metrics.suite import MetricSuite
 from pipelines.report import figures, inputs, load, write
 from pipelines.report.methods import method_label
-from pipelines.report.render import md_escape
+from pipelines.report.page import build_report_page
+from pipelines.report.render import md_escape, render_html, render_markdown
 from pipelines.storage import uris as storage
 
 _BROWSER_PY = Path(__file__).resolve().parents[1] / "jobs" / "browser.py"
@@ -498,3 +499,37 @@ def test_report_renders_in_headless_chromium(built, tmp_path):
         assert _nonblank(im.crop((int(x) + 2, top + 2, int(x + w) - 2, bottom - 2))), (x, y, w, h)
     assert visible >= 1, f"no figure inside the 1400x3000 screenshot: boxes {info['boxes']}"
     print(f"chromium check: {time.perf_counter() - t0:.1f} s ({path})")
+
+
+def test_the_report_opens_with_the_verdict(tmp_path):
+    """Summary first (HTML and Markdown): one row per headline metric, the best value marked,
+    its change against MAP, and sentences generated from the numbers."""
+    from pipelines.report.verdict import summary_table, verdict_sentences
+
+    results = {"map": {"status": "ok", "accuracy": 0.90, "nll": 0.40, "ece": 0.034, "brier": 0.15, "ood_auroc": 0.80},
+               "diag": {"status": "ok", "accuracy": 0.90, "nll": 0.35, "ece": 0.020, "brier": 0.14, "ood_auroc": 0.82},
+               "inf": {"status": "ok", "accuracy": 0.91, "nll": 0.30, "ece": 0.011, "brier": 0.13, "ood_auroc": 0.85},
+               "temperature": {"status": "ok", "accuracy": 0.90, "nll": 0.33, "ece": 0.013, "brier": 0.14}}
+    sizes = {"diag": {"numbers": 1000}, "inf": {"numbers": 1050}, "temperature": {"numbers": 1}}
+    header, rows, marked, keys = summary_table(results)
+    t_label = method_label("temperature")
+    assert header[0] == "Metric" and header[-2:] == ["Best", "Change vs MAP"]
+    assert sorted(header[1:-2]) == sorted(["MAP", "Diag", "INF", t_label]) and header[1] == "MAP"
+    assert keys == ["accuracy", "nll", "ece", "brier", "ood_auroc"]
+    ece = dict(zip(header, rows[2]))
+    assert ece == {"Metric": "ECE", "MAP": "3.4%", "Diag": "2.0%", "INF": "1.1%", t_label: "1.3%", "Best": "INF",
+                   "Change vs MAP": "-2.3 pts"}
+    inf = header.index("INF")
+    assert (2, inf) in marked and (0, inf) in marked and (4, inf) in marked and len(marked) == 5
+    said = verdict_sentences(results, sizes)
+    assert said[0] == "INF lowers ECE from 3.4% (MAP) to 1.1% at 1.05x the diagonal's size; temperature scaling alone reaches 1.3%."
+    worse = {"map": results["map"], "diag": {**results["diag"], "ece": 0.05}}
+    assert verdict_sentences(worse)[0].startswith("No posterior lowers ECE below MAP's 3.4%")
+    summary = {"title": "t", "results": results, "posterior_sizes": sizes}
+    page = build_report_page(summary, {}, [])
+    html, md = render_html(page), render_markdown(page)
+    assert html.index('id="summary-table"') < html.index("<table", html.index("<h2>Run")) and html.index("<table") == html.index('<table id="summary-table"')
+    assert '<td class="best"><strong>1.1%</strong></td>' in html
+    first_table = next(ln for ln in md.splitlines() if ln.startswith("|"))
+    assert first_table.startswith("| Metric | MAP |") and "| **1.1%** |" in md
+    assert md.index("## Summary") < md.index("## Run")
