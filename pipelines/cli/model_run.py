@@ -206,9 +206,12 @@ class ModelRun:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, Any] | None:
-        """The test split and the OOD set, at the chosen ``(N, τ)``."""
+        """The test split and the OOD set, at the chosen ``(N, τ)``; with ``evaluate.shift``
+        also the test split under each corruption and severity (:mod:`pipelines.evaluation.shift`)."""
         s = self.splits
         ev_fp = {k: v for k, v in to_dict(self.cfg.evaluate).items() if k not in EVAL_NOT_IN_FINGERPRINT}
+        if ev_fp.get("shift") is None:  # fingerprints of runs without a sweep unchanged
+            ev_fp.pop("shift", None)
         self.eval_fp = {**self.search_fp, "evaluate": ev_fp, "test": s.test.fingerprint,
                         "ood": None if s.ood is None else s.ood.fingerprint, "hyper": self.hyper}
         if self.temperature is not None:
@@ -226,7 +229,15 @@ class ModelRun:
         ood_ds = None if s.ood is None else build_dataset(s.ood, s.ood_config)
         res = evaluate(self.spec, self.uris, build_dataset(s.test, s.test_config), ood_ds, eval_cfg,
                        output=self.output, hyper=self.hyper, endpoint_url=self.ep, temperature=self.temperature)
-        return {"methods": {m: headline(r) for m, r in res.items()}, "device": eval_cfg.resolved_device}
+        out = {"methods": {m: headline(r) for m, r in res.items()}, "device": eval_cfg.resolved_device}
+        if ev.shift is not None:
+            from pipelines.evaluation.shift import evaluate_shift
+
+            docs = evaluate_shift(self.spec, self.uris, s.test, s.test_config, eval_cfg, ev.shift.corruptions,
+                                  ev.shift.severities, output=self.output, hyper=self.hyper,
+                                  temperature=self.temperature, endpoint_url=self.ep)
+            out["shift"] = {m: d["mean"] for m, d in docs.items()}
+        return out
 
     # ------------------------------------------------------------------ report
     def report(self, summary: dict[str, Any]) -> dict[str, Any] | None:
