@@ -200,7 +200,7 @@ class ModelRun:
             fit = fit_temperature_run(self.spec, build_dataset(s.search, s.search_config), search_cfg,
                                       output=self.output, endpoint_url=self.ep)
             log(f"temperature: T = {fit['temperature']:.4g} (search-split NLL {fit['nll_before']:.4f} -> "
-                f"{fit['nll_after']:.4f})")
+                f"{fit['nll_after']:.4f}){'; ' + fit['note'] if fit.get('note') else ''}")
             out["temperature"] = fit
         return out
 

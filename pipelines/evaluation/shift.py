@@ -4,9 +4,12 @@ For each corruption ``c`` and severity ``s`` of ``evaluate.shift`` (:class:`pipe
 the test split is decoded again with ``c`` at ``s`` applied to every image inside the Ray
 Data decode tasks (before normalisation, each image's noise keyed by its path and the run's
 evaluation seed: :mod:`pipelines.ingest.corruptions`, :func:`pipelines.ingest.batches.build_dataset`),
-and :func:`pipelines.evaluation.evaluate.evaluate` scores MAP, every posterior at the search's
-``(N, τ)`` and the ``temperature`` row on it, on the same actor engine, with the same
-predictive, samples and ECE as the clean evaluation (one round of actors per ``(c, s)``).
+and MAP, every posterior at the search's ``(N, τ)`` and the ``temperature`` row are scored on
+it with the same predictive, samples and ECE as the clean evaluation
+(:func:`pipelines.evaluation.evaluate.evaluate_shard`). One round of actors does the whole
+sweep (:class:`ShiftWorker`: the model and posteriors are loaded once): actor ``i`` takes the
+``i``-th ``streaming_split`` iterator of every corrupted dataset and evaluates them in turn;
+the driver merges each dataset's accumulators over the actors.
 
 Artifact per method, ``<output>/eval/<method>/shift.json``::
 
@@ -24,14 +27,35 @@ from __future__ import annotations
 import time
 from typing import Any, Mapping, Sequence
 
-from pipelines.evaluation.evaluate import evaluate
+from pipelines.evaluation.actors import ActorProgress, run_actors
+from pipelines.evaluation.chunks import valid_batches
+from pipelines.evaluation.evaluate import EvalWorker, evaluate_shard, merge_worker_results
+from pipelines.evaluation.predictors import MAP, model_ref
 from pipelines.evaluation.runtime import EvalConfig, eval_uri
 from pipelines.storage import uris as storage
 
-__all__ = ["SHIFT_METRICS", "evaluate_shift", "shift_means", "shift_file"]
+__all__ = ["SHIFT_METRICS", "ShiftWorker", "evaluate_shift", "shift_means", "shift_file"]
 
 #: The metrics kept per (corruption, severity).
 SHIFT_METRICS = ("accuracy", "nll", "ece", "brier")
+
+
+class ShiftWorker(EvalWorker):
+    """Ray actor of the sweep: ``run(*shards)`` evaluates one shard of each corrupted dataset in
+    turn and returns, per dataset, the JSON-able accumulators (as :class:`EvalWorker` does)."""
+
+    def run(self, *shards: Any, actor_index: int = 0) -> dict[str, Any]:
+        if self.init_error is not None:
+            return {"init_error": self.init_error}
+        out = []
+        for j, shard in enumerate(shards):
+            it, _ = valid_batches(shard, self.cfg.batch_size)
+            prog = ActorProgress("shift", actor_index, self.cfg, splits=(f"dataset {j + 1}/{len(shards)}",))
+            acc, info = evaluate_shard(self.model, self.posteriors, it, None, self.cfg, progress=prog,
+                                       temperature=self.temperature)
+            out.append({"accumulators": {m: a.to_json() for m, a in acc.items()}, "seconds": info["seconds"],
+                        "failed": info["failed"], "examples": info["examples"]})
+        return {"datasets": out}
 
 
 def shift_file(output: str, method: str) -> str:
@@ -70,29 +94,33 @@ def evaluate_shift(
     """The sweep (module docstring): ``test_source`` (a ``DatasetIndex`` of the test split)
     decoded with ``data_cfg`` under each ``(corruption, severity)``; returns ``method ->``
     the ``shift.json`` document, written under ``output`` when given."""
+    from laplace_core.methods import TEMPERATURE
     from pipelines.ingest.batches import build_dataset
     from pipelines.ingest.corruptions import check_corruption
 
     corruptions, severities = list(corruptions), [int(s) for s in severities]
-    for c in corruptions:
-        for s in severities:
-            check_corruption(c, s)
+    pairs = [(c, s) for c in corruptions for s in severities]
+    for c, s in pairs:
+        check_corruption(c, s)
+    uris = dict(posterior_uris)
+    methods = [MAP, *uris, *([TEMPERATURE] if temperature is not None else [])]
+    t0 = time.perf_counter()
+    datasets = [build_dataset(test_source, data_cfg, corruption=(c, s, cfg.seed)) for c, s in pairs]
+    results = run_actors(ShiftWorker, (model_ref(model_spec), uris, dict(hyper) if hyper else None, cfg,
+                                       endpoint_url, temperature), datasets, cfg)
     per: dict[str, dict[str, dict[str, Any]]] = {}
-    k, n, t0 = 0, len(corruptions) * len(severities), time.perf_counter()
-    for c in corruptions:
-        for s in severities:
-            ds = build_dataset(test_source, data_cfg, corruption=(c, s, cfg.seed))
-            res = evaluate(model_spec, posterior_uris, ds, None, cfg, hyper=hyper, temperature=temperature,
-                           endpoint_url=endpoint_url)
-            for m, r in res.items():
+    for j, (c, s) in enumerate(pairs):
+        merged = merge_worker_results([r["datasets"][j] for r in results], methods, cfg)
+        for m, e in merged.items():
+            if e["failed"] is None:
+                r = e["accumulator"].compute(cfg.ece_mode)
                 row = {key: r.get(key) for key in (*SHIFT_METRICS, "count")}
-                if r.get("status") != "ok":
-                    row = {"status": "failed", "reason": r.get("reason", "")}
-                per.setdefault(m, {}).setdefault(c, {})[str(s)] = row
-            k += 1
-            acc = res["map"].get("accuracy")
-            print(f"[shift] {c} severity {s} ({k}/{n}): MAP accuracy "
-                  f"{'failed' if acc is None else f'{acc:.3f}'}, {time.perf_counter() - t0:.0f} s", flush=True)
+            else:
+                row = {"status": "failed", "reason": e["failed"]}
+            per.setdefault(m, {}).setdefault(c, {})[str(s)] = row
+        acc = per[MAP][c][str(s)].get("accuracy")
+        print(f"[shift] {c} severity {s}: MAP accuracy {'failed' if acc is None else f'{acc:.3f}'}", flush=True)
+    print(f"[shift] {len(pairs)} corrupted test sets evaluated in {time.perf_counter() - t0:.0f} s", flush=True)
     out: dict[str, dict[str, Any]] = {}
     for m, metrics in per.items():
         doc = {"method": m, "corruptions": corruptions, "severities": severities,

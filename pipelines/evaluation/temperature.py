@@ -118,9 +118,15 @@ def fit_temperature(logits: Any, labels: Any, bounds: tuple[float, float] = T_BO
             if hi - lo <= 1e-15 * hi:
                 break
     T = 1.0 / beta
-    return {"temperature": T, "log_temperature": math.log(T), "nll_before": _moments(zt, yt, 1.0)[0],
-            "nll_after": _moments(zt, yt, beta)[0], "count": int(z.shape[0]), "iterations": it,
-            "at_bound": at_bound}
+    out = {"temperature": T, "log_temperature": math.log(T), "nll_before": _moments(zt, yt, 1.0)[0],
+           "nll_after": _moments(zt, yt, beta)[0], "count": int(z.shape[0]), "iterations": it,
+           "at_bound": at_bound, "note": ""}
+    if at_bound and beta == hi:
+        out["note"] = (f"the NLL keeps falling as T -> 0 (the MAP network classifies the {z.shape[0]} fitting "
+                       f"examples correctly with a margin), so T stops at its bound {t_lo:g}: fit it on more examples")
+    elif at_bound:
+        out["note"] = f"the NLL keeps falling as T grows, so T stops at its bound {t_hi:g}"
+    return out
 
 
 class TemperaturePredictor:
