@@ -137,3 +137,20 @@ def test_decoding_corrupts_the_crop_before_normalising():
     expect = corrupt(crop.transpose(1, 2, 0), "contrast", 3).transpose(2, 0, 1).astype(np.float32) / np.float32(255)
     expect = (expect - np.float32(mean).reshape(3, 1, 1)) / np.float32(std).reshape(3, 1, 1)
     np.testing.assert_array_equal(got, expect.astype(np.float32))
+
+
+def test_the_shift_sweep_config_is_validated_in_one_line():
+    from pipelines.config.load import load_config
+    from pipelines.config.schema import ConfigError
+
+    assert load_config("smoke", []).evaluate.shift is None  # no sweep unless asked for
+    sh = load_config("smoke", ["evaluate.shift.severities=[1, 3]"]).evaluate.shift
+    assert sh.severities == (1, 3) and sh.corruptions == tuple(CORRUPTIONS)
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", ["evaluate.shift={corruptions: [gaussian_noise, fog]}"])
+    assert str(e.value).count("\n") == 0 and "unknown corruption 'fog'; valid: gaussian_noise" in str(e.value)
+    with pytest.raises(ConfigError, match="severity must be one of 1, 2, 3, 4, 5, got 0"):
+        load_config("smoke", ["evaluate.shift.severities=[0]"])
+    with pytest.raises(ConfigError, match="listed twice"):
+        load_config("smoke", ["evaluate.shift.severities=[2, 2]"])
+    assert load_config("smoke", ["posterior.methods=[temperature, inf]"]).posterior.methods == ("temperature", "inf")
