@@ -29,9 +29,11 @@ hue and saturation only, so changing ``V`` to ``V'`` with ``H, S`` fixed scales 
 ``V'/V`` (a black pixel, ``V = 0``, has ``S = H = 0`` and becomes the grey ``(V', V', V')``).
 
 Randomness (gaussian noise) comes from :func:`corruption_rng`: a NumPy generator seeded by
-SHA-256 of ``(seed, corruption, severity, image path)``, so an image gets the same noise
-whichever decode task, worker or run order it lands in (the path is relative to the split
-dir, as for the MC labels' keys). Pure numpy + PIL: decode workers import no torch.
+SHA-256 of ``(seed, corruption, image path)``, so an image gets the same noise whichever
+decode task, worker or run order it lands in (the path is relative to the split dir, as for
+the MC labels' keys). The severity is not in the key: an image's noise at severity ``s`` is
+``c_s ε`` with the same ``ε`` at every severity (common random numbers, so the metric-vs-severity
+curve reflects the severity, not a fresh draw). Pure numpy + PIL: decode workers import no torch.
 """
 from __future__ import annotations
 
@@ -148,9 +150,9 @@ def check_corruption(name: str, severity: int) -> None:
         raise ValueError(f"corruption severity must be one of {', '.join(map(str, SEVERITIES))}, got {severity!r}")
 
 
-def corruption_rng(seed: int, name: str, severity: int, path: str) -> np.random.Generator:
-    """The generator of one image's corruption: keyed by ``(seed, name, severity, path)``."""
-    h = hashlib.sha256(f"{int(seed)}\x00{name}\x00{int(severity)}\x00{path}".encode()).digest()
+def corruption_rng(seed: int, name: str, path: str) -> np.random.Generator:
+    """The generator of one image's corruption: keyed by ``(seed, name, path)`` (every severity)."""
+    h = hashlib.sha256(f"{int(seed)}\x00{name}\x00{path}".encode()).digest()
     return np.random.default_rng(int.from_bytes(h[:16], "little"))
 
 
@@ -160,7 +162,7 @@ def corrupt(img: np.ndarray, name: str, severity: int, rng: np.random.Generator 
     check_corruption(name, severity)
     c = CORRUPTIONS[name]
     if c.random and rng is None:
-        raise ValueError(f"corruption {name!r} is random: pass rng=corruption_rng(seed, name, severity, path)")
+        raise ValueError(f"corruption {name!r} is random: pass rng=corruption_rng(seed, name, path)")
     a = np.asarray(img)
     if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3:
         raise ValueError(f"corrupt needs a uint8 [H, W, 3] image, got {a.dtype} {a.shape}")

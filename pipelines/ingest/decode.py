@@ -147,7 +147,7 @@ def _corrupter(corruption: tuple[str, int, int] | None, path: str):
     from pipelines.ingest.corruptions import corrupt, corruption_rng
 
     name, severity, seed = corruption
-    rng = corruption_rng(seed, name, severity, path)
+    rng = corruption_rng(seed, name, path)
     return lambda a: corrupt(a, name, severity, rng)
 
 

@@ -39,10 +39,10 @@ def test_the_per_severity_parameters_are_imagenet_c():
 def test_gaussian_noise_has_the_severity_sigma_and_is_keyed_by_path(severity):
     sigma = PARAMS["gaussian_noise"][severity - 1]
     img = np.full((64, 64, 3), 128, dtype=np.uint8)  # mid grey: little clipping at every severity
-    rng = corruption_rng(0, "gaussian_noise", severity, "n01/a.JPEG")
+    rng = corruption_rng(0, "gaussian_noise", "n01/a.JPEG")
     out = corrupt(img, "gaussian_noise", severity, rng)
     # the definition, with the same generator: x + sigma * N(0, 1), clipped, truncated
-    eps = corruption_rng(0, "gaussian_noise", severity, "n01/a.JPEG").normal(size=img.shape)
+    eps = corruption_rng(0, "gaussian_noise", "n01/a.JPEG").normal(size=img.shape)
     assert np.array_equal(out, _quantise(128 / 255 + sigma * eps))
     # the empirical std of the noise is the severity's sigma, after clipping to [0, 1] (12,288
     # draws: 5% is ~7 standard errors of a std estimate), against 10^6 independent draws
@@ -51,9 +51,12 @@ def test_gaussian_noise_has_the_severity_sigma_and_is_keyed_by_path(severity):
     assert d.std() == pytest.approx(big.std(), rel=0.05)
     if severity <= 2:  # no clipping to speak of: the std is sigma itself
         assert d.std() == pytest.approx(sigma, rel=0.05)
-    again = corrupt(img, "gaussian_noise", severity, corruption_rng(0, "gaussian_noise", severity, "n01/a.JPEG"))
-    other = corrupt(img, "gaussian_noise", severity, corruption_rng(0, "gaussian_noise", severity, "n01/b.JPEG"))
+    again = corrupt(img, "gaussian_noise", severity, corruption_rng(0, "gaussian_noise", "n01/a.JPEG"))
+    other = corrupt(img, "gaussian_noise", severity, corruption_rng(0, "gaussian_noise", "n01/b.JPEG"))
     assert np.array_equal(out, again) and not np.array_equal(out, other)
+    if severity > 1:  # common random numbers: the same epsilon, scaled by the severity's sigma
+        lower = corrupt(img, "gaussian_noise", severity - 1, corruption_rng(0, "gaussian_noise", "n01/a.JPEG"))
+        assert np.abs(lower.astype(int) - 128).sum() < np.abs(out.astype(int) - 128).sum()
     with pytest.raises(ValueError, match="is random: pass rng="):
         corrupt(img, "gaussian_noise", severity)
 
