@@ -29,7 +29,7 @@ def shift_run(ray_session, tmp_path_factory):
     cfg = load_config("smoke", [
         f"output={out}", "posterior.methods=[temperature, diag, inf]",
         "evaluate.shift={corruptions: [gaussian_noise, contrast], severities: [1, 5]}",
-        "search.num_configs=2", "search.mc_samples=2", "evaluate.mc_samples=4",
+        "evaluate.mc_samples=4",
     ])
     res = run(cfg)
     assert res.summary is not None
