@@ -7,6 +7,11 @@ from the layer shapes), the run configuration's validation and the curvature pas
 ``pipelines`` (which passes a method list requires), and the report (labels, colours,
 whether a method models weight correlations, the "Corr" column of Table 3).
 
+Not every row is a Laplace posterior: ``temperature`` (Guo et al. 2017, temperature scaling:
+``softmax(f(x; θ*)/T)`` with one scalar ``T`` fitted by NLL on the search split) has
+``posterior=False``: no curvature pass, no posterior artifact, one number stored.
+:func:`posterior_methods` lists the methods that have a posterior.
+
 Per-layer builders take the normalised pieces of one layer (:class:`LayerInput`: ``diag/M``,
 the eigenbasis of ``A``/``G``, ``Λ/M`` from the EFB pass) and ``(N, τ, rank, max_l)`` and
 return the layer posterior of ``P = N F/M + τ I`` (docs/design.md §1) with the count of
@@ -29,10 +34,12 @@ from .structures.inf import InfLayer
 from .structures.kron import KronLayer
 
 __all__ = ["LayerInput", "MethodInfo", "REGISTRY", "MAP", "method_info", "method_names", "layer_methods",
-           "needs_basis", "needs_efb", "table3_methods", "method_label", "method_color", "order_methods"]
+           "needs_basis", "needs_efb", "table3_methods", "posterior_methods", "TEMPERATURE", "method_label", "method_color", "order_methods"]
 
 #: The row of the un-perturbed network in evaluations and reports (no posterior).
 MAP = "map"
+#: Temperature scaling (Guo et al. 2017): a calibration baseline without a posterior.
+TEMPERATURE = "temperature"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +98,9 @@ class MethodInfo:
     gradients in the eigenbasis, ``Λ``). correlations: whether the posterior models weight
     correlations (Lee et al. Table 3, "Corr"). table3: whether its numbers stored follow from
     the layer shapes alone (Table 3's columns; INF's depend on the kept ``L``). reference:
-    the paper it comes from.
+    the paper it comes from. posterior: whether the method is a posterior (built by the
+    posterior stage, saved as an artifact); ``False`` for a post-hoc calibration of the MAP
+    network (temperature scaling), which stores ``num_stored`` numbers of its own.
     """
 
     name: str
@@ -103,6 +112,8 @@ class MethodInfo:
     correlations: bool
     table3: bool
     reference: str
+    posterior: bool = True
+    num_stored: int | None = None
 
     @property
     def per_layer(self) -> bool:
@@ -117,6 +128,8 @@ REGISTRY: dict[str, MethodInfo] = {m.name: m for m in (
     MethodInfo("efb", "EFB", "#2ca02c", _build_efb, True, True, True, True, "George et al. 2018"),
     MethodInfo("inf", "INF", "#d62728", _build_inf, True, True, True, False, "Lee et al. 2020"),
     MethodInfo("subnet", "Subnet", "#9467bd", None, False, False, True, False, "Daxberger et al. 2021"),
+    MethodInfo(TEMPERATURE, "Temperature", "#17becf", None, False, False, False, False, "Guo et al. 2017",
+               posterior=False, num_stored=1),
 )}
 
 _MAP_LABEL, _MAP_COLOR = "MAP", "#444444"
@@ -138,6 +151,11 @@ def method_names() -> tuple[str, ...]:
 def layer_methods() -> tuple[str, ...]:
     """Methods built layer by layer from the curvature statistics."""
     return tuple(n for n, m in REGISTRY.items() if m.per_layer)
+
+
+def posterior_methods() -> tuple[str, ...]:
+    """Methods with a Laplace posterior (every one but post-hoc calibrations such as ``temperature``)."""
+    return tuple(n for n, m in REGISTRY.items() if m.posterior)
 
 
 def table3_methods() -> tuple[str, ...]:

@@ -31,7 +31,7 @@ from typing import Mapping
 import torch
 
 from .eigenbasis import Eigenbasis, LayerBasis, eigenbasis
-from .methods import REGISTRY, Builder, LayerInput, layer_methods, method_info, method_names
+from .methods import REGISTRY, Builder, LayerInput, layer_methods, method_info, posterior_methods
 from .statistics import CurvatureStatistics, LayerStatistics
 from .structures.base import LayerPosterior, Posterior
 from .structures.diag import check_hyper
@@ -49,12 +49,14 @@ METHODS: dict[str, Builder] = {n: m.builder for n, m in REGISTRY.items() if m.pe
 # Whole-network structures (covariance couples layers), built from extra inputs rather than
 # per layer from ``stats``: "subnet" (Daxberger et al. 2021) needs
 # ``subnet_fisher=(F_sum, count, masks)`` from laplace_core.subnet.collect_subnet_fisher.
-WHOLE_METHODS: tuple[str, ...] = tuple(n for n, m in REGISTRY.items() if not m.per_layer)
-ALL_METHODS: tuple[str, ...] = method_names()
+WHOLE_METHODS: tuple[str, ...] = tuple(n for n, m in REGISTRY.items() if m.posterior and not m.per_layer)
+#: Every method with a posterior (the registry's ``temperature`` has none: nothing to build).
+ALL_METHODS: tuple[str, ...] = posterior_methods()
 
 
 def resolve_method(method: str | Method) -> str:
-    """Registry name for ``method``; ``ValueError`` listing the valid ones."""
+    """Registry name of a posterior ``method``; ``ValueError`` listing the valid ones (a
+    registry method without a posterior, ``temperature``, is refused too)."""
     name = method.value if isinstance(method, Method) else str(method)
     if name not in METHODS and name not in WHOLE_METHODS:
         raise ValueError(f"unknown posterior method {method!r}; valid: {', '.join(ALL_METHODS)}")

@@ -62,7 +62,7 @@ def get_args_parser(add_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--labels-csv", help="LOC_val_solution.csv-style labels for a flat val/ folder")
     p.add_argument("--model", help="torchvision name (e.g. resnet50) or package.module:callable returning an nn.Module")
     p.add_argument("--weights", help="state-dict file (local or s3://) or torchvision weights enum name")
-    p.add_argument("--methods", help="comma-separated: diag,kfac,kfac_exact,efb,inf,subnet")
+    p.add_argument("--methods", help="comma-separated: diag,kfac,kfac_exact,efb,inf,subnet,temperature")
     p.add_argument("--rank", type=int, help="INF rank K (Algorithm 1)")
     p.add_argument("--num-workers", type=int, help="Ray Train workers for the curvature passes")
     p.add_argument("--limit", type=int, help="use at most this many training images (class-balanced)")

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from typing import Any, Callable
 
-from laplace_core.methods import method_info
+from laplace_core.methods import TEMPERATURE, method_info
 from pipelines.cli.plan import DataPlan, Splits, demo_model, scan_splits
 from pipelines.cli.stages import Stages, log
 from pipelines.config.load import derive, to_dict
@@ -72,8 +72,11 @@ class ModelRun:
         log(f"data: {len(s.train)} train images in {len(s.parts)} partitions, {len(s.search)} for the search, "
             f"{len(s.test)} test, {0 if s.ood is None else len(s.ood)} OOD")
         self.methods = tuple(cfg.posterior.methods)
-        self.uris = {m: layout.posterior_uri(output, m) for m in self.methods}
+        # methods with a posterior (``temperature`` has none: it is fitted in the search stage)
+        self.post_methods = tuple(m for m in self.methods if method_info(m).posterior)
+        self.uris = {m: layout.posterior_uri(output, m) for m in self.post_methods}
         self.hyper: dict[str, tuple[float, float]] | None = None
+        self.temperature: float | None = None
 
     @property
     def results(self) -> dict[str, Any]:
@@ -106,7 +109,7 @@ class ModelRun:
                                torch_threads=c.torch_threads or 1)
         self.curv_fp = {"model": to_dict(self.spec), "train": self.splits.train.fingerprint,
                         "curvature": {k: v for k, v in to_dict(c).items() if k not in NOT_IN_FINGERPRINT},
-                        "image": [cfg.data.image_size, cfg.data.resize_size], "methods": list(self.methods)}
+                        "image": [cfg.data.image_size, cfg.data.resize_size], "methods": list(self.post_methods)}
         if cfg.posterior.norm_layers != "map":  # fingerprints of default runs unchanged
             self.curv_fp["norm_layers"] = cfg.posterior.norm_layers
         if self.subnet_cfg is not None:  # the selection (S, n_data, tau) and the Fisher type shape the subnet pass
@@ -141,14 +144,16 @@ class ModelRun:
 
     # ------------------------------------------------------------------ posterior
     def posterior(self) -> dict[str, Any] | None:
-        self.post_fp = {**self.curv_fp, "posterior": to_dict(self.cfg.posterior)}
+        post = to_dict(self.cfg.posterior)
+        post["methods"] = list(self.post_methods)  # adding "temperature" does not rebuild the posteriors
+        self.post_fp = {**self.curv_fp, "posterior": post}
         return self.st.run("posterior", self.post_fp, self._do_posterior)
 
     def _do_posterior(self) -> dict[str, Any]:
         from pipelines.passes.posterior import build_posteriors
 
         p = self.cfg.posterior
-        return {"posteriors": build_posteriors(self.output, self.methods, p.rank, n_data=p.n_data,
+        return {"posteriors": build_posteriors(self.output, self.post_methods, p.rank, n_data=p.n_data,
                                                prior_precision=p.prior_precision, endpoint_url=self.ep)}
 
     # ------------------------------------------------------------------ (N, tau) search
@@ -164,10 +169,14 @@ class ModelRun:
             self.search_fp["ece"] = [ev.ece_mode, ev.ece_bins]
         if ev.dtype != "float32":
             self.search_fp["dtype"] = ev.dtype
+        if TEMPERATURE in self.methods:  # fitted on the same split (fingerprints of other runs unchanged)
+            self.search_fp["temperature"] = True
         srch = self.st.run("search", self.search_fp, self._do_search)
         if srch is not None:
             self.hyper = {m: (c["n_data"], c["prior_precision"]) for m, c in srch["chosen"].items() if c is not None}
-            write_search_table(self.output, self.methods, self.ep)
+            if srch.get("temperature") is not None:
+                self.temperature = float(srch["temperature"]["temperature"])
+            write_search_table(self.output, self.post_methods, self.ep)
         return srch
 
     def _do_search(self) -> dict[str, Any]:
@@ -177,20 +186,36 @@ class ModelRun:
 
         ev, s = self.cfg.evaluate, self.splits
         search_cfg = search_config(self.cfg, expected_rows=(len(s.search), None), **actor_resources(ev))
-        res = search(self.spec, self.uris, build_dataset(s.search, s.search_config), search_cfg, output=self.output,
-                     endpoint_url=self.ep)
-        return {"chosen": res.chosen, "notes": res.notes, "map": res.map,
-                "info": {**res.info, "device": search_cfg.resolved_device},
-                "failed": sum(1 for r in res.rows if r["status"] != "ok"),
-                "table": layout.search_table_uri(self.output)}
+        out: dict[str, Any] = {"chosen": {}, "notes": {}, "map": {}, "info": {"device": search_cfg.resolved_device},
+                               "failed": 0, "table": layout.search_table_uri(self.output)}
+        if self.uris:
+            res = search(self.spec, self.uris, build_dataset(s.search, s.search_config), search_cfg,
+                         output=self.output, endpoint_url=self.ep)
+            out.update(chosen=res.chosen, notes=res.notes, map=res.map,
+                       info={**res.info, "device": search_cfg.resolved_device},
+                       failed=sum(1 for r in res.rows if r["status"] != "ok"))
+        if TEMPERATURE in self.methods:  # Guo et al. (2017): T by NLL on the search split
+            from pipelines.evaluation.temperature import fit_temperature_run
+
+            fit = fit_temperature_run(self.spec, build_dataset(s.search, s.search_config), search_cfg,
+                                      output=self.output, endpoint_url=self.ep)
+            log(f"temperature: T = {fit['temperature']:.4g} (search-split NLL {fit['nll_before']:.4f} -> "
+                f"{fit['nll_after']:.4f}){'; ' + fit['note'] if fit.get('note') else ''}")
+            out["temperature"] = fit
+        return out
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, Any] | None:
-        """The test split and the OOD set, at the chosen ``(N, τ)``."""
+        """The test split and the OOD set, at the chosen ``(N, τ)``; with ``evaluate.shift``
+        also the test split under each corruption and severity (:mod:`pipelines.evaluation.shift`)."""
         s = self.splits
         ev_fp = {k: v for k, v in to_dict(self.cfg.evaluate).items() if k not in EVAL_NOT_IN_FINGERPRINT}
+        if ev_fp.get("shift") is None:  # fingerprints of runs without a sweep unchanged
+            ev_fp.pop("shift", None)
         self.eval_fp = {**self.search_fp, "evaluate": ev_fp, "test": s.test.fingerprint,
                         "ood": None if s.ood is None else s.ood.fingerprint, "hyper": self.hyper}
+        if self.temperature is not None:
+            self.eval_fp["temperature"] = self.temperature
         return self.st.run("evaluate", self.eval_fp, self._do_evaluate)
 
     def _do_evaluate(self) -> dict[str, Any]:
@@ -203,8 +228,16 @@ class ModelRun:
                                **actor_resources(ev))
         ood_ds = None if s.ood is None else build_dataset(s.ood, s.ood_config)
         res = evaluate(self.spec, self.uris, build_dataset(s.test, s.test_config), ood_ds, eval_cfg,
-                       output=self.output, hyper=self.hyper, endpoint_url=self.ep)
-        return {"methods": {m: headline(r) for m, r in res.items()}, "device": eval_cfg.resolved_device}
+                       output=self.output, hyper=self.hyper, endpoint_url=self.ep, temperature=self.temperature)
+        out = {"methods": {m: headline(r) for m, r in res.items()}, "device": eval_cfg.resolved_device}
+        if ev.shift is not None:
+            from pipelines.evaluation.shift import evaluate_shift
+
+            docs = evaluate_shift(self.spec, self.uris, s.test, s.test_config, eval_cfg, ev.shift.corruptions,
+                                  ev.shift.severities, output=self.output, hyper=self.hyper,
+                                  temperature=self.temperature, endpoint_url=self.ep)
+            out["shift"] = {m: d["mean"] for m, d in docs.items()}
+        return out
 
     # ------------------------------------------------------------------ report
     def report(self, summary: dict[str, Any]) -> dict[str, Any] | None:

@@ -21,6 +21,7 @@ __all__ = [
     "PosteriorSpec",
     "SearchSpec",
     "MethodRange",
+    "ShiftSpec",
     "EvalSpec",
     "RunConfig",
     "STAGES",
@@ -164,6 +165,17 @@ class SearchSpec:
 
 
 @dataclass(frozen=True)
+class ShiftSpec:
+    """The distribution-shift sweep (:mod:`pipelines.evaluation.shift`): the test split under
+    each ImageNet-C-style corruption (:data:`pipelines.ingest.corruptions.CORRUPTIONS`) at each
+    severity (1..5), every method evaluated on it."""
+
+    corruptions: tuple[str, ...] = ("gaussian_noise", "gaussian_blur", "contrast", "brightness",
+                                    "jpeg_compression", "pixelate")
+    severities: tuple[int, ...] = (1, 2, 3, 4, 5)
+
+
+@dataclass(frozen=True)
 class EvalSpec:
     mc_samples: int = 30
     num_actors: int = 2
@@ -183,6 +195,7 @@ class EvalSpec:
     log_every_s: float = 30.0  # progress line interval of the actors (seconds)
     entropy_bins: int = 50  # histogram bins of the predictive entropies
     ood_exact_limit: int = 0  # keep raw OOD scores (exact AUROC) while in + out examples <= this
+    shift: ShiftSpec | None = None  # e.g. {corruptions: [gaussian_noise, contrast], severities: [1, 3, 5]}
 
 
 @dataclass(frozen=True)
@@ -242,6 +255,8 @@ class RunConfig:
         if self.curvature.checkpoint_every_s is not None and not self.curvature.checkpoint_every_s >= 0:
             raise ConfigError("curvature.checkpoint_every_s must be >= 0 (0: after every partition) or null (at the end)")
         self._validate_runtime()
+        if self.evaluate.shift is not None:
+            self._validate_shift(self.evaluate.shift)
         if self.data.std is not None and not all(v > 0 for v in self.data.std):
             raise ConfigError(f"data.std must be positive per channel, got {list(self.data.std)}")
         if not self.data.demo and not self.data.root:
@@ -282,6 +297,21 @@ class RunConfig:
                 raise ConfigError(f"{key} must be >= {low}, got {v!r}")
         if not (ev.sample_cache_mb >= 0 and ev.log_every_s > 0):
             raise ConfigError("evaluate.sample_cache_mb must be >= 0 and evaluate.log_every_s > 0")
+
+    @staticmethod
+    def _validate_shift(sh: ShiftSpec) -> None:
+        from pipelines.ingest.corruptions import check_corruption
+
+        if not sh.corruptions or not sh.severities:
+            raise ConfigError("evaluate.shift needs at least one corruption and one severity (or null: no sweep)")
+        for c in sh.corruptions:
+            for v in sh.severities:
+                try:
+                    check_corruption(c, v)
+                except ValueError as e:
+                    raise ConfigError(f"evaluate.shift: {e}") from None
+        if len(set(sh.corruptions)) != len(sh.corruptions) or len(set(sh.severities)) != len(sh.severities):
+            raise ConfigError("evaluate.shift: a corruption or severity is listed twice")
 
     def _validate_method_ranges(self) -> None:
         seen = set()

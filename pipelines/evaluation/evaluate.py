@@ -39,6 +39,11 @@ the ``K`` deltas of a method fit ``cfg.sample_cache_mb`` they are drawn once per
 actor and reused for every chunk. Memory: one chunk of images plus ``[chunk, C]``
 float64 sums.
 
+Temperature scaling (``temperature=T``, the ``temperature`` row, Guo et al. 2017): the
+actors also predict ``softmax(f(x; θ*)/T)``
+(:class:`pipelines.evaluation.temperature.TemperaturePredictor`) and its metrics are computed
+like every other row's (``pred_type: "temperature"``, ``num_stored: 1``).
+
 ECE: both variants are accumulated (``ece_equal_width_<bins>`` and
 ``ece_equal_mass_<bins>``); ``cfg.ece_mode`` names the headline ``"ece"`` key and
 ``"ece_variant"`` says which one it is. OOD: the OOD set only updates the OOD part
@@ -55,6 +60,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from laplace_core.methods import TEMPERATURE
 from laplace_core.metrics.calibration import Entropy
 from laplace_core.metrics.suite import MetricSuite
 
@@ -62,6 +68,7 @@ from pipelines.evaluation.actors import ActorProgress, ModelActor, inject_fault,
 from pipelines.evaluation.chunks import iter_chunks, valid_batches
 from pipelines.evaluation.predictors import MAP, finite_or_reason, make_predictor, model_ref, predict_chunk
 from pipelines.evaluation.runtime import EvalConfig, eval_uri
+from pipelines.evaluation.temperature import TemperaturePredictor
 from pipelines.storage import uris as storage
 
 __all__ = [
@@ -129,6 +136,7 @@ def evaluate_shard(
     ood_batches: Iterable[Any] | None,
     cfg: EvalConfig,
     progress: Callable[[int, int], None] | None = None,
+    temperature: float | None = None,
 ) -> tuple[dict[str, EvalAccumulator], dict[str, Any]]:
     """Evaluate ``"map"`` and every posterior on one shard, in this process.
 
@@ -138,11 +146,14 @@ def evaluate_shard(
     e.g. non-finite predictions; that method's accumulator is dropped), ``examples``
     and ``ood_examples``. ``progress(split, n)``: called after each chunk, every method
     done, with ``split`` 0 (in-domain) or 1 (OOD) and the chunk's example count.
+    ``temperature``: also evaluate the ``temperature`` row, ``softmax(f(x; θ*)/T)``.
     """
     cache_bytes = int(cfg.sample_cache_mb * 2**20)
     predictors: dict[str, Any] = {MAP: None}
     for m, post in posteriors.items():
         predictors[m] = make_predictor(model, post, cfg.pred_type, cfg.mc_samples, cfg.seed, cache_bytes)
+    if temperature is not None:
+        predictors[TEMPERATURE] = TemperaturePredictor(model, temperature)
     acc = {m: EvalAccumulator.create(cfg) for m in predictors}
     seconds = {m: 0.0 for m in predictors}
     failed: dict[str, str] = {}
@@ -185,7 +196,14 @@ def evaluate_shard(
 class EvalWorker(ModelActor):
     """Ray actor body of :func:`evaluate` (:class:`pipelines.evaluation.actors.ModelActor`:
     the model and the posteriors loaded once); ``run(in_shard, ood_shard)`` evaluates one
-    ``streaming_split`` iterator of each dataset and returns JSON-able accumulators."""
+    ``streaming_split`` iterator of each dataset and returns JSON-able accumulators;
+    ``temperature``: the fitted ``T`` of the ``temperature`` row, or None."""
+
+    def __init__(self, model: Mapping[str, Any], posterior_uris: Mapping[str, str],
+                 hyper: Mapping[str, Sequence[float]] | None, cfg: EvalConfig,
+                 endpoint_url: str | None = None, temperature: float | None = None):
+        super().__init__(model, posterior_uris, hyper, cfg, endpoint_url)
+        self.temperature = temperature
 
     def run(self, in_shard: Any, ood_shard: Any = None, actor_index: int = 0) -> dict[str, Any]:
         if self.init_error is not None:  # the driver stops the stage on ``started()``
@@ -196,7 +214,8 @@ class EvalWorker(ModelActor):
             in_it = inject_fault(in_it, self.cfg.fault_marker)
         ood_it, ood_skipped = (None, None) if ood_shard is None else valid_batches(ood_shard, self.cfg.batch_size)
         acc, info = evaluate_shard(self.model, self.posteriors, in_it, ood_it, self.cfg,
-                                   progress=ActorProgress("evaluate", actor_index, self.cfg))
+                                   progress=ActorProgress("evaluate", actor_index, self.cfg),
+                                   temperature=self.temperature)
         return {
             "accumulators": {m: a.to_json() for m, a in acc.items()},
             "seconds": info["seconds"],
@@ -255,6 +274,7 @@ def evaluate(
     output: str | None = None,
     hyper: Mapping[str, Sequence[float]] | None = None,
     endpoint_url: str | None = None,
+    temperature: float | None = None,
 ) -> dict[str, dict[str, Any]]:
     """MC evaluation of the MAP baseline and every posterior on Ray actors.
 
@@ -263,7 +283,8 @@ def evaluate(
     Dataset with columns image/label/path/valid (``pipelines.ingest.batches.build_dataset``; the
     labelled test split). ``ood_ds``: the same for an OOD set, or None. ``hyper``: optional
     ``method -> (N, τ)`` applied with ``with_hyper`` inside the actors (e.g. the search's
-    choice). Returns ``method -> metrics`` (``"map"`` always first): the output of
+    choice). ``temperature``: the fitted ``T`` of the ``temperature`` row (evaluated after
+    the posteriors; :mod:`pipelines.evaluation.temperature`). Returns ``method -> metrics`` (``"map"`` always first): the output of
     :meth:`EvalAccumulator.compute` plus ``method``, ``status`` ("ok"/"failed"),
     ``reason``, ``pred_type``, ``mc_samples``, ``seed``, ``n_data``, ``prior_precision``,
     ``timing`` (``seconds_sum`` / ``seconds_max`` over actors, ``wall_s``, ``load_s_max``),
@@ -280,9 +301,11 @@ def evaluate(
         unknown = sorted(set(hyper) - set(uris))
         if unknown:
             raise ValueError(f"hyper given for methods without a posterior: {unknown}; posteriors: {sorted(uris)}")
-    methods = [MAP, *uris]
+    if TEMPERATURE in uris:
+        raise ValueError(f"{TEMPERATURE!r} has no posterior: pass its fitted T as temperature=")
+    methods = [MAP, *uris, *([TEMPERATURE] if temperature is not None else [])]
     t0 = time.perf_counter()
-    results = run_actors(EvalWorker, (ref, uris, dict(hyper) if hyper else None, cfg, endpoint_url),
+    results = run_actors(EvalWorker, (ref, uris, dict(hyper) if hyper else None, cfg, endpoint_url, temperature),
                          [in_ds, ood_ds], cfg)
     wall = time.perf_counter() - t0
     merged = merge_worker_results(results, methods, cfg)
@@ -294,6 +317,8 @@ def evaluate(
         e = merged[m]
         res: dict[str, Any] = {"method": m, "pred_type": "map" if m == MAP else cfg.pred_type,
                                "mc_samples": None if m == MAP else cfg.mc_samples, "seed": cfg.seed}
+        if m == TEMPERATURE:
+            res.update(pred_type=TEMPERATURE, mc_samples=None, temperature=float(temperature), num_stored=1)
         res.update(hyper_used.get(m, {}))
         if e["failed"] is None:
             res.update(e["accumulator"].compute(cfg.ece_mode))

@@ -41,8 +41,10 @@ __all__ = [
 ]
 
 
-def _decode_kwargs(source: DatasetIndex | Partition, cfg: DataConfig) -> dict[str, Any]:
-    return {
+def _decode_kwargs(source: DatasetIndex | Partition, cfg: DataConfig,
+                   corruption: tuple[str, int, int] | None = None) -> dict[str, Any]:
+    extra = {} if corruption is None else {"corruption": (str(corruption[0]), int(corruption[1]), int(corruption[2]))}
+    return {**extra,
         "root": source.root,
         "format": source.format,
         "endpoint_url": storage.resolve_options(cfg.endpoint_url) if storage.is_remote(source.root) else None,
@@ -66,16 +68,24 @@ def decode_batch(n: int, decode_batch_size: int) -> int:
     return max(1, min(int(decode_batch_size), math.ceil(n / MIN_DECODE_TASKS)))
 
 
-def build_dataset(source: DatasetIndex | Partition, cfg: DataConfig) -> "ray.data.Dataset":
+def build_dataset(source: DatasetIndex | Partition, cfg: DataConfig,
+                  corruption: tuple[str, int, int] | None = None) -> "ray.data.Dataset":
     """Lazy Ray Dataset over ``source``'s entries: read bytes + decode + eval transform in
     ``map_batches`` tasks (CPU, ``cfg.decode_num_cpus`` each, at most
     ``cfg.decode_batch_size`` images per call, see :func:`decode_batch`). Columns as
     ``read_decode_batch``. Nothing is materialised; pass it to
     ``TorchTrainer(datasets={...})`` and read it with :func:`iter_valid_batches`. The S3 endpoint
     is resolved on the driver and shipped to the tasks; credentials are not (each node
-    uses its own AWS credential chain).
+    uses its own AWS credential chain). ``corruption=(name, severity, seed)``: the decode
+    tasks corrupt every image (ImageNet-C style, before normalisation; see
+    :func:`pipelines.ingest.decode.read_decode_batch`).
     """
     import ray.data
+
+    if corruption is not None:
+        from pipelines.ingest.corruptions import check_corruption
+
+        check_corruption(corruption[0], corruption[1])
 
     if len(source) == 0:
         raise DataError("cannot build a dataset from an empty index/partition")
@@ -87,19 +97,20 @@ def build_dataset(source: DatasetIndex | Partition, cfg: DataConfig) -> "ray.dat
         read_decode_batch,
         batch_size=bs,
         batch_format="numpy",
-        fn_kwargs=_decode_kwargs(source, cfg),
+        fn_kwargs=_decode_kwargs(source, cfg, corruption),
         num_cpus=cfg.decode_num_cpus,
     )
 
 
 def iter_local_batches(
-    source: DatasetIndex | Partition, cfg: DataConfig, batch_size: int | None = None
+    source: DatasetIndex | Partition, cfg: DataConfig, batch_size: int | None = None,
+    corruption: tuple[str, int, int] | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """Same columns as ``build_dataset``, decoded in this process (no Ray), in index order."""
     bs = batch_size or cfg.decode_batch_size
     if bs < 1:
         raise ValueError(f"batch_size must be >= 1, got {bs}")
-    kw = _decode_kwargs(source, cfg)
+    kw = _decode_kwargs(source, cfg, corruption)
     items = source.items()
     for s in range(0, len(items), bs):
         chunk = items[s : s + bs]

@@ -11,6 +11,10 @@ Undecodable bytes (corrupt / truncated JPEG, empty file, non-image) give
 ``valid=False`` and a zero image so batches keep their shape. A file that cannot
 be *read* (missing, permissions, network) raises: that is not a bad image.
 
+Distribution shift (``corruption=(name, severity, seed)``): the ImageNet-C-style corruption of
+:mod:`pipelines.ingest.corruptions` is applied to the uint8 crop, before ToTensor and
+Normalize, with the image's own generator (keyed by its path).
+
 :func:`read_decode_batch` turns one batch of index rows (path, label, shard, row) into the
 decoded columns; :mod:`pipelines.ingest.batches` runs it in Ray Data tasks or in-process.
 """
@@ -30,7 +34,7 @@ __all__ = ["eval_transform", "decode_image", "read_files", "read_parquet_rows", 
 
 
 def eval_transform(
-    img, image_size: int = 224, resize_size: int = 256, mean=IMAGENET_MEAN, std=IMAGENET_STD
+    img, image_size: int = 224, resize_size: int = 256, mean=IMAGENET_MEAN, std=IMAGENET_STD, corrupt=None
 ) -> np.ndarray:
     """RGB PIL image -> float32 [3, image_size, image_size], numerically identical to
     ``transforms.Compose([Resize(resize_size), CenterCrop(image_size), ToTensor(), Normalize(mean, std)])``
@@ -40,6 +44,7 @@ def eval_transform(
     bilinear (antialiased), skipped when the size already matches. CenterCrop: zero-pad to
     the crop size if smaller, then top = round((H - c) / 2) (Python rounding), same for left.
     ToTensor: HWC uint8 -> CHW float32 / 255. Normalize: (x - mean) / std in float32.
+    ``corrupt``: optional uint8 HWC -> uint8 HWC function applied to the crop before ToTensor.
     """
     from PIL import Image
 
@@ -57,16 +62,20 @@ def eval_transform(
         a = np.pad(a, ((pad_h // 2, (pad_h + 1) // 2), (pad_w // 2, (pad_w + 1) // 2), (0, 0)))
         H, W = a.shape[:2]
     top, left = int(round((H - c) / 2.0)), int(round((W - c) / 2.0))
-    x = a[top : top + c, left : left + c].transpose(2, 0, 1).astype(np.float32) / np.float32(255)
+    a = a[top : top + c, left : left + c]
+    if corrupt is not None:
+        a = corrupt(np.ascontiguousarray(a))
+    x = a.transpose(2, 0, 1).astype(np.float32) / np.float32(255)
     m = np.asarray(mean, dtype=np.float32).reshape(3, 1, 1)
     sd = np.asarray(std, dtype=np.float32).reshape(3, 1, 1)
     return np.ascontiguousarray((x - m) / sd, dtype=np.float32)
 
 
 def decode_image(
-    data: bytes, image_size: int = 224, resize_size: int = 256, mean=IMAGENET_MEAN, std=IMAGENET_STD
+    data: bytes, image_size: int = 224, resize_size: int = 256, mean=IMAGENET_MEAN, std=IMAGENET_STD, corrupt=None
 ) -> tuple[np.ndarray | None, str]:
-    """Encoded bytes -> (float32 [3, image_size, image_size] array, "") or (None, reason)."""
+    """Encoded bytes -> (float32 [3, image_size, image_size] array, "") or (None, reason);
+    ``corrupt``: see :func:`eval_transform`."""
     from PIL import Image
 
     if not data:
@@ -77,7 +86,7 @@ def decode_image(
             with Image.open(io.BytesIO(data)) as im:
                 im.load()
                 rgb = im.convert("RGB")
-        x = eval_transform(rgb, image_size, resize_size, mean, std)
+        x = eval_transform(rgb, image_size, resize_size, mean, std, corrupt)
     except Exception as e:  # any decoder failure = a bad image, counted by the consumer
         msg = str(e).splitlines()[0] if str(e) else ""
         msg = re.sub(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>", "<bytes>", msg)
@@ -131,6 +140,17 @@ def read_parquet_rows(root: str, shards: Sequence[str], rows: Sequence[int], end
     return out  # type: ignore[return-value]
 
 
+def _corrupter(corruption: tuple[str, int, int] | None, path: str):
+    """The uint8 -> uint8 corruption of the image at ``path`` (None: no corruption)."""
+    if corruption is None:
+        return None
+    from pipelines.ingest.corruptions import corrupt, corruption_rng
+
+    name, severity, seed = corruption
+    rng = corruption_rng(seed, name, path)
+    return lambda a: corrupt(a, name, severity, rng)
+
+
 def read_decode_batch(
     batch: dict[str, np.ndarray],
     *,
@@ -141,13 +161,15 @@ def read_decode_batch(
     resize_size: int = 256,
     mean=IMAGENET_MEAN,
     std=IMAGENET_STD,
+    corruption: tuple[str, int, int] | None = None,
 ) -> dict[str, np.ndarray]:
     """One batch of index rows (path, label, shard, row) -> decoded columns.
 
     Output: image float32 [B, 3, image_size, image_size] (zeros where invalid),
     label int64 [B], path str [B] (relative to root), valid bool [B], error str [B]
     ("" when valid). Used by ``build_dataset`` (Ray ``map_batches``) and
-    ``iter_local_batches`` alike.
+    ``iter_local_batches`` alike. ``corruption=(name, severity, seed)``: every image is
+    corrupted (:mod:`pipelines.ingest.corruptions`, its generator keyed by its path).
     """
     paths = [str(p) for p in batch["path"]]
     n = len(paths)
@@ -159,7 +181,7 @@ def read_decode_batch(
     valid = np.zeros(n, dtype=bool)
     errors = []
     for i, data in enumerate(raw):
-        x, err = decode_image(data, image_size, resize_size, mean, std)
+        x, err = decode_image(data, image_size, resize_size, mean, std, _corrupter(corruption, paths[i]))
         if x is not None:
             images[i] = x
             valid[i] = True
