@@ -237,6 +237,11 @@ class ModelRun:
                                   ev.shift.severities, output=self.output, hyper=self.hyper,
                                   temperature=self.temperature, endpoint_url=self.ep)
             out["shift"] = {m: d["mean"] for m, d in docs.items()}
+            from pipelines.report.shift import shift_headline
+
+            for m, d in docs.items():  # the means over corruptions and severities join the headline numbers
+                if m in out["methods"]:
+                    out["methods"][m].update(shift_headline(d))
         return out
 
     # ------------------------------------------------------------------ report
@@ -245,9 +250,16 @@ class ModelRun:
             from pipelines.report.load import load_eval_metrics
             from pipelines.report.write import write_report
 
+            from pipelines.report.shift import load_shift, render_shift
+
             metrics = load_eval_metrics(self.output, self.ep)
             table = read_search(self.output, self.ep)
-            return {"paths": write_report(self.output, summary, metrics, table, endpoint_url=self.ep)}
+            figures = {}
+            shift = load_shift(self.output, metrics, self.ep)
+            if shift:  # metric against severity, one line per method
+                figures["shift"] = layout.figure_uri(self.output, "shift")
+                storage.write_bytes_atomic(figures["shift"], render_shift(shift), self.ep)
+            return {"paths": write_report(self.output, summary, metrics, table, figures=figures, endpoint_url=self.ep)}
 
         return self.st.run("report", {**self.eval_fp, "report": 1}, do_report)
 

@@ -31,6 +31,8 @@ CAPTIONS = {
                    "as in Lee et al. (2020), Figure 6.",
     "entropy": "Normalised predictive entropy of the in-distribution test set and the OOD set per method, "
                "OOD AUROC (entropy as the score) in each title; as in Lee et al. (2020), Figure 7.",
+    "shift": "Distribution shift (ImageNet-C-style corruptions of the test split, Hendrycks & Dietterich 2019): "
+             "accuracy, NLL and ECE averaged over the corruptions, against severity, one line per method.",
     "hyper": "Hyper-parameter search over (log10 N, log10 τ) per method and objective; red crosses: failed "
              "configurations, star: the chosen (N, τ); as in Lee et al. (2020), Figure 9.",
 }

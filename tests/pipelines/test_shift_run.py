@@ -105,3 +105,32 @@ def test_every_method_has_its_shift_sweep_and_noise_lowers_accuracy(shift_run):
         assert acc[1] <= acc[0], (m, acc)
     gn = _json(shift_run / "eval" / "map" / "shift.json")["metrics"]["gaussian_noise"]
     assert gn["5"]["accuracy"] < clean  # severity 5 (sigma 0.38) is a real shift for the demo CNN
+
+
+@pytest.mark.browser
+def test_the_report_opens_with_the_summary_in_a_browser(shift_run, tmp_path):
+    """Headless Chromium: the first table on the page is the summary (with the temperature row,
+    the shift means and the best values marked) and every image loads, the shift figure too."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("infoform_test_browser_shift",
+                                                  Path(__file__).resolve().parents[1] / "jobs" / "browser.py")
+    browser = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(browser)
+    path, reason = browser.ensure_chromium()
+    if path is None:
+        pytest.skip(f"headless chromium unavailable: {reason}")
+    checked = tmp_path / "checked.html"
+    checked.write_text(browser.with_check_script((shift_run / "report.html").read_text(encoding="utf-8"),
+                                                 table_id="summary-table"), encoding="utf-8")
+    dom = browser.dump_dom(checked)
+    info = browser.read_check(dom)
+    first = re.search(r"<table[^>]*>", dom).group(0)
+    assert 'id="summary-table"' in first, first
+    assert {"accuracy", "nll", "ece", "shift_accuracy", "shift_nll", "shift_ece"} <= set(info["keys"]), info["keys"]
+    assert info["images"] >= 4 and info["loaded"] == info["images"], info  # reliability, entropy, hyper, shift
+    assert (shift_run / "figures" / "shift.png").exists()
+    md = (shift_run / "report.md").read_text(encoding="utf-8")
+    assert md.index("## Summary") < md.index("## Run") and "Temperature" in md.split("## Run")[0]
