@@ -19,10 +19,14 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 from typing import Sequence
 
-__all__ = ["LAYER_SELECTIONS", "check_selection", "select_layers", "selection_label"]
+__all__ = ["LAYER_SELECTIONS", "LayerSelectionError", "check_selection", "select_layers", "selection_label"]
 
 LAYER_SELECTIONS = ("all", "last")
 """The named selections; anything else is a sequence of layer names or globs."""
+
+class LayerSelectionError(ValueError):
+    """A layer name or glob that matches no curvature layer of the model."""
+
 
 def check_selection(layers) -> str | tuple[str, ...]:
     """``layers`` normalised (``"all"``, ``"last"`` or a non-empty tuple of non-empty strings);
@@ -51,7 +55,8 @@ def select_layers(names: Sequence[str], layers="all") -> tuple[str, ...]:
     """The selected curvature layer names, in the order of ``names`` (model order).
 
     ``names``: the curvature layer names (:func:`laplace_core.layers.find_layers`).
-    ``ValueError`` (one line, with a few valid names) when a name or glob matches no layer.
+    :class:`LayerSelectionError` (a ``ValueError``; one line, with a few valid names) when a
+    name or glob matches no layer.
     """
     sel = check_selection(layers)
     names = tuple(names)
@@ -63,8 +68,9 @@ def select_layers(names: Sequence[str], layers="all") -> tuple[str, ...]:
         return names[-1:]
     unmatched = [p for p in sel if not any(_matches(n, p) for n in names)]
     if unmatched:
-        raise ValueError(f"posterior layers {', '.join(map(repr, unmatched))} match no curvature layer; "
-                         f"valid names: {_examples(names)}")
+        raise LayerSelectionError(f"{', '.join(map(repr, unmatched))} "
+                                  f"match{'es' if len(unmatched) == 1 else ''} no curvature layer; "
+                                  f"valid names: {_examples(names)}")
     return tuple(n for n in names if any(_matches(n, p) for p in sel))
 
 

@@ -67,6 +67,7 @@ __all__ = [
     "layer_kind",
     "owner_params",
     "find_layers",
+    "DESELECTED",
     "get_matrix",
     "perturbed",
 ]
@@ -336,13 +337,17 @@ def find_layers(model: nn.Module, norm_layers: str = "map",
     return modules, infos, excluded
 
 
+DESELECTED = "not in the selected posterior layers (point estimate at MAP)"
+"""The ``excluded`` reason of a curvature layer that a ``layers`` selection leaves out."""
+
+
 def _restrict(modules: dict, infos: dict, excluded: dict[str, str],
               keep: tuple[str, ...]) -> tuple[dict[str, object], dict[str, LayerInfo]]:
     """``modules`` / ``infos`` restricted to ``keep``; the rest recorded in ``excluded``."""
     kept = set(keep)
     owner = {k: owner_params(mod, k)[1] for k, mod in modules.items()}
     partly = {owner[k] for k in kept}
-    reason = "not in the selected posterior layers (point estimate at MAP)"
+    reason = DESELECTED
     for k in modules:
         if k not in kept:
             excluded[k if owner[k] in partly else owner[k]] = reason

@@ -265,6 +265,7 @@ def _layer_selection(text: str):
 
 def cmd_sizes(args: argparse.Namespace) -> int:
     from laplace_core import sizes
+    from laplace_core.layer_selection import LayerSelectionError
 
     if args.model is None and args.stats is None:
         raise CliError("give --model NAME (and/or --stats URI)")
@@ -289,6 +290,8 @@ def cmd_sizes(args: argparse.Namespace) -> int:
             if args.layers != "all":
                 raise CliError("--layers needs --model (the statistics hold the layers they were collected for)")
             report = sizes.statistics_sizes(stats, rank=args.rank, model=None)
+    except LayerSelectionError as e:
+        raise CliError(f"--layers: {e}") from None
     except ValueError as e:
         raise CliError(str(e)) from None
     if args.json:
