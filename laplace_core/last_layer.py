@@ -212,13 +212,14 @@ class LastLayerGLMPredictor:
     """Linearised predictive of a last-layer posterior with the closed-form ``Σ_f`` (module docstring).
 
     ``link``: ``"mc"`` (average ``softmax(f + L_f z_t)``, ``t < n_samples``, ``z_t`` from
-    ``(seed, t)``), ``"probit"`` or ``"probit_pi8"``. ``ValueError`` when the posterior is
-    not over a last linear layer whose output is the model output (checked on the first
-    batch; use :class:`laplace_core.glm.GLMPredictor` then).
+    ``(seed, t)``), ``"probit"`` or ``"probit_pi8"``. ``ValueError`` at construction when the
+    posterior is not over one ``nn.Linear``; when that layer's output turns out not to be the
+    model output (seen on a batch) the batch goes to ``fallback`` (e.g. a
+    :class:`laplace_core.glm.GLMPredictor`), or ``ValueError`` without one.
     """
 
     def __init__(self, model: nn.Module, posterior: Posterior, n_samples: int = 100, seed: int = 0,
-                 link: str = "mc", *, modules: Mapping[str, nn.Module] | None = None):
+                 link: str = "mc", *, modules: Mapping[str, nn.Module] | None = None, fallback=None):
         if link not in LINKS:
             raise ValueError(f"unknown GLM link {link!r}; valid: {', '.join(LINKS)}")
         if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 1:
@@ -232,10 +233,14 @@ class LastLayerGLMPredictor:
             raise ValueError("the closed-form last-layer GLM needs a posterior over one nn.Linear "
                              f"(the last layer); this one covers {_selected(posterior)[:5]}")
         self._z: torch.Tensor | None = None
+        self.fallback = fallback
 
-    def logit_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(f(x, θ*) [B, C], Σ_f [B, C, C] float64)``."""
+    def logit_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(f(x, θ*) [B, C], Σ_f [B, C, C] float64)``; None when the closed form does not
+        apply and there is a ``fallback``."""
         got = last_layer_glm_covariance(self.model, self.posterior, x, modules=self.modules)
+        if got is None and self.fallback is not None:
+            return None
         if got is None:
             raise ValueError(f"layer {self.name!r}: its output is not the model output (or its input is not "
                              "(B, features)); the closed-form last-layer GLM does not apply")
@@ -250,7 +255,10 @@ class LastLayerGLMPredictor:
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """Probabilities ``[B, C]`` (model dtype)."""
-        f0, cov = self.logit_moments(x)
+        got = self.logit_moments(x)
+        if got is None:
+            return self.fallback.predict(x)
+        f0, cov = got
         f = f0.to(F64)
         if self.link == "probit_pi8":
             p = probit_pi8(f, torch.diagonal(cov, dim1=-2, dim2=-1))
@@ -265,7 +273,10 @@ class LastLayerGLMPredictor:
 
     def predict_mean_var(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(f(x, θ*) [B, C], diag Σ_f [B, C])``."""
-        f0, cov = self.logit_moments(x)
+        got = self.logit_moments(x)
+        if got is None:
+            return self.fallback.predict_mean_var(x)
+        f0, cov = got
         return f0, torch.diagonal(cov, dim1=-2, dim2=-1).to(f0.dtype)
 
     def predict_batches(self, batches: Sequence[torch.Tensor]) -> list[torch.Tensor]:

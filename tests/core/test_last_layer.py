@@ -22,7 +22,7 @@ from torch import nn
 
 from laplace_core.collect import collect_statistics
 from laplace_core.eigenbasis import eigenbasis
-from laplace_core.glm import glm_covariance, probit_pairwise, probit_pi8
+from laplace_core.glm import GLMPredictor, glm_covariance, probit_pairwise, probit_pi8
 from laplace_core.last_layer import (
     LastLayerGLMPredictor, last_layer_covariance, last_layer_glm_covariance, last_linear_layer,
 )
@@ -166,9 +166,25 @@ def test_closed_form_needs_a_last_linear_layer_whose_output_is_the_model_output(
     assert last_layer_glm_covariance(model, post, x[:3]) is None
     with pytest.raises(ValueError, match="not the model output"):
         LastLayerGLMPredictor(model, post, link="probit").predict(x[:3])
+    sampled = GLMPredictor(model, post, n_samples=8, seed=3)
+    fb = LastLayerGLMPredictor(model, post, n_samples=8, seed=3, fallback=sampled)
+    assert torch.equal(fb.predict(x[:3]), sampled.predict(x[:3]))  # MC-GLM where the closed form does not apply
     full = build_posterior(collect_statistics(model, [(x, y)], generator=torch.Generator().manual_seed(0)), "diag")
     with pytest.raises(ValueError, match="needs a posterior over one nn.Linear"):
         LastLayerGLMPredictor(model, full)
+
+
+def test_pipeline_glm_predictor_is_closed_form_for_a_last_layer_posterior():
+    from pipelines.evaluation.predictors import make_predictor
+
+    model, post = _last_layer_posterior("kfac")
+    pred = make_predictor(model, post, "glm", 16, 0, 0)
+    assert isinstance(pred, LastLayerGLMPredictor) and pred.link == "mc"
+    xt, _ = _data(model, 3, 97)
+    assert torch.allclose(pred.predict(xt).sum(-1), torch.ones(3, dtype=F64))
+    x, y = _data(model)
+    full = build_posterior(collect_statistics(model, [(x, y)], generator=torch.Generator().manual_seed(0)), "kfac")
+    assert isinstance(make_predictor(model, full, "glm", 16, 0, 0), GLMPredictor)
 
 
 @pytest.mark.parametrize("method", ["kfac", "inf", "subnet"])
@@ -207,8 +223,8 @@ def test_resnet18_last_layer_posterior_is_fc_only_with_the_size_sizes_reports(ca
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=3).to(F64).eval()
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 3, 32, 32, generator=g, dtype=F64)
-    y = torch.randint(0, 3, (4,), generator=g)
+    x = torch.randn(2, 3, 16, 16, generator=g, dtype=F64)
+    y = torch.randint(0, 3, (2,), generator=g)
     stats = collect_statistics(model, [(x, y)], generator=torch.Generator().manual_seed(0), layers="last")
     assert list(stats.layers) == ["fc"] and stats.infos["fc"].shape == (3, 513)
     assert len([k for k, why in stats.excluded.items() if why == DESELECTED]) == 20  # every conv at MAP
