@@ -20,7 +20,7 @@ from pipelines.config.schema import ConfigError, EvalSpec, ModelSpec, RunConfig
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
 
-__all__ = ["ModelRun", "actor_resources", "NOT_IN_FINGERPRINT"]
+__all__ = ["ModelRun", "actor_resources", "layer_fingerprint", "NOT_IN_FINGERPRINT"]
 
 #: curvature settings that do not change the statistics: not part of the stage's fingerprint
 NOT_IN_FINGERPRINT = frozenset({"checkpoint_every_s", "gpus_per_worker", "bucket_mb", "log_every_s"})
@@ -49,6 +49,17 @@ def actor_resources(ev: EvalSpec) -> dict[str, float]:
         else:
             log(f"actors: {ev.num_actors} actor(s) on {declared:g} declared GPU(s), {gpus:.4g} GPU each")
     return {"cpus_per_actor": float(ev.cpus_per_actor), "gpus_per_actor": float(gpus)}
+
+
+def layer_fingerprint(posterior: Any) -> dict[str, Any]:
+    """What of ``posterior.norm_layers`` / ``posterior.layers`` enters the curvature stage's
+    fingerprint: each only when it is not the default, so default runs keep their fingerprints."""
+    out: dict[str, Any] = {}
+    if posterior.norm_layers != "map":
+        out["norm_layers"] = posterior.norm_layers
+    if posterior.layers != "all":
+        out["layers"] = to_dict(posterior.layers)
+    return out
 
 
 class ModelRun:
@@ -113,10 +124,7 @@ class ModelRun:
         self.curv_fp = {"model": to_dict(self.spec), "train": self.splits.train.fingerprint,
                         "curvature": {k: v for k, v in to_dict(c).items() if k not in NOT_IN_FINGERPRINT},
                         "image": [cfg.data.image_size, cfg.data.resize_size], "methods": list(self.methods)}
-        if cfg.posterior.norm_layers != "map":  # fingerprints of default runs unchanged
-            self.curv_fp["norm_layers"] = cfg.posterior.norm_layers
-        if cfg.posterior.layers != "all":  # likewise: only a restricted selection enters the fingerprint
-            self.curv_fp["layers"] = to_dict(cfg.posterior.layers)
+        self.curv_fp.update(layer_fingerprint(cfg.posterior))
         if self.subnet_cfg is not None:  # the selection (S, n_data, tau) and the Fisher type shape the subnet pass
             self.curv_fp["subnet"] = dataclasses.asdict(self.subnet_cfg)
         return self.st.run("curvature", self.curv_fp, self._do_curvature)
