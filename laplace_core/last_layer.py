@@ -24,7 +24,7 @@ no Kronecker product formed (``P`` is the structure's precision, ``Σ = P^{-1}``
   ``R = (Dp^{-1} ∘ 1 φ^T) U_a`` (``C x |J|``; ``V`` holds the other ``Dp^{-1/2}``). Cost ``O(C n |J| + C L²)`` per input.
 * subnet (full ``Σ_S = P_S^{-1}`` over selected entries ``k = (i_k, j_k)`` of ``W~``):
   ``Σ_f[c, d] = Σ_{i_k = c, i_l = d} φ_{j_k} Σ_S[k, l] φ_{j_l}`` (one-hot row sums,
-  ``O(S²)`` per input).
+  ``O(S²)`` per input, in blocks).
 
 :class:`LastLayerGLMPredictor` uses ``Σ_f`` with the links of :mod:`laplace_core.glm`:
 ``"mc"`` averages ``softmax(f + L_f z_t)`` over Gaussian logits (``L_f L_f^T = Σ_f``,
@@ -147,19 +147,26 @@ def _inf(lp: InfLayer, phi: torch.Tensor, max_elements: int) -> torch.Tensor:
     return cov
 
 
-def _subnet(post: Posterior, name: str, phi: torch.Tensor) -> torch.Tensor:
-    """Subnet ``Σ_f``: one-hot row sums of ``diag(u) Σ_S diag(u)``, ``u_k = φ_{j_k}``."""
+def _subnet(post: Posterior, name: str, phi: torch.Tensor, max_elements: int) -> torch.Tensor:
+    """Subnet ``Σ_f``: one-hot row sums of ``diag(u) Σ_S diag(u)``, ``u_k = φ_{j_k}``, in
+    blocks of inputs and of rows ``k`` of ``Σ_S`` (at most about ``max_elements`` per block)."""
     lp = post.layers[name]
     C = lp.shape[0]
     idx = lp.index.to(phi.device)
     rows, cols = idx % C, idx // C  # vec(W~) is column-stacking: k = j C + i
-    Lc = post.cholesky.to(F64)
-    Sigma = torch.cholesky_inverse(Lc)  # S x S
+    Sigma = torch.cholesky_inverse(post.cholesky.to(F64))  # S x S
     u = phi[:, cols]  # (B, S)
-    T = u[:, :, None] * Sigma[None] * u[:, None, :]
     B, S = u.shape
-    tmp = phi.new_zeros(B, C, S).index_add_(1, rows, T)
-    return phi.new_zeros(B, C, C).index_add_(2, rows, tmp)
+    cov = phi.new_zeros(B, C, C)
+    bs = max(1, min(B, max_elements // max(1, S * max(S, C))))
+    kb = max(1, min(S, max_elements // max(1, bs * max(S, C))))
+    for i0 in range(0, B, bs):
+        ub = u[i0:i0 + bs]
+        for k0 in range(0, S, kb):
+            T = ub[:, k0:k0 + kb, None] * Sigma[k0:k0 + kb][None] * ub[:, None, :]  # (b, kb, S)
+            part = phi.new_zeros(ub.shape[0], T.shape[1], C).index_add_(2, rows, T)  # columns -> logits d
+            cov[i0:i0 + bs].index_add_(1, rows[k0:k0 + kb], part)  # rows k -> logits c
+    return cov
 
 
 def last_layer_covariance(posterior: Posterior, name: str, phi: torch.Tensor, *,
@@ -171,7 +178,7 @@ def last_layer_covariance(posterior: Posterior, name: str, phi: torch.Tensor, *,
     if phi.dim() != 2 or phi.shape[1] != lp.shape[1]:
         raise ValueError(f"features must be (B, {lp.shape[1]}) for layer {name!r}, got {tuple(phi.shape)}")
     if getattr(posterior, "covariance_matvec", None) is not None:  # subnet: the covariance couples entries
-        cov = _subnet(posterior, name, phi)
+        cov = _subnet(posterior, name, phi, max_elements)
     else:
         cov = _per_layer(lp, phi, max_elements)
     return 0.5 * (cov + cov.transpose(1, 2))
@@ -219,7 +226,8 @@ class LastLayerGLMPredictor:
     """
 
     def __init__(self, model: nn.Module, posterior: Posterior, n_samples: int = 100, seed: int = 0,
-                 link: str = "mc", *, modules: Mapping[str, nn.Module] | None = None, fallback=None):
+                 link: str = "mc", *, modules: Mapping[str, nn.Module] | None = None, fallback=None,
+                 max_elements: int = 2**25):
         if link not in LINKS:
             raise ValueError(f"unknown GLM link {link!r}; valid: {', '.join(LINKS)}")
         if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 1:
@@ -234,11 +242,15 @@ class LastLayerGLMPredictor:
                              f"(the last layer); this one covers {_selected(posterior)[:5]}")
         self._z: torch.Tensor | None = None
         self.fallback = fallback
+        if not isinstance(max_elements, int) or max_elements < 1:
+            raise ValueError(f"max_elements must be an int >= 1, got {max_elements!r}")
+        self.max_elements = max_elements
 
     def logit_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(f(x, θ*) [B, C], Σ_f [B, C, C] float64)``; None when the closed form does not
         apply and there is a ``fallback``."""
-        got = last_layer_glm_covariance(self.model, self.posterior, x, modules=self.modules)
+        got = last_layer_glm_covariance(self.model, self.posterior, x, modules=self.modules,
+                                        max_elements=self.max_elements)
         if got is None and self.fallback is not None:
             return None
         if got is None:
@@ -253,8 +265,18 @@ class LastLayerGLMPredictor:
                                    for t in range(self.n_samples)])
         return self._z.to(device)
 
+    def _rows(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``x`` in row blocks whose ``[b, C, C]`` covariances (and ``[K, b, C]`` logits) stay
+        within about ``max_elements`` numbers."""
+        C = self.posterior.layers[self.name].shape[0]
+        bs = max(1, self.max_elements // max(1, C * max(C, self.n_samples)))
+        return list(torch.split(x, bs)) if x.shape[0] > bs else [x]
+
     def predict(self, x: torch.Tensor) -> torch.Tensor:
-        """Probabilities ``[B, C]`` (model dtype)."""
+        """Probabilities ``[B, C]`` (model dtype), computed in row blocks (:meth:`_rows`)."""
+        parts = self._rows(x)
+        if len(parts) > 1:
+            return torch.cat([self.predict(p) for p in parts])
         got = self.logit_moments(x)
         if got is None:
             return self.fallback.predict(x)

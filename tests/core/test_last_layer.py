@@ -151,7 +151,7 @@ def test_closed_form_last_layer_covariance_equals_dense(method):
     with torch.no_grad():
         assert torch.equal(out, model(xt))
         phi = torch.cat([model[:4](xt), torch.ones(5, 1, dtype=F64)], 1)
-    one_at_a_time = last_layer_covariance(post, "4", phi, max_elements=1)  # INF's chunking over inputs
+    one_at_a_time = last_layer_covariance(post, "4", phi, max_elements=1)  # the INF / subnet blocks
     assert _rel(one_at_a_time, want) < EXACT_TOL
     # the generic route (C backward passes) agrees: the closed form is the same J Σ J^T
     assert _rel(glm_covariance(model, post, xt, closed_form=False), want) < EXACT_TOL
@@ -208,9 +208,11 @@ def test_predictor_links_on_the_closed_form(method):
     ref = torch.softmax(f[None] + torch.einsum("bcd,kd->kbc", Lf, z), -1).mean(0)
     got = mc.predict(xt)
     assert float((got - ref).abs().max()) < 1e-9, method
-    # batching does not change the draws
+    # batching does not change the draws, nor do the predictor's own row blocks
     parts = mc.predict_batches([xt[:2], xt[2:]])
     assert torch.allclose(torch.cat(parts), got, rtol=0, atol=1e-14)
+    small = LastLayerGLMPredictor(model, post, n_samples=K, seed=5, link="mc", max_elements=1)
+    assert len(small._rows(xt)) == 6 and torch.allclose(small.predict(xt), got, rtol=0, atol=1e-14)
     mean, var = mc.predict_mean_var(xt)
     assert torch.equal(mean, f) and _rel(var, torch.diagonal(want, dim1=-2, dim2=-1)) < 1e-10
 
