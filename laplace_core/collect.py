@@ -126,6 +126,7 @@ def _run(
     flush_examples: int,
     efb_order: str | None,
     norm_layers: str = "map",
+    layers="all",
 ) -> _PassResult:
     lik = likelihood_for(likelihood)
     S = check_fisher(fisher, mc_samples)
@@ -137,7 +138,7 @@ def _run(
         raise ValueError(f"flush_examples must be positive, got {flush_examples}")
     if int(max_chunk_elements) < 1:
         raise ValueError(f"max_chunk_elements must be positive, got {max_chunk_elements}")
-    modules, infos, excluded = find_layers(model, norm_layers=check_norm_layers(norm_layers))
+    modules, infos, excluded = find_layers(model, norm_layers=check_norm_layers(norm_layers), layers=layers)
     if not modules:
         raise ValueError("model has no supported trainable layers (nn.Linear / nn.Conv2d with groups=1)")
     first = next(iter(modules.values())).weight
@@ -282,6 +283,7 @@ def collect_statistics(
     flush_examples: int = 256,
     _efb_order: str | None = None,
     norm_layers: str = "map",
+    layers="all",
 ) -> CurvatureStatistics:
     """KFAC sums ``A``, ``G``, the exact Fisher diagonal and the count ``M`` in one pass;
     with ``basis`` also the EFB sums ``efb`` (and ``efb_count = M``).
@@ -306,12 +308,15 @@ def collect_statistics(
 
     ``norm_layers="diag"`` adds the normalisation layers (:mod:`laplace_core.layers`):
     only their exact Fisher diagonal ``Σ_k d_k ∘ d_k`` (``d_k`` from
-    :func:`laplace_core.hooks.norm_grads`), no ``A``, ``G`` or ``efb``.
+    :func:`laplace_core.hooks.norm_grads`), no ``A``, ``G`` or ``efb``. ``layers``: which
+    curvature layers to collect (``"all"``, ``"last"``, names / globs;
+    :func:`laplace_core.layer_selection.select_layers`); the others stay at MAP (``excluded``).
     """
     res = _run(
         model, batches, kfac=True, basis=basis, fisher=fisher, mc_samples=mc_samples, generator=generator,
         dtype=dtype, likelihood=likelihood, progress=progress, max_chunk_elements=max_chunk_elements,
         flush_examples=flush_examples, efb_order=_efb_order, norm_layers=norm_layers,
+        layers=layers,
     )
     layers = {k: LayerStatistics(A=A, G=G, diag=diag, efb=efb) for k, (A, G, diag, efb) in res.layers.items()}
     return CurvatureStatistics(
@@ -342,6 +347,7 @@ def collect_efb(
     flush_examples: int = 256,
     _efb_order: str | None = None,
     norm_layers: str = "map",
+    layers="all",
 ) -> tuple[dict[str, torch.Tensor], int]:
     """The EFB second pass alone: ``({name: Σ_k (U_G^T d_k U_A)^2}, M)``.
 
@@ -356,5 +362,6 @@ def collect_efb(
         model, batches, kfac=False, basis=basis, fisher=fisher, mc_samples=mc_samples, generator=generator,
         dtype=dtype, likelihood=likelihood, progress=progress, max_chunk_elements=max_chunk_elements,
         flush_examples=flush_examples, efb_order=_efb_order, norm_layers=norm_layers,
+        layers=layers,
     )
     return {k: t[3] for k, t in res.layers.items() if not res.infos[k].diag_only}, res.count

@@ -48,6 +48,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from .layer_selection import select_layers
 from .statistics import LayerInfo
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "layer_kind",
     "owner_params",
     "find_layers",
+    "DESELECTED",
     "get_matrix",
     "perturbed",
 ]
@@ -257,7 +259,8 @@ def _info(name: str, module, kind: LayerKind) -> LayerInfo:
     )
 
 
-def find_layers(model: nn.Module, norm_layers: str = "map") -> tuple[dict[str, object], dict[str, LayerInfo], dict[str, str]]:
+def find_layers(model: nn.Module, norm_layers: str = "map",
+                layers="all") -> tuple[dict[str, object], dict[str, LayerInfo], dict[str, str]]:
     """Return ``(layers, infos, excluded)`` in ``model.named_modules()`` order.
 
     ``layers``/``infos`` map qualified names of supported layers (modules, or
@@ -266,6 +269,10 @@ def find_layers(model: nn.Module, norm_layers: str = "map") -> tuple[dict[str, o
     trainable parameters to a reason. Modules whose parameters are frozen
     (``requires_grad=False``) are excluded too. ``norm_layers="diag"`` adds the
     normalisation layers (kind ``"norm"``, module docstring); ``"map"`` excludes them.
+    ``layers``: ``"all"``, ``"last"`` or names / globs (:func:`laplace_core.layer_selection.select_layers`,
+    resolved over the curvature layers above); the layers it leaves out are point estimates,
+    in ``excluded`` under their owning module's name (under the view's name when only some
+    views of a module are left out).
     """
     check_norm_layers(norm_layers)
     modules: dict[str, object] = {}
@@ -325,7 +332,26 @@ def find_layers(model: nn.Module, norm_layers: str = "map") -> tuple[dict[str, o
         layer = TapView(mod, name) if parent_of.get(id(mod)) in tappers else mod
         modules[name] = layer
         infos[name] = _info(name, layer, kind)
+    if layers != "all":
+        modules, infos = _restrict(modules, infos, excluded, select_layers(list(modules), layers))
     return modules, infos, excluded
+
+
+DESELECTED = "not in the selected posterior layers (point estimate at MAP)"
+"""The ``excluded`` reason of a curvature layer that a ``layers`` selection leaves out."""
+
+
+def _restrict(modules: dict, infos: dict, excluded: dict[str, str],
+              keep: tuple[str, ...]) -> tuple[dict[str, object], dict[str, LayerInfo]]:
+    """``modules`` / ``infos`` restricted to ``keep``; the rest recorded in ``excluded``."""
+    kept = set(keep)
+    owner = {k: owner_params(mod, k)[1] for k, mod in modules.items()}
+    partly = {owner[k] for k in kept}
+    reason = DESELECTED
+    for k in modules:
+        if k not in kept:
+            excluded[k if owner[k] in partly else owner[k]] = reason
+    return {k: modules[k] for k in keep}, {k: infos[k] for k in keep}
 
 
 def _mha_reason(mod: nn.MultiheadAttention) -> str | None:

@@ -172,6 +172,7 @@ class SizeReport:
     inf_from_statistics: bool = False
     at_map: dict[str, int] | None = None  # module type -> parameters left at MAP (None: no model given)
     norm_layers: str = "map"
+    selection: str = "all"  # the layer selection (laplace_core.layer_selection.selection_label)
 
     @property
     def totals(self) -> dict[str, int | None]:
@@ -200,11 +201,12 @@ class SizeReport:
         under = self.num_weights
         if self.at_map is None:
             return {"weights_under_posterior": under, "weights_at_map": None, "total_parameters": None,
-                    "fraction": None, "at_map_by_type": None, "norm_layers": self.norm_layers}
+                    "fraction": None, "at_map_by_type": None, "norm_layers": self.norm_layers,
+                    "layers": self.selection}
         at_map = sum(self.at_map.values())
         return {"weights_under_posterior": under, "weights_at_map": at_map, "total_parameters": under + at_map,
                 "fraction": under / max(1, under + at_map), "at_map_by_type": dict(self.at_map),
-                "norm_layers": self.norm_layers}
+                "norm_layers": self.norm_layers, "layers": self.selection}
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per method: ``method``, ``numbers`` (None when unknown), ``mb``, ``note``."""
@@ -335,29 +337,33 @@ def model_sizes(
     name: str | None = None,
     sparsify: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     norm_layers: str = "map",
+    layers="all",
 ) -> SizeReport:
     """Counts for ``model``'s curvature layers (``find_layers``; works on the meta device).
 
     With ``stats`` (same layers and shapes as the model, else ``ValueError``) and ``rank``,
-    the INF count is exact. ``norm_layers``: as in :func:`laplace_core.layers.find_layers`.
+    the INF count is exact. ``norm_layers``, ``layers``: as in :func:`laplace_core.layers.find_layers`
+    (a layer selection counts the selected layers only; the others are at MAP).
     The report's coverage counts the parameters left at MAP per module type.
     """
     import dataclasses
 
+    from .layer_selection import selection_label
     from .layers import find_layers
 
-    _, infos, excluded = find_layers(model, norm_layers=norm_layers)
+    _, infos, excluded = find_layers(model, norm_layers=norm_layers, layers=layers)
+    label = selection_label(layers)
     at_map = parameters_at_map(model, excluded)
     if stats is None:
         rep = count_sizes(infos, rank=rank, excluded=excluded, model=name)
-        return dataclasses.replace(rep, at_map=at_map, norm_layers=norm_layers)
+        return dataclasses.replace(rep, at_map=at_map, norm_layers=norm_layers, selection=label)
     want = {k: v.shape for k, v in infos.items()}
     have = {k: v.shape for k, v in stats.infos.items()}
     if want != have:
         diff = sorted(set(want.items()) ^ set(have.items()))[:3]
         raise ValueError(f"statistics do not match the model's layers (name, (m, n)) differences: {diff}")
     rep = statistics_sizes(stats, rank=rank, model=name, sparsify=sparsify)
-    return SizeReport(rep.layers, rep.rank, dict(excluded), name, rep.inf_from_statistics, at_map, norm_layers)
+    return SizeReport(rep.layers, rep.rank, dict(excluded), name, rep.inf_from_statistics, at_map, norm_layers, label)
 
 
 def parameters_at_map(model: nn.Module, excluded: Mapping[str, str]) -> dict[str, int]:
@@ -375,6 +381,10 @@ def parameters_at_map(model: nn.Module, excluded: Mapping[str, str]) -> dict[str
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def _layers_note(cov: Mapping[str, Any]) -> str:
+    return "" if cov.get("layers", "all") == "all" else f", layers: {cov['layers']}"
+
+
 def format_table(report: SizeReport) -> str:
     """Plain-text table: method, numbers stored, MB (2^20 bytes at 4 bytes/number), note."""
     head = f"{'method':<11} {'numbers stored':>16} {'MB':>10}  note"
@@ -389,7 +399,7 @@ def format_table(report: SizeReport) -> str:
     if cov["total_parameters"] is not None:
         by = ", ".join(f"{k} {v:,}" for k, v in cov["at_map_by_type"].items()) or "none"
         lines.append(f"coverage: {100 * cov['fraction']:.2f}% of {cov['total_parameters']:,} parameters under the "
-                     f"posterior (norm layers: {cov['norm_layers']}); at MAP: {cov['weights_at_map']:,} ({by})")
+                     f"posterior (norm layers: {cov['norm_layers']}{_layers_note(cov)}); at MAP: {cov['weights_at_map']:,} ({by})")
     lines += [head, "-" * len(head)]
     for r in report.rows():
         if r["numbers"] is None and "lower_bound" in r:

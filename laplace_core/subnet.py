@@ -346,7 +346,9 @@ def collect_subnet_fisher(
     modes = {mod: mod.training for mod in model.modules()}
     model.eval()
     try:
-        with capture(model, modules) as cap, torch.enable_grad():
+        # only the layers with selected weights are captured: the backward stops at the lowest of
+        # them (a last-layer subnetwork back-propagates to the last layer only)
+        with capture(model, {k: modules[k] for k in sel}) as cap, torch.enable_grad():
             for i, batch in enumerate(batches):
                 x, y, keys = split_batch(batch, i)
                 x = torch.as_tensor(x)

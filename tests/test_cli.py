@@ -152,3 +152,18 @@ def test_sizes_table_lists_coverage_and_bad_norm_layers_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["sizes", "--model", "resnet18", "--norm-layers", "full"])
     assert e.value.code == 2
+
+
+def test_sizes_layers_last_counts_fc_only_and_a_bad_glob_exits_2(capsys):
+    """``--layers last`` on resnet18: the posterior over ``fc`` (1000 x 513) alone, Table 3 counting
+    (KFAC: 513² + 1000²); every conv is listed at MAP; a name matching nothing is one line, exit 2."""
+    out = _sizes_json(capsys, "--model", "resnet18", "--layers", "last")
+    assert [ls["name"] for ls in out["layers"]] == ["fc"] and out["num_weights"] == 1000 * 513
+    assert out["methods"]["diag"]["numbers"] == 513_000 and out["methods"]["kfac"]["numbers"] == 513**2 + 1000**2
+    assert out["coverage"]["layers"] == "last" and out["coverage"]["at_map_by_type"]["Conv2d"] == 11_166_912
+    assert sum(why.startswith("not in the selected") for why in out["excluded"].values()) == 20
+    two = _sizes_json(capsys, "--model", "resnet18", "--layers", "layer4.1.*,fc")
+    assert [ls["name"] for ls in two["layers"]] == ["layer4.1.conv1", "layer4.1.conv2", "fc"]
+    assert main(["sizes", "--model", "resnet18", "--layers", "head"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "'head' matches no curvature layer" in err and "fc" in err

@@ -61,6 +61,7 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "infoform sizes --model resnet18 --rank 100": ("here", "test_sizes_commands_run"),
     "infoform sizes --model densenet121 --json": ("here", "test_sizes_commands_run"),
     "infoform sizes --model vit_b_16 --norm-layers diag --json": ("here", "test_sizes_commands_run"),
+    "infoform sizes --model resnet18 --layers last": ("here", "test_sizes_commands_run"),
     "infoform sizes": ("here", "test_sizes_commands_run (the section heading)"),
     "infoform run ...": ("here", "test_infoform_run_is_the_job"),
     "ray start --head": ("run", "tests/jobs/test_job.py"),
@@ -237,6 +238,11 @@ def test_sizes_commands_run(capsys):
     report = json.loads(capsys.readouterr().out)
     assert round(100 * report["coverage"]["fraction"], 2) == 99.82  # the figure README.md quotes
     assert "vit_b_16 99.82%" in " ".join(README.read_text().split())
+    assert main(["sizes", "--model", "resnet18", "--layers", "last"]) == 0
+    out = capsys.readouterr().out
+    for figure in ("513,000", "1,263,169", "4.39%"):  # the figures README.md quotes for the fc-only posterior
+        assert figure in out, (figure, out)
+    assert "Diag 513,000 numbers (2.0 MB), KFAC 1,263,169 (4.8 MB), 4.39%" in " ".join(README.read_text().split())
 
 
 def test_infoform_run_is_the_job(capsys):

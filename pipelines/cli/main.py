@@ -11,7 +11,7 @@ its parser). Each parser sets ``func``; ``func(args) -> int`` is the exit code.
           --data s3://bucket/imagenet --weights s3://bucket/resnet50.pt --output s3://bucket/runs/r50
 
   With no data arguments it runs the embedded ``demo`` preset on a local Ray instance.
-* ``infoform sizes --model NAME [--rank K] [--stats URI] [--norm-layers map|diag] [--json]``: numbers stored per
+* ``infoform sizes --model NAME [--rank K] [--stats URI] [--norm-layers map|diag] [--layers all|last|NAMES] [--json]``: numbers stored per
   posterior method for any torchvision classifier, built with ``weights=None`` on the
   ``meta`` device (no weights, no data, offline). See :mod:`laplace_core.sizes`.
 
@@ -278,12 +278,26 @@ def add_sizes_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--norm-layers", choices=("map", "diag"), default="map",
                    help="normalisation layers (BatchNorm/LayerNorm/GroupNorm, layer scales): at MAP (default, "
                         "Table 3) or under a diagonal posterior")
+    p.add_argument("--layers", default="all", metavar="all|last|NAMES",
+                   help="layers under the posterior: all (default), last (the last curvature layer, e.g. fc) or "
+                        "comma-separated layer names / globs (e.g. 'layer4,fc'); the others stay at MAP")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_sizes)
 
 
+def _layer_selection(text: str):
+    """``--layers``: ``all``, ``last`` or comma-separated names / globs."""
+    if text in ("all", "last"):
+        return text
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not names:
+        raise CliError(f"--layers {text!r}: give all, last or comma-separated layer names / globs")
+    return names
+
+
 def cmd_sizes(args: argparse.Namespace) -> int:
     from laplace_core import sizes
+    from laplace_core.layer_selection import LayerSelectionError
 
     if args.model is None and args.stats is None:
         raise CliError("give --model NAME (and/or --stats URI)")
@@ -303,9 +317,13 @@ def cmd_sizes(args: argparse.Namespace) -> int:
         if args.model is not None:
             model, _ = build_torchvision_model(args.model, num_classes=args.num_classes)
             report = sizes.model_sizes(model, rank=args.rank, stats=stats, name=args.model,
-                                       norm_layers=args.norm_layers)
+                                       norm_layers=args.norm_layers, layers=_layer_selection(args.layers))
         else:
+            if args.layers != "all":
+                raise CliError("--layers needs --model (the statistics hold the layers they were collected for)")
             report = sizes.statistics_sizes(stats, rank=args.rank, model=None)
+    except LayerSelectionError as e:
+        raise CliError(f"--layers: {e}") from None
     except ValueError as e:
         raise CliError(str(e)) from None
     if args.json:

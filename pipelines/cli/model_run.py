@@ -16,11 +16,11 @@ from laplace_core.methods import TEMPERATURE, method_info
 from pipelines.cli.plan import DataPlan, Splits, demo_model, scan_splits
 from pipelines.cli.stages import Stages, log
 from pipelines.config.load import derive, to_dict
-from pipelines.config.schema import EvalSpec, ModelSpec, RunConfig
+from pipelines.config.schema import ConfigError, EvalSpec, ModelSpec, RunConfig
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
 
-__all__ = ["ModelRun", "actor_resources", "NOT_IN_FINGERPRINT"]
+__all__ = ["ModelRun", "actor_resources", "layer_fingerprint", "NOT_IN_FINGERPRINT"]
 
 #: curvature settings that do not change the statistics: not part of the stage's fingerprint
 NOT_IN_FINGERPRINT = frozenset({"checkpoint_every_s", "gpus_per_worker", "bucket_mb", "log_every_s"})
@@ -49,6 +49,17 @@ def actor_resources(ev: EvalSpec) -> dict[str, float]:
         else:
             log(f"actors: {ev.num_actors} actor(s) on {declared:g} declared GPU(s), {gpus:.4g} GPU each")
     return {"cpus_per_actor": float(ev.cpus_per_actor), "gpus_per_actor": float(gpus)}
+
+
+def layer_fingerprint(posterior: Any) -> dict[str, Any]:
+    """What of ``posterior.norm_layers`` / ``posterior.layers`` enters the curvature stage's
+    fingerprint: each only when it is not the default, so default runs keep their fingerprints."""
+    out: dict[str, Any] = {}
+    if posterior.norm_layers != "map":
+        out["norm_layers"] = posterior.norm_layers
+    if posterior.layers != "all":
+        out["layers"] = to_dict(posterior.layers)
+    return out
 
 
 class ModelRun:
@@ -83,12 +94,17 @@ class ModelRun:
         return self.st.results
 
     def _coverage(self) -> Any:
-        """Weights under the posterior / left at MAP (laplace_core.sizes), for the summary and report."""
+        """Weights under the posterior / left at MAP (laplace_core.sizes), for the summary and report.
+        A ``posterior.layers`` name or glob that matches no layer is a ConfigError here, before any
+        cluster work."""
+        from laplace_core.layer_selection import LayerSelectionError
         from pipelines.ingest.models import model_coverage
 
         try:
             return model_coverage(self.spec.name, self.spec.num_classes or len(self.splits.classes),
-                                  self.cfg.posterior.norm_layers)["summary"]
+                                  self.cfg.posterior.norm_layers, self.cfg.posterior.layers)["summary"]
+        except LayerSelectionError as e:
+            raise ConfigError(f"posterior.layers: {e}") from None
         except ValueError as e:
             return f"not computed: {e}"
 
@@ -106,12 +122,12 @@ class ModelRun:
 
             self.subnet_cfg = subnet_config(cfg.posterior, c.fisher, self.spec.num_classes or len(self.splits.classes))
         self.curv_cfg = derive(CurvatureConfig, c, methods=layer_methods, norm_layers=cfg.posterior.norm_layers,
+                               layers=cfg.posterior.layers,
                                torch_threads=c.torch_threads or 1)
         self.curv_fp = {"model": to_dict(self.spec), "train": self.splits.train.fingerprint,
                         "curvature": {k: v for k, v in to_dict(c).items() if k not in NOT_IN_FINGERPRINT},
                         "image": [cfg.data.image_size, cfg.data.resize_size], "methods": list(self.post_methods)}
-        if cfg.posterior.norm_layers != "map":  # fingerprints of default runs unchanged
-            self.curv_fp["norm_layers"] = cfg.posterior.norm_layers
+        self.curv_fp.update(layer_fingerprint(cfg.posterior))
         if self.subnet_cfg is not None:  # the selection (S, n_data, tau) and the Fisher type shape the subnet pass
             self.curv_fp["subnet"] = dataclasses.asdict(self.subnet_cfg)
         return self.st.run("curvature", self.curv_fp, self._do_curvature)

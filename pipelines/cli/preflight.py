@@ -169,11 +169,31 @@ def _check_models(cfg: RunConfig, opts: storage.StorageOptions, world: bool = Tr
     if cfg.models and cfg.model != ModelSpec():
         raise PreflightError("both model (--model/--weights) and models: (an audit) are set; with models:, give each "
                              "model's weights in the list, e.g. --set 'models=[{name: resnet18, weights: ...}]'")
+    _check_layer_selection(cfg)
     names = [spec.name for spec in cfg.all_models()]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise PreflightError(f"models: {', '.join(twice)} listed more than once; an audit writes each model to "
                              "<output>/models/<name>/, so model names must be unique")
+
+
+def _check_layer_selection(cfg: RunConfig) -> None:
+    """``posterior.layers`` names / globs against each model's curvature layers (built on the
+    meta device, no weights): one that matches no layer is a PreflightError listing a few."""
+    if isinstance(cfg.posterior.layers, str) and cfg.posterior.layers in ("all", "last"):
+        return
+    from laplace_core.layer_selection import LayerSelectionError
+    from pipelines.ingest.models import is_factory, model_coverage
+
+    for spec in cfg.all_models():
+        if is_factory(spec.name):
+            continue
+        try:
+            model_coverage(spec.name, spec.num_classes, cfg.posterior.norm_layers, cfg.posterior.layers)
+        except LayerSelectionError as e:
+            raise PreflightError(f"posterior.layers for {spec.name}: {e}") from None
+        except ValueError:  # the model cannot be built without its weights here: checked at run time
+            continue
 
 
 def preflight(cfg: RunConfig, *, dry_run: bool = False) -> dict[str, Any]:

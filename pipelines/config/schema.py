@@ -137,6 +137,9 @@ class PosteriorSpec:
     subnet_memory_gb: float = 4.0  # budget for the S x S float64 Fisher, checked before any cluster work
     subnet_checkpoint_s: float | None = 600.0  # save the running S x S sum after a partition this often (0: each; None: never)
     norm_layers: str = "map"  # map: normalisation layers stay at MAP (the papers' protocol); diag: a diagonal block for them
+    # which curvature layers carry the posterior: all, last (the last curvature layer, e.g. fc: last-layer
+    # Laplace) or a list of layer names / globs (laplace_core.layer_selection); the others stay at MAP
+    layers: str | tuple[str, ...] = "all"
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,12 @@ class RunConfig:
             raise ConfigError("curvature.num_workers must be >= 1")
         if self.posterior.norm_layers not in ("map", "diag"):
             raise ConfigError(f"unknown posterior.norm_layers {self.posterior.norm_layers!r}; valid: map, diag")
+        from laplace_core.layer_selection import check_selection
+
+        try:
+            check_selection(self.posterior.layers)
+        except ValueError as e:
+            raise ConfigError(f"posterior.{e}") from None
         if self.posterior.rank is not None and self.posterior.rank < 1:
             raise ConfigError("posterior.rank must be >= 1 (or null for full rank)")
         if "subnet" in self.posterior.methods:

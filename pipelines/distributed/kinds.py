@@ -80,7 +80,7 @@ class Pass1Kind(PassKind):
         c = self.cfg
         local = collect_statistics(self.model, batches, fisher=c.fisher, mc_samples=c.mc_samples,
                                    generator=KeyedSampler(c.seed), dtype=DTYPES[c.stats_dtype],
-                                   norm_layers=c.norm_layers)
+                                   norm_layers=c.norm_layers, layers=c.layers)
         for s, (k, f) in zip(state, self._slots()):
             t = getattr(local.layers[k], f).to(s.device)
             s.add_(t if f == "diag" else pack_symmetric(t))
@@ -140,7 +140,8 @@ class EfbKind(PassKind):
 
         c = self.cfg
         efb, n = collect_efb(self.model, batches, self.basis, fisher=c.fisher, mc_samples=c.mc_samples,
-                             generator=KeyedSampler(c.seed), dtype=DTYPES[c.stats_dtype], norm_layers=c.norm_layers)
+                             generator=KeyedSampler(c.seed), dtype=DTYPES[c.stats_dtype], norm_layers=c.norm_layers,
+                             layers=c.layers)
         for s, k in zip(state, self.infos):
             s.add_(efb[k].to(s.device))
         return (n,)

@@ -5,7 +5,9 @@
 * :func:`load_posteriors`: ``method -> Posterior`` from artifact URIs, optionally
   re-targeted to ``(N, τ)`` with ``laplace_core.posterior.with_hyper``;
 * :func:`make_predictor`: the predictive of a posterior, ``"nn"`` (MC over weight
-  samples) or ``"glm"`` (MC-GLM); sample ``t`` is drawn from ``(seed, t)``;
+  samples) or ``"glm"`` (MC-GLM; for a posterior over the last linear layer alone,
+  ``posterior.layers: last``, the logit covariance in closed form,
+  :class:`laplace_core.last_layer.LastLayerGLMPredictor`); sample ``t`` is drawn from ``(seed, t)``;
 * :func:`predict_chunk`: the probabilities of the real rows of a chunk of fixed-size
   batches (``pipelines.evaluation.chunks``), MAP when no predictor is given.
 """
@@ -34,7 +36,8 @@ __all__ = [
 #: same samples pushed through the network's Jacobian (linearised predictive).
 PRED_TYPES: dict[str, str] = {
     "nn": "Monte-Carlo over weight samples, average of softmax",
-    "glm": "linearised (GLM) predictive, MC-GLM: the same weight samples pushed through the Jacobian (JVP)",
+    "glm": "linearised (GLM) predictive, MC-GLM: the same weight samples pushed through the Jacobian (JVP); "
+           "a last-layer posterior: closed-form logit covariance, MC over the Gaussian logits",
 }
 _PLANNED_PRED_TYPES: tuple[str, ...] = ()
 #: Name of the MAP baseline in every result dict.
@@ -44,7 +47,9 @@ MAP = "map"
 # --------------------------------------------------------------------------- predictors
 def make_predictor(model: nn.Module, post: Any, pred_type: str, mc_samples: int, seed: int, cache_bytes: int):
     """``MCPredictor`` (``"nn"``: weight sampling) or ``GLMPredictor`` (``"glm"``: MC-GLM,
-    Banerjee et al. Alg. 4, one JVP per sample); both draw sample ``t`` from ``(seed, t)``."""
+    Banerjee et al. Alg. 4, one JVP per sample); both draw sample ``t`` from ``(seed, t)``.
+    ``"glm"`` on a posterior over the last ``nn.Linear`` alone: ``LastLayerGLMPredictor``
+    (closed-form logit covariance, no weight sampling; MC-GLM where its output is not the logits)."""
     check_pred_type(pred_type)
     if pred_type == "nn":
         from laplace_core.predictive import MCPredictor
@@ -52,8 +57,12 @@ def make_predictor(model: nn.Module, post: Any, pred_type: str, mc_samples: int,
         return MCPredictor(model, post, mc_samples, seed, cache_bytes=cache_bytes)
     if pred_type == "glm":
         from laplace_core.glm import GLMPredictor
+        from laplace_core.last_layer import LastLayerGLMPredictor, last_linear_layer
 
-        return GLMPredictor(model, post, mc_samples, seed, link="mc", variance="mc", cache_bytes=cache_bytes)
+        sampled = GLMPredictor(model, post, mc_samples, seed, link="mc", variance="mc", cache_bytes=cache_bytes)
+        if last_linear_layer(model, post) is not None:
+            return LastLayerGLMPredictor(model, post, mc_samples, seed, link="mc", fallback=sampled)
+        return sampled
     raise ValueError(f"unknown pred_type {pred_type!r}; valid: {', '.join(PRED_TYPES)}")  # pragma: no cover
 
 

@@ -342,10 +342,20 @@ def load_model(
     return model.eval()
 
 
-def model_coverage(name: str, num_classes: int | None = None, norm_layers: str = "map") -> dict:
+def _few(names: list[str], k: int = 6) -> str:
+    """``a, b, c`` or, for more than ``k`` names, the first and last few and the count."""
+    if len(names) <= k:
+        return ", ".join(names) or "none"
+    return ", ".join(names[: k // 2] + ["..."] + names[-(k // 2):]) + f" ({len(names)})"
+
+
+def model_coverage(name: str, num_classes: int | None = None, norm_layers: str = "map", layers="all") -> dict:
     """:attr:`laplace_core.sizes.SizeReport.coverage` of model ``name`` (built without weights,
     on the ``meta`` device where its constructor allows): weights under the posterior, weights
-    left at MAP and their module types, plus ``summary``, the same in one line."""
+    left at MAP and their module types, plus ``summary``, the same in one line, and
+    ``at_map_layers``, the curvature layers a ``layers`` selection leaves at MAP (empty for
+    ``"all"``). ``ValueError`` (one line) for a selection that matches no layer."""
+    from laplace_core.layers import DESELECTED
     from laplace_core.sizes import model_sizes
 
     try:
@@ -353,8 +363,12 @@ def model_coverage(name: str, num_classes: int | None = None, norm_layers: str =
             model = _build(name, num_classes)
     except NotImplementedError:  # constructors that read tensor values (regnet)
         model = _build(name, num_classes)
-    cov = model_sizes(model, norm_layers=norm_layers).coverage
+    rep = model_sizes(model, norm_layers=norm_layers, layers=layers)
+    cov = rep.coverage
+    cov["at_map_layers"] = [k for k, why in rep.excluded.items() if why == DESELECTED]  # model order
     by = ", ".join(f"{k} {v:,}" for k, v in cov["at_map_by_type"].items()) or "none"
+    sel = "" if cov["layers"] == "all" else (f", layers: {cov['layers']} = {_few([ls.name for ls in rep.layers])}; "
+                                             f"curvature layers at MAP: {_few(cov['at_map_layers'])}")
     cov["summary"] = (f"{100 * cov['fraction']:.2f}% of {cov['total_parameters']:,} parameters under the posterior "
-                      f"(norm layers: {norm_layers}); at MAP: {cov['weights_at_map']:,} ({by})")
+                      f"(norm layers: {norm_layers}{sel}); at MAP: {cov['weights_at_map']:,} ({by})")
     return cov

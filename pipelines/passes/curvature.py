@@ -52,6 +52,7 @@ from typing import Any, Mapping, Sequence
 
 
 from laplace_core.eigenbasis import Eigenbasis
+from laplace_core.layer_selection import check_selection
 from laplace_core.layers import check_norm_layers, find_layers
 from laplace_core.statistics import CurvatureStatistics
 
@@ -147,6 +148,7 @@ class CurvatureConfig:
     log_every_s: float = 10.0
     fault_injection: FaultInjection | None = None
     norm_layers: str = "map"  # laplace_core.layers.NORM_LAYER_MODES: "diag" adds normalisation layers (diagonal)
+    layers: str | tuple[str, ...] = "all"  # laplace_core.layer_selection: the layers under the posterior
 
     def __post_init__(self):
         if isinstance(self.fault_injection, Mapping):
@@ -161,6 +163,7 @@ class CurvatureConfig:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         check_norm_layers(self.norm_layers)
+        object.__setattr__(self, "layers", check_selection(self.layers))
         for m in self.methods:
             if m not in METHOD_NAMES:
                 raise ValueError(f"unknown posterior method {m!r}; valid: {', '.join(METHOD_NAMES)}")
@@ -283,7 +286,7 @@ def _train_loop(config: dict) -> None:
     t0 = time.perf_counter()
     model = load_model(job.model.name, job.model.weights, job.model.num_classes, endpoint_url=job.store)
     model = model.to(device=device, dtype=DTYPES[cfg.model_dtype]).eval()
-    _, infos, excluded = find_layers(model, norm_layers=cfg.norm_layers)
+    _, infos, excluded = find_layers(model, norm_layers=cfg.norm_layers, layers=cfg.layers)
     rec["model_load_s"] = time.perf_counter() - t0
 
     kind1.bind(model, infos, excluded)

@@ -115,6 +115,12 @@ def test_unknown_norm_layers_mode():
                     "map, diag")
 
 
+def test_posterior_layers_matching_nothing_is_one_line_naming_valid_layers():
+    _one_line_error(_run("--preset", "smoke", "--set", "posterior.layers=[fc2, nope*]", "--dry-run"),
+                    "posterior.layers", "'nope*' matches no curvature layer", "valid names:")
+    _one_line_error(_run("--preset", "smoke", "--set", "posterior.layers=[]", "--dry-run"), "posterior.layers")
+
+
 # --------------------------------------------------------------------------- S3 preflight
 @pytest.fixture(scope="module")
 def s3_layout(moto_s3, weights):

@@ -17,6 +17,7 @@ def _names(cls) -> set[str]:
 
 # runtime fields that are not settings of their own section, and where they come from
 CURVATURE_FROM_ELSEWHERE = {"methods": "posterior.methods", "norm_layers": "posterior.norm_layers",
+                            "layers": "posterior.layers",
                             "fault_injection": "tests only"}
 DATA_FROM_ELSEWHERE = {"split", "classes", "classes_file", "extensions", "unlabeled", "format", "endpoint_url",
                        "num_partitions"}  # the run's plan per split; storage.endpoint_url; data.partition_size
@@ -60,3 +61,20 @@ def test_new_runtime_keys_are_validated_in_one_line(override):
     with pytest.raises(ConfigError) as e:
         load_config("smoke", [override])
     assert "\n" not in str(e.value) and override.split("=")[0] in str(e.value)
+
+
+def test_posterior_layers_reaches_the_curvature_config_and_only_a_restriction_the_fingerprint():
+    from pipelines.cli.model_run import layer_fingerprint
+
+    default = load_config("smoke")
+    assert default.posterior.layers == "all" and layer_fingerprint(default.posterior) == {}
+    last = load_config("smoke", ["posterior.layers=last"])
+    assert derive(CurvatureConfig, last.curvature, methods=("diag",), layers=last.posterior.layers).layers == "last"
+    assert layer_fingerprint(last.posterior) == {"layers": "last"}
+    some = load_config("smoke", ["posterior.layers=[fc2, 'conv*']", "posterior.norm_layers=diag"])
+    assert some.posterior.layers == ("fc2", "conv*")
+    assert layer_fingerprint(some.posterior) == {"norm_layers": "diag", "layers": ["fc2", "conv*"]}
+    with pytest.raises(ConfigError, match="posterior.layers must be 'all', 'last' or a non-empty list"):
+        load_config("smoke", ["posterior.layers=[]"])
+    with pytest.raises(ValueError, match="layers must be"):
+        CurvatureConfig(layers=[])

@@ -133,3 +133,20 @@ def test_s3_weights(request, tmp_path):
     fs.invalidate_cache()
     got = load_model("resnet18", weights=f"s3://{bucket}/r18.pt", endpoint_url=endpoint)
     assert _same_params(ref, got)
+
+
+def test_model_coverage_lists_the_layers_a_selection_leaves_at_map():
+    """posterior.layers: the run's coverage line names the selected layers and those left at
+    MAP (first and last few of many); the default ("all") line is unchanged."""
+    from laplace_core.layer_selection import LayerSelectionError
+    from pipelines.ingest.models import model_coverage
+
+    cov = model_coverage("resnet18", 10, "map", "last")
+    assert cov["weights_under_posterior"] == 10 * 513 and len(cov["at_map_layers"]) == 20
+    assert cov["at_map_layers"][0] == "conv1" and cov["at_map_layers"][-1] == "layer4.1.conv2"
+    assert "layers: last = fc; curvature layers at MAP: conv1, layer1.0.conv1, layer1.0.conv2, ..., " in cov["summary"]
+    assert cov["summary"].count("(20)") == 1
+    full = model_coverage("resnet18", 10)
+    assert full["at_map_layers"] == [] and "(norm layers: map); at MAP: 9,600 (BatchNorm2d 9,600)" in full["summary"]
+    with pytest.raises(LayerSelectionError, match="'head' matches no curvature layer"):
+        model_coverage("resnet18", 10, "map", ["head"])
