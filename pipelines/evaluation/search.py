@@ -39,6 +39,7 @@ the validation split, search settings).
 from __future__ import annotations
 
 import io
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -51,10 +52,11 @@ from torch import nn
 from laplace_core.metrics.calibration import Calibration
 from laplace_core.metrics.scores import NLL, Accuracy, Brier
 
-from pipelines.evaluation.actors import ActorProgress, ModelActor, run_actors
-from pipelines.evaluation.chunks import iter_chunks, valid_batches
+from pipelines.errors import StageError
+from pipelines.evaluation.chunks import iter_chunks
 from pipelines.evaluation.predictors import MAP, finite_or_reason, make_predictor, model_ref, predict_chunk
 from pipelines.evaluation.runtime import OBJECTIVES, SearchConfig, eval_uri
+from pipelines.storage import layout
 from pipelines.storage import uris as storage
 
 __all__ = [
@@ -64,14 +66,13 @@ __all__ = [
     "SearchResult",
     "sample_configs",
     "search_shard",
-    "SearchWorker",
     "search",
     "choose",
 ]
 
 #: Columns of ``search.parquet`` (:meth:`SearchResult.table`).
 TABLE_COLUMNS = ("config_id", "method", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece",
-                 "accuracy", "brier", "count", "status", "reason", "seconds")
+                 "accuracy", "brier", "count", "status", "reason", "seconds", "images")
 
 
 @dataclass(frozen=True)
@@ -211,38 +212,6 @@ def search_shard(
     return {"acc": acc, "map": map_acc, "failed": failed, "seconds": seconds, "examples": n}
 
 
-class SearchWorker(ModelActor):
-    """Ray actor body for :func:`search` (:class:`pipelines.evaluation.actors.ModelActor`:
-    model and posteriors loaded once, posteriors as built; every configuration is applied
-    with ``with_hyper``)."""
-
-    def __init__(self, model: Mapping[str, Any], posterior_uris: Mapping[str, str], cfg: SearchConfig,
-                 endpoint_url: str | None = None):
-        super().__init__(model, posterior_uris, None, cfg, endpoint_url)
-
-    def run(self, shard: Any, actor_index: int = 0) -> dict[str, Any]:
-        if self.init_error is not None:  # the driver stops the stage on ``started()``
-            return {"init_error": self.init_error}
-        t0 = time.perf_counter()
-        it, skipped = valid_batches(shard, self.cfg.batch_size)
-        rows = self.cfg.expected_rows[0]
-        n_configs = sum(len(sample_configs(self.cfg, m)) for m in self.posteriors)
-        units = None if rows is None else rows * n_configs  # example x configuration
-        prog = ActorProgress("search", actor_index, self.cfg, splits=("validation",), totals=(units,),
-                             unit="examples x configurations")
-        r = search_shard(self.model, self.posteriors, it, self.cfg, progress=prog)
-        return {
-            "acc": {m: {str(cid): a.to_json() for cid, a in d.items()} for m, d in r["acc"].items()},
-            "map": r["map"].to_json(),
-            "failed": {m: {str(k): v for k, v in d.items()} for m, d in r["failed"].items()},
-            "seconds": {m: {str(k): v for k, v in d.items()} for m, d in r["seconds"].items()},
-            "examples": r["examples"],
-            "skipped": skipped().to_dict(),
-            "load_seconds": self.load_seconds,
-            "run_seconds": time.perf_counter() - t0,
-        }
-
-
 # --------------------------------------------------------------------------- driver
 @dataclass(frozen=True)
 class SearchResult:
@@ -268,7 +237,7 @@ class SearchResult:
 
         rows = [r for r in self.rows if method is None or r["method"] == method]
         types = {"config_id": pa.int64(), "method": pa.string(), "count": pa.int64(), "status": pa.string(),
-                 "reason": pa.string()}
+                 "reason": pa.string(), "images": pa.int64()}
         cols = {k: pa.array([r[k] for r in rows], type=types.get(k, pa.float64())) for k in TABLE_COLUMNS}
         return pa.table(cols)
 
@@ -298,6 +267,34 @@ def _parquet_bytes(table) -> bytes:
     return buf.getvalue()
 
 
+def _rows(method: str, trials: Sequence[Mapping[str, Any]], images: int, chunks: int) -> list[dict[str, Any]]:
+    """One table row per trial of ``method``, by configuration id (random: the id of
+    :func:`sample_configs`; tpe: the order Optuna proposed them)."""
+    ids = [t["trial"].split(":")[1] for t in trials]
+    if any(i == "tpe" for i in ids):
+        order = sorted(range(len(trials)), key=lambda i: int(str(trials[i]["trial_id"]).rsplit("_", 1)[-1] or 0))
+        ids = [0] * len(trials)
+        for rank, i in enumerate(order):
+            ids[i] = rank
+    rows = []
+    for cid, t in zip(ids, trials):
+        c = HyperConfig(int(cid), float(t["log10_n"]), float(t["log10_tau"]))
+        row: dict[str, Any] = {"config_id": c.config_id, "method": method, "log10_n": c.log10_n,
+                               "log10_tau": c.log10_tau, "n_data": c.n_data, "prior_precision": c.prior_precision,
+                               "seconds": float(t["seconds"]), "images": int(t["images"])}
+        if t["status"] == "failed":
+            row.update(nll=math.nan, ece=math.nan, accuracy=math.nan, brier=math.nan, count=0,
+                       status="failed", reason=t["reason"])
+        else:
+            a = SearchAccumulator.from_json(json.loads(t["acc"]))
+            done = int(t["chunks"]) >= chunks
+            row.update(a.compute(), status="ok" if done else "stopped",
+                       reason="" if done else f"stopped by ASHA after {t['chunks']} of {chunks} chunks "
+                                              f"({t['images']} of {images} images)")
+        rows.append(row)
+    return sorted(rows, key=lambda r: r["config_id"])
+
+
 def search(
     model_spec: Any,
     posterior_uris: Mapping[str, str],
@@ -306,13 +303,18 @@ def search(
     *,
     output: str | None = None,
     endpoint_url: str | None = None,
+    key: str = "",
 ) -> SearchResult:
-    """Random search of ``(N, τ)`` per method on ``val_ds`` (Ray Dataset with image/label/
-    path/valid columns, a held-out labelled split of the in-domain data) with
-    ``cfg.num_actors`` actors. ``posterior_uris``: ``method -> artifact URI`` (any stored
-    ``(N, τ)``; each configuration is applied with ``with_hyper``). Returns a
-    :class:`SearchResult`; with ``output`` writes ``<output>/eval/<method>/search.parquet``
-    and ``search.json``."""
+    """Search of ``(N, τ)`` per method on ``val_ds`` (Ray Dataset with image/label/path/valid
+    columns, a held-out labelled split of the in-domain data): one Ray Tune experiment per
+    method (:mod:`pipelines.evaluation.tune`: ``cfg.scheduler``, ``cfg.algorithm``; at most
+    ``cfg.num_actors`` trials at once). ``posterior_uris``: ``method -> artifact URI`` (any
+    stored ``(N, τ)``; each configuration is applied with ``with_hyper``). Returns a
+    :class:`SearchResult`; with ``output`` keeps the Tune experiments under ``eval/tune/``
+    (a repeated call resumes them; ``key`` names the data, e.g. the split's fingerprint)
+    and writes ``<output>/eval/<method>/search.parquet`` and ``search.json``."""
+    from pipelines.evaluation import tune as search_tune
+
     if not isinstance(cfg, SearchConfig):
         raise ValueError(f"cfg must be a SearchConfig, got {type(cfg).__name__}")
     ref = model_ref(model_spec)
@@ -320,42 +322,36 @@ def search(
     if MAP in uris:
         raise ValueError(f"{MAP!r} has no hyperparameters; pass posterior methods only")
     t0 = time.perf_counter()
-    results = run_actors(SearchWorker, (ref, uris, cfg, endpoint_url), [val_ds], cfg)
-    wall = time.perf_counter() - t0
-
-    map_acc = SearchAccumulator.create(cfg)
-    for r in results:
-        map_acc = map_acc.merge(SearchAccumulator.from_json(r["map"]))
+    chunks, images, skipped = search_tune.chunk_refs(val_ds, cfg)
+    if not chunks:
+        raise StageError("search: the validation split has no valid image")
+    root = None if output is None else layout.tune_uri(output)
+    kw = dict(storage_root=root, key=key, endpoint_url=endpoint_url)
+    if cfg.algorithm == "random":  # one experiment: the MAP reference and every method's grid
+        trials = search_tune.run_experiment(ref, uris, chunks, images, cfg, **kw)
+    else:  # one TPE sampler per method
+        trials = [t for m in uris for t in search_tune.run_experiment(ref, {m: uris[m]}, chunks, images, cfg, **kw)]
+    by_method = {m: [t for t in trials if t["trial"].split(":")[0] == m] for m in uris}
+    maps = [t for t in trials if t["trial"].split(":")[0] == search_tune.MAP_TRIAL]
+    map_json = json.loads(maps[0]["acc"]) if maps else search_tune.map_reference(ref, chunks, cfg, endpoint_url)
+    map_acc = SearchAccumulator.from_json(map_json)
     rows: list[dict[str, Any]] = []
     chosen: dict[str, dict[str, Any] | None] = {}
     notes: dict[str, str] = {}
     for m in uris:
-        mrows = []
-        for c in sample_configs(cfg, m):
-            key = str(c.config_id)
-            reasons = [r["failed"][m][key] for r in results if key in r["failed"][m]]
-            row: dict[str, Any] = {"config_id": c.config_id, "method": m, "log10_n": c.log10_n,
-                                   "log10_tau": c.log10_tau, "n_data": c.n_data, "prior_precision": c.prior_precision,
-                                   "seconds": sum(float(r["seconds"][m].get(key, 0.0)) for r in results)}
-            if reasons:
-                row.update(nll=math.nan, ece=math.nan, accuracy=math.nan, brier=math.nan, count=0,
-                           status="failed", reason=reasons[0])
-            else:
-                a = SearchAccumulator.create(cfg)
-                for r in results:
-                    a = a.merge(SearchAccumulator.from_json(r["acc"][m][key]))
-                row.update(a.compute(), status="ok", reason="")
-            mrows.append(row)
+        mrows = _rows(m, by_method[m], images, len(chunks))
         best, why = choose(mrows, cfg.objective, cfg.accuracy_floor)
         chosen[m] = None if best is None else {k: best[k] for k in (
             "config_id", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece", "accuracy", "brier")}
         if why:
             notes[m] = why
         rows.extend(mrows)
+    wall = time.perf_counter() - t0
+    evaluated = sum(r["images"] for r in rows)
     info = {
         "objective": cfg.objective,
         "accuracy_floor": cfg.accuracy_floor,
-        "num_configs": len(sample_configs(cfg)),
+        "num_configs": len(sample_configs(cfg)) if cfg.algorithm == "random" else cfg.num_configs,
         "log10_n": list(cfg.log10_n),
         "log10_tau": list(cfg.log10_tau),
         "method_ranges": {m: {"log10_n": list(rn), "log10_tau": list(rt)}
@@ -364,12 +360,19 @@ def search(
         "mc_samples": cfg.mc_samples,
         "seed": cfg.seed,
         "ece": f"ece_{cfg.ece_mode}_{cfg.ece_bins}",
-        "examples": sum(r["examples"] for r in results),
-        "skipped": sum(r["skipped"]["count"] for r in results),
+        "scheduler": cfg.scheduler,
+        "algorithm": cfg.algorithm,
+        "reduction_factor": cfg.reduction_factor,
+        "examples": images,
+        "chunks": len(chunks),
+        "skipped": skipped["count"],
+        "images_evaluated": evaluated,
+        "image_samples": evaluated * cfg.mc_samples,
+        "image_samples_full": len(rows) * images * cfg.mc_samples,
         "wall_s": wall,
-        "load_s_max": max(r["load_seconds"] for r in results),
         "num_actors": cfg.num_actors,
         "failed": {m: sum(1 for r in rows if r["method"] == m and r["status"] == "failed") for m in uris},
+        "stopped": {m: sum(1 for r in rows if r["method"] == m and r["status"] == "stopped") for m in uris},
     }
     result = SearchResult(tuple(rows), chosen, notes, map_acc.compute() if map_acc.count else {}, info)
     if output is not None:
