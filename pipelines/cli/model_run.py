@@ -158,6 +158,9 @@ class ModelRun:
         settings = {k: v for k, v in to_dict(self.cfg.search).items() if k != "chunk_size"}  # grouping only
         if not settings["method_ranges"]:
             del settings["method_ranges"]  # the fingerprint of runs from before method_ranges existed
+        for k, default in (("scheduler", "none"), ("algorithm", "random"), ("reduction_factor", 4)):
+            if settings.get(k) == default or (k == "reduction_factor" and settings["scheduler"] != "asha"):
+                settings.pop(k, None)  # the paper's protocol keeps the fingerprint it had before Ray Tune
         self.search_fp = {**self.post_fp, "search": settings, "val": self.splits.search.fingerprint,
                           "runtime": self.runtime, "pred_type": ev.pred_type}
         if (ev.ece_mode, ev.ece_bins) != ("equal_width", 15):  # the search scores with the evaluation's ECE
@@ -177,8 +180,12 @@ class ModelRun:
 
         ev, s = self.cfg.evaluate, self.splits
         search_cfg = search_config(self.cfg, expected_rows=(len(s.search), None), **actor_resources(ev))
+        import hashlib
+        import json
+
+        key = hashlib.sha256(json.dumps(self.search_fp, sort_keys=True, default=str).encode()).hexdigest()[:12]
         res = search(self.spec, self.uris, build_dataset(s.search, s.search_config), search_cfg, output=self.output,
-                     endpoint_url=self.ep)
+                     endpoint_url=self.ep, key=key)  # a re-submitted job resumes the Tune experiment of this key
         return {"chosen": res.chosen, "notes": res.notes, "map": res.map,
                 "info": {**res.info, "device": search_cfg.resolved_device},
                 "failed": sum(1 for r in res.rows if r["status"] != "ok"),

@@ -11,16 +11,16 @@ for every configuration, i.e. common random numbers, which makes the comparison 
 noisy).
 
 Settings: :class:`pipelines.evaluation.runtime.SearchConfig` (in a run, the ECE variant and
-bins are the evaluation's, ``evaluate.ece_mode`` / ``evaluate.ece_bins``). Parallelism:
-data-parallel, on the actor engine of :mod:`pipelines.evaluation.actors` that
-:mod:`pipelines.evaluation.evaluate` uses too. Each of ``cfg.num_actors`` actors loads the model and the posteriors once, takes one iterator of
-``val_ds.streaming_split(num_actors, equal=False)`` and evaluates **every**
-configuration of every method on its shard; per configuration it returns small
-mergeable accumulators (accuracy, NLL, Brier, ECE histogram), which the driver merges.
-A configuration is re-targeted with ``laplace_core.posterior.with_hyper`` (reuses the
-stored eigenvectors, ``Λ/M``, ``D``; INF redoes only its ``L x L`` eigh) once per
-chunk of ``cfg.chunk_size`` examples (default 4096: one chunk per actor for usual
-validation sizes).
+bins are the evaluation's, ``evaluate.ece_mode`` / ``evaluate.ece_bins``). Execution:
+:func:`search` runs a Ray Tune experiment (:mod:`pipelines.evaluation.tune`): one trial per
+``(method, configuration)`` on Tune actors that keep the model and posteriors loaded,
+scoring the split chunk by chunk (``cfg.chunk_size`` examples, default 4096) and reporting
+the running objective, so that ``cfg.scheduler="asha"`` can stop bad configurations early;
+``cfg.algorithm="tpe"`` lets Optuna propose the configurations. A configuration is
+re-targeted with ``laplace_core.posterior.with_hyper`` (reuses the stored eigenvectors,
+``Λ/M``, ``D``; INF redoes only its ``L x L`` eigh) once per trial. :func:`search_shard` is
+the same scoring in one process over every configuration (the reference the Tune search is
+tested against).
 
 Failures never stop the search: a configuration whose precision is not positive
 definite (``with_hyper`` raises) or whose predictions are not finite on any shard is
@@ -32,7 +32,8 @@ the reason in ``notes``.
 
 Artifacts (with ``output``): ``<output>/eval/<method>/search.parquet`` (one row per
 configuration: config_id, method, log10_n, log10_tau, n_data, prior_precision, nll,
-ece, accuracy, brier, count, status, reason, seconds) and
+ece, accuracy, brier, count, status ("ok", "failed", or "stopped" by ASHA: its metrics
+are over the images it saw), reason, seconds, images: the images it was evaluated on) and
 ``<output>/eval/<method>/search.json`` (choice, objective, floor, MAP reference on
 the validation split, search settings).
 """
@@ -45,15 +46,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
-from laplace_core.metrics.calibration import Calibration
-from laplace_core.metrics.scores import NLL, Accuracy, Brier
-
 from pipelines.errors import StageError
 from pipelines.evaluation.chunks import iter_chunks
+from pipelines.evaluation.trials import HyperConfig, SearchAccumulator, sample_configs
 from pipelines.evaluation.predictors import MAP, finite_or_reason, make_predictor, model_ref, predict_chunk
 from pipelines.evaluation.runtime import OBJECTIVES, SearchConfig, eval_uri
 from pipelines.storage import layout
@@ -61,10 +59,7 @@ from pipelines.storage import uris as storage
 
 __all__ = [
     "TABLE_COLUMNS",
-    "HyperConfig",
-    "SearchAccumulator",
     "SearchResult",
-    "sample_configs",
     "search_shard",
     "search",
     "choose",
@@ -73,79 +68,6 @@ __all__ = [
 #: Columns of ``search.parquet`` (:meth:`SearchResult.table`).
 TABLE_COLUMNS = ("config_id", "method", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece",
                  "accuracy", "brier", "count", "status", "reason", "seconds", "images")
-
-
-@dataclass(frozen=True)
-class HyperConfig:
-    """One configuration: ``N = 10**log10_n``, ``τ = 10**log10_tau`` (``-inf`` gives ``τ = 0``)."""
-
-    config_id: int
-    log10_n: float
-    log10_tau: float
-
-    @property
-    def n_data(self) -> float:
-        return 10.0 ** self.log10_n
-
-    @property
-    def prior_precision(self) -> float:
-        return 0.0 if self.log10_tau == -math.inf else 10.0 ** self.log10_tau
-
-
-def sample_configs(cfg: SearchConfig, method: str | None = None) -> tuple[HyperConfig, ...]:
-    """The configurations of a search (of ``method``, whose ranges may be its own:
-    :meth:`SearchConfig.ranges`): ``cfg.configs`` when given, else ``num_configs`` pairs,
-    ``log10 N ~ U(log10_n)`` then ``log10 τ ~ U(log10_tau)`` per draw from
-    ``numpy.random.default_rng(seed)`` (same seed -> same list, on every machine; the same
-    uniform numbers for every method)."""
-    if cfg.configs is not None:
-        return tuple(HyperConfig(i, a, b) for i, (a, b) in enumerate(cfg.configs))
-    rng = np.random.default_rng(cfg.seed)
-    u = rng.random((cfg.num_configs, 2))
-    (n0, n1), (t0, t1) = cfg.ranges(method)
-    return tuple(
-        HyperConfig(i, float(n0 + (n1 - n0) * u[i, 0]), float(t0 + (t1 - t0) * u[i, 1]))
-        for i in range(cfg.num_configs)
-    )
-
-
-# --------------------------------------------------------------------------- accumulator
-@dataclass(frozen=True, eq=False)
-class SearchAccumulator:
-    """Accuracy, NLL, Brier and one ECE histogram for one configuration (mergeable sums)."""
-
-    accuracy: Accuracy
-    nll: NLL
-    brier: Brier
-    ece: Calibration
-
-    @classmethod
-    def create(cls, cfg: SearchConfig) -> "SearchAccumulator":
-        return cls(Accuracy(), NLL(), Brier(), Calibration(cfg.ece_mode, cfg.ece_bins))
-
-    def update(self, probs: torch.Tensor, labels: torch.Tensor) -> "SearchAccumulator":
-        return SearchAccumulator(self.accuracy.update(probs, labels), self.nll.update(probs, labels),
-                                 self.brier.update(probs, labels), self.ece.update(probs, labels))
-
-    def merge(self, o: "SearchAccumulator") -> "SearchAccumulator":
-        return SearchAccumulator(self.accuracy.merge(o.accuracy), self.nll.merge(o.nll),
-                                 self.brier.merge(o.brier), self.ece.merge(o.ece))
-
-    @property
-    def count(self) -> int:
-        return self.accuracy.count
-
-    def compute(self) -> dict[str, float]:
-        return {**self.accuracy.compute(), **self.nll.compute(), **self.brier.compute(),
-                "ece": self.ece.compute()["ece"], "count": self.count}
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k).to_json() for k in ("accuracy", "nll", "brier", "ece")}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "SearchAccumulator":
-        return cls(Accuracy.from_json(d["accuracy"]), NLL.from_json(d["nll"]), Brier.from_json(d["brier"]),
-                   Calibration.from_json(d["ece"]))
 
 
 # --------------------------------------------------------------------------- one shard

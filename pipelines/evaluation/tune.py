@@ -5,7 +5,7 @@ One Tune experiment per method, one trial per configuration ``(method, N, τ)``.
 (:func:`pipelines.evaluation.chunks.iter_chunks`, Ray Data in order) that go to the object
 store; a trial's step ``k`` scores chunk ``k`` and reports the running objective (NLL, or
 ECE) of the chunks so far, from the same mergeable accumulators as the hand-made loop
-(:class:`pipelines.evaluation.search.SearchAccumulator`). :class:`SearchTrainable` is a
+(:class:`pipelines.evaluation.trials.SearchAccumulator`). :class:`SearchTrainable` is a
 class trainable run with ``reuse_actors=True``: ``setup`` loads the model and the method's
 posterior once per Tune actor (:class:`pipelines.evaluation.actors.ModelActor`), and
 ``reset_config`` re-targets it to the next trial's ``(N, τ)`` with
@@ -14,7 +14,7 @@ same ``θ_t`` from ``(seed, t)`` and an example's prediction does not depend on 
 neighbours, so a trial's accumulators equal those of the data-parallel loop up to the
 order of the float64 sums.
 
-Search algorithms: ``random`` runs :func:`pipelines.evaluation.search.sample_configs`'s
+Search algorithms: ``random`` runs :func:`pipelines.evaluation.trials.sample_configs`'s
 configurations as a grid of configuration ids (the same configurations and seeds as the
 paper's protocol); ``tpe`` asks Optuna's TPE sampler (``ray.tune.search.optuna``) for
 ``num_configs`` points in the method's ranges, seeded with ``seed``. Schedulers: ``none``
@@ -111,7 +111,7 @@ class SearchTrainable(tune.Trainable):
         from laplace_core.posterior import with_hyper
 
         from pipelines.evaluation.predictors import make_predictor
-        from pipelines.evaluation.search import HyperConfig, SearchAccumulator, sample_configs
+        from pipelines.evaluation.trials import HyperConfig, SearchAccumulator, sample_configs
 
         self.acc, self.images, self.seconds = SearchAccumulator.create(self.cfg), 0, 0.0
         self.reason, self.k, self.pred = "", 0, None
@@ -139,7 +139,7 @@ class SearchTrainable(tune.Trainable):
                 "k": self.k}
 
     def load_checkpoint(self, state: dict[str, Any]) -> None:
-        from pipelines.evaluation.search import SearchAccumulator
+        from pipelines.evaluation.trials import SearchAccumulator
 
         self.acc = SearchAccumulator.from_json(state["acc"])
         self.images, self.seconds, self.reason, self.k = state["images"], state["seconds"], state["reason"], state["k"]
@@ -235,7 +235,7 @@ def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
     """``(param_space, search_alg, num_samples, scheduler)`` of one experiment: random runs
     the MAP reference and every method's configurations as one grid; tpe one method."""
     if cfg.algorithm == "random":
-        from pipelines.evaluation.search import sample_configs
+        from pipelines.evaluation.trials import sample_configs
 
         names = [f"{MAP_TRIAL}:0"] + [f"{m}:{c.config_id}" for m in methods for c in sample_configs(cfg, m)]
         sched = PerMethodASHA(methods, max_t, cfg.reduction_factor) if cfg.scheduler == "asha" else None
@@ -311,7 +311,7 @@ def map_reference(model: Mapping[str, Any], chunks: Sequence[Any], cfg: SearchCo
     @ray.remote(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor)
     def score(model, chunks, cfg, endpoint_url):
         from pipelines.evaluation.predictors import load_eval_model, predict_chunk
-        from pipelines.evaluation.search import SearchAccumulator
+        from pipelines.evaluation.trials import SearchAccumulator
 
         torch.set_num_threads(cfg.threads)
         net = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device, endpoint_url=endpoint_url)
