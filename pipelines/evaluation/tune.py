@@ -260,8 +260,11 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
                    endpoint_url: storage.Store = None) -> list[dict[str, Any]]:
     """Run (or restore) one Tune experiment over the methods of ``uris`` (random: all of them
     and the MAP reference; tpe: exactly one method); returns one dict per trial: ``trial``
-    (``"<method>:<i>"``, or ``"<method>:tpe"``), ``trial_id`` and the last reported result's
-    fields."""
+    (``"<method>:<i>"``, or ``"<method>:tpe"``), ``trial_id``, ``timestamp`` (of its last
+    result) and the last reported result's fields. A trial that still fails after
+    ``cfg.max_failures`` retries ends the call with a :class:`pipelines.errors.StageError`;
+    the experiment state keeps the finished trials, and the next call with the same settings
+    runs only the rest."""
     methods = list(uris)
     tmp = None
     if storage_root is None:
@@ -293,6 +296,7 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
                 why = str(r.error).strip().splitlines()[-1][:300] if r.error is not None else "no result"
                 raise StageError(f"search trial {r.config} failed: {why}")
             out.append({"trial": r.config.get("trial", f"{methods[0]}:tpe"), "trial_id": r.metrics.get("trial_id", ""),
+                        "timestamp": r.metrics.get("timestamp"),
                         **{k: r.metrics[k] for k in ("objective", "images", "chunks", "seconds", "status", "reason",
                                                      "log10_n", "log10_tau", "acc")}})
         return out
