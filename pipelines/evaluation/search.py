@@ -193,11 +193,8 @@ def _rows(method: str, trials: Sequence[Mapping[str, Any]], images: int, chunks:
     """One table row per trial of ``method``, by configuration id (random: the id of
     :func:`sample_configs`; tpe: the order Optuna proposed them)."""
     ids = [t["trial"].split(":")[1] for t in trials]
-    if any(i == "tpe" for i in ids):
-        order = sorted(range(len(trials)), key=lambda i: int(str(trials[i]["trial_id"]).rsplit("_", 1)[-1] or 0))
-        ids = [0] * len(trials)
-        for rank, i in enumerate(order):
-            ids[i] = rank
+    if any(i == "tpe" for i in ids):  # Tune lists the trials in the order they were created
+        ids = list(range(len(trials)))
     rows = []
     for cid, t in zip(ids, trials):
         c = HyperConfig(int(cid), float(t["log10_n"]), float(t["log10_tau"]))
