@@ -200,3 +200,23 @@ def test_a_half_finished_search_resumes_and_a_finished_one_is_not_run_again(ray_
     trials2 = run_experiment(data["model"], uris, chunks, images, again, storage_root=root, key="k")
     assert not os.path.exists(again.fault_marker)  # no trial ran a chunk
     assert {t["trial"]: t["acc"] for t in trials2} == {t["trial"]: t["acc"] for t in trials}
+
+
+def test_tpe_proposes_num_configs_in_the_method_s_ranges(ray_session, data):
+    """``algorithm: tpe``: Optuna's sampler proposes ``num_configs`` configurations per method
+    inside that method's own ranges; each is scored on the whole split like any other (its
+    values checked against the hand-written loop at the same ``(N, τ)``)."""
+    from pipelines.evaluation.trials import HyperConfig
+
+    cfg = _cfg(num_configs=4, chunk_size=128, algorithm="tpe", method_ranges=(("diag", (1.0, 3.0), (0.0, 2.0)),))
+    ds = ray_session.data.from_items(data["rows"], override_num_blocks=3)
+    res = search(data["model"], {"diag": data["uris"]["diag"]}, ds, cfg)
+    rows = res.rows
+    assert [r["config_id"] for r in rows] == [0, 1, 2, 3] and res.info["algorithm"] == "tpe"
+    assert all(1.0 <= r["log10_n"] <= 3.0 and 0.0 <= r["log10_tau"] <= 2.0 for r in rows)
+    r = rows[0]
+    one = search_shard(data["net"], {"diag": data["posts"]["diag"]}, data["batches"],
+                       dataclasses.replace(cfg, chunk_size=N_EXAMPLES, algorithm="random"),
+                       configs=[HyperConfig(0, r["log10_n"], r["log10_tau"])])
+    want = one["acc"]["diag"][0].compute()
+    assert r["count"] == N_EXAMPLES and r["nll"] == pytest.approx(want["nll"], rel=1e-12)
