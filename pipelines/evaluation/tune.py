@@ -255,6 +255,22 @@ def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
     return space, alg, cfg.num_configs, sched
 
 
+def _fit_from(tuner: Any, where: str) -> Any:
+    """``tuner.fit()`` with ``where`` as the working directory: Tune lists the experiment's
+    files with relative paths (``os.getcwd()``), and a Ray job's working directory can be gone
+    by then (seen with a job's ``working_dir`` on a cluster); the previous one is restored."""
+    try:
+        prev = os.getcwd()
+    except FileNotFoundError:
+        prev = None
+    os.chdir(where)
+    try:
+        return tuner.fit()
+    finally:
+        if prev is not None and os.path.isdir(prev):
+            os.chdir(prev)
+
+
 def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Sequence[Any], images: int,
                    cfg: SearchConfig, *, storage_root: str | None = None, key: str = "",
                    endpoint_url: storage.Store = None) -> list[dict[str, Any]]:
@@ -289,7 +305,7 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
                                             reuse_actors=True),
                 run_config=tune.RunConfig(name=name, storage_path=path, storage_filesystem=fs, verbose=0,
                                           failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
-        grid = tuner.fit()
+        grid = _fit_from(tuner, tempfile.gettempdir())
         out = []
         for r in grid:
             if r.error is not None or not r.metrics or "acc" not in r.metrics:
