@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from laplace_core.methods import TEMPERATURE, method_info
 from pipelines.cli.plan import DataPlan, Splits, demo_model, scan_splits
-from pipelines.cli.stages import Stages, log
+from pipelines.cli.stages import Stages, fingerprint, log
 from pipelines.config.load import derive, to_dict
 from pipelines.config.schema import ConfigError, EvalSpec, ModelSpec, RunConfig
 from pipelines.storage import layout
@@ -179,6 +179,9 @@ class ModelRun:
         settings = {k: v for k, v in to_dict(self.cfg.search).items() if k != "chunk_size"}  # grouping only
         if not settings["method_ranges"]:
             del settings["method_ranges"]  # the fingerprint of runs from before method_ranges existed
+        for k, default in (("scheduler", "none"), ("algorithm", "random"), ("reduction_factor", 4)):
+            if settings.get(k) == default or (k == "reduction_factor" and settings["scheduler"] != "asha"):
+                settings.pop(k, None)  # the paper's protocol keeps the fingerprint it had before Ray Tune
         self.search_fp = {**self.post_fp, "search": settings, "val": self.splits.search.fingerprint,
                           "runtime": self.runtime, "pred_type": ev.pred_type}
         if (ev.ece_mode, ev.ece_bins) != ("equal_width", 15):  # the search scores with the evaluation's ECE
@@ -205,8 +208,10 @@ class ModelRun:
         out: dict[str, Any] = {"chosen": {}, "notes": {}, "map": {}, "info": {"device": search_cfg.resolved_device},
                                "failed": 0, "table": layout.search_table_uri(self.output)}
         if self.uris:
+            # a re-submitted job resumes the Tune experiment of this key
+            key = fingerprint(self.search_fp)[:12]
             res = search(self.spec, self.uris, build_dataset(s.search, s.search_config), search_cfg,
-                         output=self.output, endpoint_url=self.ep)
+                         output=self.output, endpoint_url=self.ep, key=key)
             out.update(chosen=res.chosen, notes=res.notes, map=res.map,
                        info={**res.info, "device": search_cfg.resolved_device},
                        failed=sum(1 for r in res.rows if r["status"] != "ok"))

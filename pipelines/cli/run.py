@@ -119,7 +119,9 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
                                                "excluded", "skipped_batches", "passes")}
         | ({"subnet": curv["subnet"]} if "subnet" in curv else {}),
         "search": {"chosen": srch.get("chosen"), "notes": srch.get("notes"),
-                   "device": (srch.get("info") or {}).get("device")},
+                   "device": (srch.get("info") or {}).get("device")}
+        | {k: (srch.get("info") or {}).get(k) for k in ("scheduler", "algorithm", "image_samples",
+                                                          "image_samples_full", "wall_s")},
         "evaluate": {"device": evl.get("device")},
         "results": evl.get("methods"),
         "output": output,

@@ -164,7 +164,10 @@ class SearchSpec:
     mc_samples: int = 10
     seed: int = 0
     method_ranges: tuple[MethodRange, ...] = ()  # e.g. [{method: kfac, log10_tau: [-2, 6]}]
-    chunk_size: int = 4096  # examples per re-targeted configuration and group of weight samples
+    chunk_size: int = 4096  # examples per re-targeted configuration and group of weight samples; ASHA's step
+    scheduler: str = "none"  # none: every configuration on the whole split; asha: stop bad ones early (Ray Tune)
+    algorithm: str = "random"  # random: the seeded draws (Lee et al. 2020); tpe: Optuna's TPE via Ray Tune
+    reduction_factor: int = 4  # ASHA: 1 in reduction_factor configurations goes on at each rung
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,13 @@ class RunConfig:
         self._validate_method_ranges()
         if self.search.objective not in OBJECTIVES:
             raise ConfigError(f"unknown search objective {self.search.objective!r}; valid: {', '.join(OBJECTIVES)}")
+        for key, v, valid in (("scheduler", self.search.scheduler, ("none", "asha")),
+                              ("algorithm", self.search.algorithm, ("random", "tpe"))):
+            if v not in valid:
+                raise ConfigError(f"unknown search.{key} {v!r}; valid: {', '.join(valid)}")
+        rf = self.search.reduction_factor
+        if isinstance(rf, bool) or not isinstance(rf, int) or rf < 2:
+            raise ConfigError(f"search.reduction_factor must be an int >= 2, got {rf!r}")
         if self.evaluate.pred_type not in PRED_TYPES:
             raise ConfigError(f"unknown pred_type {self.evaluate.pred_type!r}; valid: {', '.join(PRED_TYPES)}")
         if self.evaluate.ece_mode not in ("equal_width", "equal_mass"):

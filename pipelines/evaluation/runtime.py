@@ -29,6 +29,8 @@ from pipelines.storage import layout
 
 __all__ = [
     "OBJECTIVES",
+    "SCHEDULERS",
+    "ALGORITHMS",
     "RuntimeFields",
     "EvalConfig",
     "SearchConfig",
@@ -36,6 +38,13 @@ __all__ = [
     "search_config",
     "eval_uri",
 ]
+
+#: ``search.scheduler`` values (``pipelines.evaluation.tune``).
+SCHEDULERS: dict[str, str] = {"none": "every configuration on the whole split",
+                              "asha": "ASHA: stop bad configurations after a chunk, 1/reduction_factor go on"}
+#: ``search.algorithm`` values (``pipelines.evaluation.tune``).
+ALGORITHMS: dict[str, str] = {"random": "the seeded uniform draws of sample_configs (Lee et al. 2020)",
+                              "tpe": "Optuna's TPE sampler, seeded"}
 
 #: Search objectives.
 OBJECTIVES: dict[str, str] = {
@@ -192,7 +201,9 @@ class SearchConfig(RuntimeFields):
     (or ``pipelines.config.schema.MethodRange`` objects) overriding the ranges for that method; a
     ``None`` range keeps the common one. objective: "nll" or "ece"; accuracy_floor: minimum
     validation accuracy for "ece" (None: no floor). mc_samples: ``K`` per configuration
-    (default 10). ece_bins / ece_mode: the ECE used. Runtime fields: see
+    (default 10). ece_bins / ece_mode: the ECE used. scheduler: "none" or "asha" (grace
+    period one chunk of ``chunk_size`` examples, ``reduction_factor``); algorithm: "random"
+    (these configurations) or "tpe" (Optuna) (``pipelines.evaluation.tune``). Runtime fields: see
     ``RuntimeFields`` (chunk_size defaults to 4096 here)."""
 
     num_configs: int = 100
@@ -208,11 +219,23 @@ class SearchConfig(RuntimeFields):
     chunk_size: int = 4096
     pred_type: str = "nn"
     method_ranges: tuple[tuple[str, tuple[float, float], tuple[float, float]], ...] = ()
+    scheduler: str = "none"
+    algorithm: str = "random"
+    reduction_factor: int = 4
 
     def __post_init__(self) -> None:
         self._check_runtime()
         _check_scoring(self)
         check_pos_int("num_configs", self.num_configs)
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"unknown search scheduler {self.scheduler!r}; valid: {', '.join(SCHEDULERS)}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown search algorithm {self.algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+        if isinstance(self.reduction_factor, bool) or not isinstance(self.reduction_factor, int) \
+                or self.reduction_factor < 2:
+            raise ValueError(f"reduction_factor must be an int >= 2, got {self.reduction_factor!r}")
+        if self.algorithm == "tpe" and self.configs is not None:
+            raise ValueError("search.algorithm=tpe samples its own configurations; explicit configs need random")
         object.__setattr__(self, "log10_n", _range("log10_n", self.log10_n))
         object.__setattr__(self, "log10_tau", _range("log10_tau", self.log10_tau))
         object.__setattr__(self, "method_ranges", self._method_ranges())

@@ -11,16 +11,16 @@ for every configuration, i.e. common random numbers, which makes the comparison 
 noisy).
 
 Settings: :class:`pipelines.evaluation.runtime.SearchConfig` (in a run, the ECE variant and
-bins are the evaluation's, ``evaluate.ece_mode`` / ``evaluate.ece_bins``). Parallelism:
-data-parallel, on the actor engine of :mod:`pipelines.evaluation.actors` that
-:mod:`pipelines.evaluation.evaluate` uses too. Each of ``cfg.num_actors`` actors loads the model and the posteriors once, takes one iterator of
-``val_ds.streaming_split(num_actors, equal=False)`` and evaluates **every**
-configuration of every method on its shard; per configuration it returns small
-mergeable accumulators (accuracy, NLL, Brier, ECE histogram), which the driver merges.
-A configuration is re-targeted with ``laplace_core.posterior.with_hyper`` (reuses the
-stored eigenvectors, ``Λ/M``, ``D``; INF redoes only its ``L x L`` eigh) once per
-chunk of ``cfg.chunk_size`` examples (default 4096: one chunk per actor for usual
-validation sizes).
+bins are the evaluation's, ``evaluate.ece_mode`` / ``evaluate.ece_bins``). Execution:
+:func:`search` runs a Ray Tune experiment (:mod:`pipelines.evaluation.tune`): one trial per
+``(method, configuration)`` on Tune actors that keep the model and posteriors loaded,
+scoring the split chunk by chunk (``cfg.chunk_size`` examples, default 4096) and reporting
+the running objective, so that ``cfg.scheduler="asha"`` can stop bad configurations early;
+``cfg.algorithm="tpe"`` lets Optuna propose the configurations. A configuration is
+re-targeted with ``laplace_core.posterior.with_hyper`` (reuses the stored eigenvectors,
+``Λ/M``, ``D``; INF redoes only its ``L x L`` eigh) once per trial. :func:`search_shard` is
+the same scoring in one process over every configuration (the reference the Tune search is
+tested against).
 
 Failures never stop the search: a configuration whose precision is not positive
 definite (``with_hyper`` raises) or whose predictions are not finite on any shard is
@@ -32,119 +32,42 @@ the reason in ``notes``.
 
 Artifacts (with ``output``): ``<output>/eval/<method>/search.parquet`` (one row per
 configuration: config_id, method, log10_n, log10_tau, n_data, prior_precision, nll,
-ece, accuracy, brier, count, status, reason, seconds) and
+ece, accuracy, brier, count, status ("ok", "failed", or "stopped" by ASHA: its metrics
+are over the images it saw), reason, seconds, images: the images it was evaluated on) and
 ``<output>/eval/<method>/search.json`` (choice, objective, floor, MAP reference on
 the validation split, search settings).
 """
 from __future__ import annotations
 
 import io
+import json
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
-from laplace_core.metrics.calibration import Calibration
-from laplace_core.metrics.scores import NLL, Accuracy, Brier
-
-from pipelines.evaluation.actors import ActorProgress, ModelActor, run_actors
-from pipelines.evaluation.chunks import iter_chunks, valid_batches
+from pipelines.errors import StageError
+from pipelines.evaluation.chunks import iter_chunks
+from pipelines.evaluation.trials import HyperConfig, SearchAccumulator, sample_configs
 from pipelines.evaluation.predictors import MAP, finite_or_reason, make_predictor, model_ref, predict_chunk
 from pipelines.evaluation.runtime import OBJECTIVES, SearchConfig, eval_uri
+from pipelines.storage import layout
 from pipelines.storage import uris as storage
 
 __all__ = [
     "TABLE_COLUMNS",
-    "HyperConfig",
-    "SearchAccumulator",
     "SearchResult",
-    "sample_configs",
     "search_shard",
-    "SearchWorker",
     "search",
     "choose",
 ]
 
 #: Columns of ``search.parquet`` (:meth:`SearchResult.table`).
 TABLE_COLUMNS = ("config_id", "method", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece",
-                 "accuracy", "brier", "count", "status", "reason", "seconds")
-
-
-@dataclass(frozen=True)
-class HyperConfig:
-    """One configuration: ``N = 10**log10_n``, ``τ = 10**log10_tau`` (``-inf`` gives ``τ = 0``)."""
-
-    config_id: int
-    log10_n: float
-    log10_tau: float
-
-    @property
-    def n_data(self) -> float:
-        return 10.0 ** self.log10_n
-
-    @property
-    def prior_precision(self) -> float:
-        return 0.0 if self.log10_tau == -math.inf else 10.0 ** self.log10_tau
-
-
-def sample_configs(cfg: SearchConfig, method: str | None = None) -> tuple[HyperConfig, ...]:
-    """The configurations of a search (of ``method``, whose ranges may be its own:
-    :meth:`SearchConfig.ranges`): ``cfg.configs`` when given, else ``num_configs`` pairs,
-    ``log10 N ~ U(log10_n)`` then ``log10 τ ~ U(log10_tau)`` per draw from
-    ``numpy.random.default_rng(seed)`` (same seed -> same list, on every machine; the same
-    uniform numbers for every method)."""
-    if cfg.configs is not None:
-        return tuple(HyperConfig(i, a, b) for i, (a, b) in enumerate(cfg.configs))
-    rng = np.random.default_rng(cfg.seed)
-    u = rng.random((cfg.num_configs, 2))
-    (n0, n1), (t0, t1) = cfg.ranges(method)
-    return tuple(
-        HyperConfig(i, float(n0 + (n1 - n0) * u[i, 0]), float(t0 + (t1 - t0) * u[i, 1]))
-        for i in range(cfg.num_configs)
-    )
-
-
-# --------------------------------------------------------------------------- accumulator
-@dataclass(frozen=True, eq=False)
-class SearchAccumulator:
-    """Accuracy, NLL, Brier and one ECE histogram for one configuration (mergeable sums)."""
-
-    accuracy: Accuracy
-    nll: NLL
-    brier: Brier
-    ece: Calibration
-
-    @classmethod
-    def create(cls, cfg: SearchConfig) -> "SearchAccumulator":
-        return cls(Accuracy(), NLL(), Brier(), Calibration(cfg.ece_mode, cfg.ece_bins))
-
-    def update(self, probs: torch.Tensor, labels: torch.Tensor) -> "SearchAccumulator":
-        return SearchAccumulator(self.accuracy.update(probs, labels), self.nll.update(probs, labels),
-                                 self.brier.update(probs, labels), self.ece.update(probs, labels))
-
-    def merge(self, o: "SearchAccumulator") -> "SearchAccumulator":
-        return SearchAccumulator(self.accuracy.merge(o.accuracy), self.nll.merge(o.nll),
-                                 self.brier.merge(o.brier), self.ece.merge(o.ece))
-
-    @property
-    def count(self) -> int:
-        return self.accuracy.count
-
-    def compute(self) -> dict[str, float]:
-        return {**self.accuracy.compute(), **self.nll.compute(), **self.brier.compute(),
-                "ece": self.ece.compute()["ece"], "count": self.count}
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k).to_json() for k in ("accuracy", "nll", "brier", "ece")}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "SearchAccumulator":
-        return cls(Accuracy.from_json(d["accuracy"]), NLL.from_json(d["nll"]), Brier.from_json(d["brier"]),
-                   Calibration.from_json(d["ece"]))
+                 "accuracy", "brier", "count", "status", "reason", "seconds", "images")
 
 
 # --------------------------------------------------------------------------- one shard
@@ -211,38 +134,6 @@ def search_shard(
     return {"acc": acc, "map": map_acc, "failed": failed, "seconds": seconds, "examples": n}
 
 
-class SearchWorker(ModelActor):
-    """Ray actor body for :func:`search` (:class:`pipelines.evaluation.actors.ModelActor`:
-    model and posteriors loaded once, posteriors as built; every configuration is applied
-    with ``with_hyper``)."""
-
-    def __init__(self, model: Mapping[str, Any], posterior_uris: Mapping[str, str], cfg: SearchConfig,
-                 endpoint_url: str | None = None):
-        super().__init__(model, posterior_uris, None, cfg, endpoint_url)
-
-    def run(self, shard: Any, actor_index: int = 0) -> dict[str, Any]:
-        if self.init_error is not None:  # the driver stops the stage on ``started()``
-            return {"init_error": self.init_error}
-        t0 = time.perf_counter()
-        it, skipped = valid_batches(shard, self.cfg.batch_size)
-        rows = self.cfg.expected_rows[0]
-        n_configs = sum(len(sample_configs(self.cfg, m)) for m in self.posteriors)
-        units = None if rows is None else rows * n_configs  # example x configuration
-        prog = ActorProgress("search", actor_index, self.cfg, splits=("validation",), totals=(units,),
-                             unit="examples x configurations")
-        r = search_shard(self.model, self.posteriors, it, self.cfg, progress=prog)
-        return {
-            "acc": {m: {str(cid): a.to_json() for cid, a in d.items()} for m, d in r["acc"].items()},
-            "map": r["map"].to_json(),
-            "failed": {m: {str(k): v for k, v in d.items()} for m, d in r["failed"].items()},
-            "seconds": {m: {str(k): v for k, v in d.items()} for m, d in r["seconds"].items()},
-            "examples": r["examples"],
-            "skipped": skipped().to_dict(),
-            "load_seconds": self.load_seconds,
-            "run_seconds": time.perf_counter() - t0,
-        }
-
-
 # --------------------------------------------------------------------------- driver
 @dataclass(frozen=True)
 class SearchResult:
@@ -268,7 +159,7 @@ class SearchResult:
 
         rows = [r for r in self.rows if method is None or r["method"] == method]
         types = {"config_id": pa.int64(), "method": pa.string(), "count": pa.int64(), "status": pa.string(),
-                 "reason": pa.string()}
+                 "reason": pa.string(), "images": pa.int64()}
         cols = {k: pa.array([r[k] for r in rows], type=types.get(k, pa.float64())) for k in TABLE_COLUMNS}
         return pa.table(cols)
 
@@ -298,6 +189,31 @@ def _parquet_bytes(table) -> bytes:
     return buf.getvalue()
 
 
+def _rows(method: str, trials: Sequence[Mapping[str, Any]], images: int, chunks: int) -> list[dict[str, Any]]:
+    """One table row per trial of ``method``, by configuration id (random: the id of
+    :func:`sample_configs`; tpe: the order Optuna proposed them)."""
+    ids = [t["trial"].split(":")[1] for t in trials]
+    if any(i == "tpe" for i in ids):  # Tune lists the trials in the order they were created
+        ids = list(range(len(trials)))
+    rows = []
+    for cid, t in zip(ids, trials):
+        c = HyperConfig(int(cid), float(t["log10_n"]), float(t["log10_tau"]))
+        row: dict[str, Any] = {"config_id": c.config_id, "method": method, "log10_n": c.log10_n,
+                               "log10_tau": c.log10_tau, "n_data": c.n_data, "prior_precision": c.prior_precision,
+                               "seconds": float(t["seconds"]), "images": int(t["images"])}
+        if t["status"] == "failed":
+            row.update(nll=math.nan, ece=math.nan, accuracy=math.nan, brier=math.nan, count=0,
+                       status="failed", reason=t["reason"])
+        else:
+            a = SearchAccumulator.from_json(json.loads(t["acc"]))
+            done = int(t["chunks"]) >= chunks
+            row.update(a.compute(), status="ok" if done else "stopped",
+                       reason="" if done else f"stopped by ASHA after {t['chunks']} of {chunks} chunks "
+                                              f"({t['images']} of {images} images)")
+        rows.append(row)
+    return sorted(rows, key=lambda r: r["config_id"])
+
+
 def search(
     model_spec: Any,
     posterior_uris: Mapping[str, str],
@@ -306,13 +222,18 @@ def search(
     *,
     output: str | None = None,
     endpoint_url: str | None = None,
+    key: str = "",
 ) -> SearchResult:
-    """Random search of ``(N, τ)`` per method on ``val_ds`` (Ray Dataset with image/label/
-    path/valid columns, a held-out labelled split of the in-domain data) with
-    ``cfg.num_actors`` actors. ``posterior_uris``: ``method -> artifact URI`` (any stored
-    ``(N, τ)``; each configuration is applied with ``with_hyper``). Returns a
-    :class:`SearchResult`; with ``output`` writes ``<output>/eval/<method>/search.parquet``
-    and ``search.json``."""
+    """Search of ``(N, τ)`` per method on ``val_ds`` (Ray Dataset with image/label/path/valid
+    columns, a held-out labelled split of the in-domain data): one Ray Tune experiment per
+    method (:mod:`pipelines.evaluation.tune`: ``cfg.scheduler``, ``cfg.algorithm``; at most
+    ``cfg.num_actors`` trials at once). ``posterior_uris``: ``method -> artifact URI`` (any
+    stored ``(N, τ)``; each configuration is applied with ``with_hyper``). Returns a
+    :class:`SearchResult`; with ``output`` keeps the Tune experiments under ``eval/tune/``
+    (a repeated call resumes them; ``key`` names the data, e.g. the split's fingerprint)
+    and writes ``<output>/eval/<method>/search.parquet`` and ``search.json``."""
+    from pipelines.evaluation import tune as search_tune
+
     if not isinstance(cfg, SearchConfig):
         raise ValueError(f"cfg must be a SearchConfig, got {type(cfg).__name__}")
     ref = model_ref(model_spec)
@@ -320,42 +241,36 @@ def search(
     if MAP in uris:
         raise ValueError(f"{MAP!r} has no hyperparameters; pass posterior methods only")
     t0 = time.perf_counter()
-    results = run_actors(SearchWorker, (ref, uris, cfg, endpoint_url), [val_ds], cfg)
-    wall = time.perf_counter() - t0
-
-    map_acc = SearchAccumulator.create(cfg)
-    for r in results:
-        map_acc = map_acc.merge(SearchAccumulator.from_json(r["map"]))
+    chunks, images, skipped = search_tune.chunk_refs(val_ds, cfg)
+    if not chunks:
+        raise StageError("search: the validation split has no valid image")
+    root = None if output is None else layout.tune_uri(output)
+    kw = dict(storage_root=root, key=key, endpoint_url=endpoint_url)
+    if cfg.algorithm == "random":  # one experiment: the MAP reference and every method's grid
+        trials = search_tune.run_experiment(ref, uris, chunks, images, cfg, **kw)
+    else:  # one TPE sampler per method
+        trials = [t for m in uris for t in search_tune.run_experiment(ref, {m: uris[m]}, chunks, images, cfg, **kw)]
+    by_method = {m: [t for t in trials if t["trial"].split(":")[0] == m] for m in uris}
+    maps = [t for t in trials if t["trial"].split(":")[0] == search_tune.MAP_TRIAL]
+    map_json = json.loads(maps[0]["acc"]) if maps else search_tune.map_reference(ref, chunks, cfg, endpoint_url)
+    map_acc = SearchAccumulator.from_json(map_json)
     rows: list[dict[str, Any]] = []
     chosen: dict[str, dict[str, Any] | None] = {}
     notes: dict[str, str] = {}
     for m in uris:
-        mrows = []
-        for c in sample_configs(cfg, m):
-            key = str(c.config_id)
-            reasons = [r["failed"][m][key] for r in results if key in r["failed"][m]]
-            row: dict[str, Any] = {"config_id": c.config_id, "method": m, "log10_n": c.log10_n,
-                                   "log10_tau": c.log10_tau, "n_data": c.n_data, "prior_precision": c.prior_precision,
-                                   "seconds": sum(float(r["seconds"][m].get(key, 0.0)) for r in results)}
-            if reasons:
-                row.update(nll=math.nan, ece=math.nan, accuracy=math.nan, brier=math.nan, count=0,
-                           status="failed", reason=reasons[0])
-            else:
-                a = SearchAccumulator.create(cfg)
-                for r in results:
-                    a = a.merge(SearchAccumulator.from_json(r["acc"][m][key]))
-                row.update(a.compute(), status="ok", reason="")
-            mrows.append(row)
+        mrows = _rows(m, by_method[m], images, len(chunks))
         best, why = choose(mrows, cfg.objective, cfg.accuracy_floor)
         chosen[m] = None if best is None else {k: best[k] for k in (
             "config_id", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece", "accuracy", "brier")}
         if why:
             notes[m] = why
         rows.extend(mrows)
+    wall = time.perf_counter() - t0
+    evaluated = sum(r["images"] for r in rows)
     info = {
         "objective": cfg.objective,
         "accuracy_floor": cfg.accuracy_floor,
-        "num_configs": len(sample_configs(cfg)),
+        "num_configs": len(sample_configs(cfg)) if cfg.algorithm == "random" else cfg.num_configs,
         "log10_n": list(cfg.log10_n),
         "log10_tau": list(cfg.log10_tau),
         "method_ranges": {m: {"log10_n": list(rn), "log10_tau": list(rt)}
@@ -364,12 +279,19 @@ def search(
         "mc_samples": cfg.mc_samples,
         "seed": cfg.seed,
         "ece": f"ece_{cfg.ece_mode}_{cfg.ece_bins}",
-        "examples": sum(r["examples"] for r in results),
-        "skipped": sum(r["skipped"]["count"] for r in results),
+        "scheduler": cfg.scheduler,
+        "algorithm": cfg.algorithm,
+        "reduction_factor": cfg.reduction_factor,
+        "examples": images,
+        "chunks": len(chunks),
+        "skipped": skipped["count"],
+        "images_evaluated": evaluated,
+        "image_samples": evaluated * cfg.mc_samples,
+        "image_samples_full": len(rows) * images * cfg.mc_samples,
         "wall_s": wall,
-        "load_s_max": max(r["load_seconds"] for r in results),
         "num_actors": cfg.num_actors,
         "failed": {m: sum(1 for r in rows if r["method"] == m and r["status"] == "failed") for m in uris},
+        "stopped": {m: sum(1 for r in rows if r["method"] == m and r["status"] == "stopped") for m in uris},
     }
     result = SearchResult(tuple(rows), chosen, notes, map_acc.compute() if map_acc.count else {}, info)
     if output is not None:

@@ -12,6 +12,7 @@ A run's output (a local folder or an ``s3://`` prefix) holds::
     posterior/<method>/              one saved posterior per method
     eval/<method>/                   metrics.json, accumulators.json, search.parquet, search.json
     eval/search.parquet              the search table of every method
+    eval/tune/<method>-<key>/        the search's Ray Tune experiment state (resumed on re-submission)
     figures/<name>.png report.html report.md
     models/<model>/                  one such tree per model of an audit
     demo-data/ demo-model/           the embedded demo's data and CNN, with a remote output
@@ -24,7 +25,7 @@ from pipelines.storage.uris import join
 __all__ = [
     "config_uri", "run_json_uri", "stage_marker_uri", "pass_uri", "reduced_uri", "basis_uri", "subnet_uri",
     "subnet_partial_uri", "curvature_summary_uri", "worker_report_uri", "posterior_uri", "eval_dir",
-    "eval_uri", "search_table_uri", "figure_uri", "report_uris", "model_dir", "demo_data_uri",
+    "eval_uri", "search_table_uri", "tune_uri", "figure_uri", "report_uris", "model_dir", "demo_data_uri",
     "demo_model_uri", "train_storage_uri",
 ]
 
@@ -87,6 +88,11 @@ def eval_uri(output: str, method: str) -> str:
 def search_table_uri(output: str, method: str | None = None) -> str:
     """The search table of every method (``method=None``) or of one method."""
     return join(output, "eval", "search.parquet") if method is None else join(eval_uri(output, method), "search.parquet")
+
+
+def tune_uri(output: str) -> str:
+    """``eval/tune/``: the search's Ray Tune experiments (one per method), for resuming."""
+    return join(output, "eval", "tune")
 
 
 def figure_uri(output: str, name: str, model: str | None = None) -> str:

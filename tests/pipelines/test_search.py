@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pipelines.evaluation.runtime import SearchConfig
-from pipelines.evaluation.search import choose, sample_configs, search, TABLE_COLUMNS
+from pipelines.evaluation.search import choose, search, TABLE_COLUMNS
+from pipelines.evaluation.trials import sample_configs
 
 METHODS = ("diag", "kfac", "efb", "inf")
 N_EXAMPLES = 48
@@ -258,7 +259,7 @@ def test_the_run_scores_the_search_with_the_evaluation_ece():
     own ``mc_samples``, ``seed`` and ``chunk_size``."""
     from pipelines.config.load import load_config
     from pipelines.evaluation.runtime import eval_config, search_config
-    from pipelines.evaluation.search import SearchAccumulator
+    from pipelines.evaluation.trials import SearchAccumulator
 
     cfg = load_config("smoke", ["evaluate.ece_mode=equal_mass", "evaluate.ece_bins=7", "evaluate.num_actors=3",
                                 "evaluate.mc_samples=5", "evaluate.seed=11", "evaluate.chunk_size=256",
@@ -287,7 +288,8 @@ def test_runtime_configs_copy_every_field_they_share_with_the_specs():
                "placement_timeout_s": 7.0, "chunk_size": 33, "sample_cache_mb": 1.0, "num_configs": 6,
                "log10_n": (1.0, 2.0), "log10_tau": (-1.0, 0.5), "objective": "ece", "accuracy_floor": 0.3,
                "method_ranges": (("kfac", (0.0, 1.0), (2.0, 3.0)),), "dtype": "float64", "torch_threads": 3,
-               "log_every_s": 2.0, "entropy_bins": 7, "ood_exact_limit": 11}
+               "log_every_s": 2.0, "entropy_bins": 7, "ood_exact_limit": 11, "scheduler": "asha",
+               "algorithm": "tpe", "reduction_factor": 3}
     for spec_cls, cfg_cls in ((EvalSpec, EvalConfig), (SearchSpec, SearchConfig)):
         shared = {f.name for f in dataclasses.fields(spec_cls)} & {f.name for f in dataclasses.fields(cfg_cls)}
         assert shared <= set(changed), f"give the test a value for {sorted(shared - set(changed))}"

@@ -1,0 +1,345 @@
+"""The ``(N, τ)`` search as a Ray Tune experiment (``docs/design.md`` §2).
+
+One Tune experiment per method, one trial per configuration ``(method, N, τ)``.
+:func:`chunk_refs` reads the search split **once** on the driver into fixed-size chunks
+(:func:`pipelines.evaluation.chunks.iter_chunks`, Ray Data in order) that go to the object
+store; a trial's step ``k`` scores chunk ``k`` and reports the running objective (NLL, or
+ECE) of the chunks so far, from the same mergeable accumulators as the hand-made loop
+(:class:`pipelines.evaluation.trials.SearchAccumulator`). :class:`SearchTrainable` is a
+class trainable run with ``reuse_actors=True``: ``setup`` loads the model and the method's
+posterior once per Tune actor (:class:`pipelines.evaluation.actors.ModelActor`), and
+``reset_config`` re-targets it to the next trial's ``(N, τ)`` with
+``laplace_core.posterior.with_hyper`` (no model or posterior reload). Every trial draws the
+same ``θ_t`` from ``(seed, t)`` and an example's prediction does not depend on its batch
+neighbours, so a trial's accumulators equal those of the data-parallel loop up to the
+order of the float64 sums.
+
+Search algorithms: ``random`` runs :func:`pipelines.evaluation.trials.sample_configs`'s
+configurations as a grid of configuration ids (the same configurations and seeds as the
+paper's protocol); ``tpe`` asks Optuna's TPE sampler (``ray.tune.search.optuna``) for
+``num_configs`` points in the method's ranges, seeded with ``seed``. Schedulers: ``none``
+(every configuration sees the whole split) or ``asha`` (``ASHAScheduler``: grace period
+one chunk, ``reduction_factor``, at most all chunks).
+
+Failures: a Tune actor that dies is replaced and its trial starts again
+(``FailureConfig(max_failures)``); the trial's result does not depend on the attempt.
+Experiment state lives under ``<output>/eval/tune/<method>-<key>`` (local or ``s3://``,
+through the run's storage options), so a re-submitted job restores an unfinished
+experiment (``Tuner.restore``) instead of starting it again; ``key`` hashes the settings
+and the split, so a changed search starts afresh.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from ray import tune
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+from pipelines.errors import StageError
+from pipelines.evaluation.actors import ModelActor
+from pipelines.evaluation.chunks import Chunk, iter_chunks, valid_batches
+from pipelines.evaluation.runtime import SearchConfig
+from pipelines.storage import uris as storage
+
+#: The ``trial`` name of the MAP reference (``"map:0"``).
+MAP_TRIAL = "map"
+
+__all__ = ["MAP_TRIAL", "chunk_refs", "SearchTrainable", "PerMethodASHA", "experiment_key", "run_experiment",
+           "map_reference"]
+
+
+# --------------------------------------------------------------------------- data
+def chunk_refs(ds: Any, cfg: SearchConfig) -> tuple[list[Any], int, dict[str, Any]]:
+    """Read ``ds`` (Ray Dataset of image/label/path/valid rows) once, in order, into chunks of
+    ``cfg.batches_per_chunk`` fixed-size batches; put each in the object store as numpy
+    arrays (``xs`` ``[batches, batch_size, ...]``, ``ys``, ``sizes``: zero-copy reads).
+    Returns ``(refs, images, skipped report dict)``."""
+    import ray
+
+    ctx = getattr(ds, "context", None)
+    if ctx is not None:  # the same chunks on every submission (ASHA's decisions depend on them)
+        ctx.execution_options.preserve_order = True
+    it, skipped = valid_batches(ds, cfg.batch_size)
+    refs, n = [], 0
+    for c in iter_chunks(it, cfg.batch_size, cfg.batches_per_chunk, dtype=cfg.torch_dtype, device="cpu"):
+        refs.append(ray.put({"xs": torch.stack(c.xs).numpy(), "ys": torch.cat(c.ys).numpy(),
+                             "sizes": np.asarray(c.sizes, dtype=np.int64)}))
+        n += c.count
+    return refs, n, skipped().to_dict()
+
+
+def _chunk(d: Mapping[str, Any], device: str) -> Chunk:
+    sizes = [int(s) for s in d["sizes"]]
+    ys = torch.from_numpy(np.array(d["ys"]))
+    xs = torch.from_numpy(np.array(d["xs"])).to(device)
+    return Chunk(list(xs.unbind(0)), list(ys.split(sizes)), sizes)
+
+
+# --------------------------------------------------------------------------- trainable
+class SearchTrainable(tune.Trainable):
+    """One configuration of one method per trial; one chunk per ``step``.
+
+    ``config``: ``{"trial": "<method>:<i>"}`` (random: configuration ``i`` of the method's
+    ``sample_configs``; ``"map:0"`` scores the MAP reference) or ``{"log10_n": a, "log10_tau":
+    b}`` (tpe, for ``method``). Set up through ``tune.with_parameters`` with ``model`` (model
+    ref), ``uris`` (``method -> posterior URI``: every posterior is loaded once), ``method``
+    (tpe's), ``cfg``, ``chunks`` (object refs of :func:`chunk_refs`), ``endpoint_url``. Each result: ``objective`` (running NLL or
+    ECE; ``inf`` once failed), ``images`` (scored so far), ``acc`` (accumulators as JSON),
+    ``status`` / ``reason``, ``seconds``, ``done`` after the last chunk or a failure."""
+
+    def setup(self, config, model=None, uris=None, method=None, cfg=None, chunks=None, endpoint_url=None):
+        self.cfg, self.default_method, self.chunks = cfg, method, list(chunks)
+        self.actor = ModelActor(model, dict(uris), None, cfg, endpoint_url)
+        if self.actor.init_error is not None:
+            raise StageError(f"search actor could not start: {self.actor.init_error}")
+        self._start(config)
+
+    def reset_config(self, new_config) -> bool:
+        self.config = new_config
+        self._start(new_config)
+        return True
+
+    def _start(self, config: Mapping[str, Any]) -> None:
+        from laplace_core.posterior import with_hyper
+
+        from pipelines.evaluation.predictors import make_predictor
+        from pipelines.evaluation.trials import HyperConfig, SearchAccumulator, sample_configs
+
+        self.acc, self.images, self.seconds = SearchAccumulator.create(self.cfg), 0, 0.0
+        self.reason, self.k, self.pred = "", 0, None
+        if "trial" in config:
+            self.method, cid = str(config["trial"]).split(":")
+            if self.method == MAP_TRIAL:
+                self.hc = HyperConfig(0, math.nan, math.nan)
+                return
+            self.hc = sample_configs(self.cfg, self.method)[int(cid)]
+        else:
+            self.method = self.default_method
+            self.hc = HyperConfig(-1, float(config["log10_n"]), float(config["log10_tau"]))
+        t0 = time.perf_counter()
+        try:
+            post = with_hyper(self.actor.posteriors[self.method], self.hc.n_data, self.hc.prior_precision)
+            self.pred = make_predictor(self.actor.model, post, self.cfg.pred_type, self.cfg.mc_samples,
+                                       self.cfg.seed, 0)
+        except ValueError as e:  # precision not positive definite
+            self.reason = str(e)
+        self.seconds += time.perf_counter() - t0
+
+    def save_checkpoint(self, checkpoint_dir: str) -> dict[str, Any]:
+        """The trial's running state (its accumulators are sums: a restored trial goes on)."""
+        return {"acc": self.acc.to_json(), "images": self.images, "seconds": self.seconds, "reason": self.reason,
+                "k": self.k}
+
+    def load_checkpoint(self, state: dict[str, Any]) -> None:
+        from pipelines.evaluation.trials import SearchAccumulator
+
+        self.acc = SearchAccumulator.from_json(state["acc"])
+        self.images, self.seconds, self.reason, self.k = state["images"], state["seconds"], state["reason"], state["k"]
+
+    def _fault(self) -> None:
+        marker = self.cfg.fault_marker
+        if marker and self.k == 1 and not storage.exists(marker):
+            storage.write_json_atomic(marker, {"pid": os.getpid(), "time": time.time()})
+            print(f"[search] fault injection: trial actor process {os.getpid()} exits", flush=True)
+            os._exit(1)
+
+    def step(self) -> dict[str, Any]:
+        import ray
+
+        from pipelines.evaluation.predictors import finite_or_reason, predict_chunk
+
+        if not self.reason:
+            t0 = time.perf_counter()
+            chunk = _chunk(ray.get(self.chunks[self.k]), self.cfg.resolved_device)
+            with torch.no_grad():
+                p = torch.cat(predict_chunk(self.actor.model, self.pred, chunk))
+            y = torch.cat(chunk.ys)
+            self.reason = finite_or_reason(p)
+            if not self.reason:
+                try:
+                    self.acc = self.acc.update(p, y)
+                    self.images += chunk.count
+                except ValueError as e:  # e.g. rows not summing to 1 after overflow
+                    self.reason = f"invalid predictions: {e}"
+            self.seconds += time.perf_counter() - t0
+            self.k += 1
+            self._fault()
+        failed = bool(self.reason)
+        objective = math.inf if failed else float(self.acc.compute()["nll" if self.cfg.objective == "nll" else "ece"])
+        return {"objective": objective, "images": self.images, "chunks": self.k, "seconds": self.seconds,
+                "status": "failed" if failed else "ok", "reason": self.reason,
+                "log10_n": self.hc.log10_n, "log10_tau": self.hc.log10_tau,
+                "acc": json.dumps(self.acc.to_json()), "done": failed or self.k >= len(self.chunks)}
+
+
+# --------------------------------------------------------------------------- experiment
+def experiment_key(cfg: SearchConfig, methods: Sequence[str], images: int, extra: str = "") -> str:
+    """A short hash of what a method's trials compute (settings, split size, ``extra``: e.g. the
+    split's fingerprint); not the actor resources, retries or logging."""
+    keep = ("num_configs", "log10_n", "log10_tau", "objective", "mc_samples", "seed", "ece_bins", "ece_mode",
+            "configs", "chunk_size", "batch_size", "pred_type", "dtype", "scheduler", "algorithm", "reduction_factor")
+    d = {k: getattr(cfg, k) for k in keep}
+    d.update(methods=list(methods), ranges=[cfg.ranges(m) for m in methods], images=images, extra=extra)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _filesystem(uri: str, endpoint_url: storage.Store):
+    """``(pyarrow filesystem or None, path)`` for Tune's ``storage_path``."""
+    if not storage.is_remote(uri):
+        return None, os.path.abspath(uri)
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    fs, path = storage.get_fs(uri, endpoint_url)
+    return PyFileSystem(FSSpecHandler(fs)), path
+
+
+class PerMethodASHA(FIFOScheduler):
+    """ASHA within each method: one ``ASHAScheduler`` per method (the configurations of one
+    method compete; the MAP reference trial is never stopped). Trials are named by their
+    ``config["trial"] = "<method>:<i>"``."""
+
+    def __init__(self, methods: Sequence[str], max_t: int, reduction_factor: int):
+        super().__init__()
+        self.sub = {m: ASHAScheduler(metric="objective", mode="min", max_t=max_t, grace_period=1,
+                                     reduction_factor=reduction_factor) for m in methods}
+
+    def _of(self, trial):
+        return self.sub.get(str(trial.config.get("trial", "")).split(":")[0])
+
+    def on_trial_add(self, controller, trial):
+        s = self._of(trial)
+        return None if s is None else s.on_trial_add(controller, trial)
+
+    def on_trial_result(self, controller, trial, result):
+        s = self._of(trial)
+        return FIFOScheduler.CONTINUE if s is None else s.on_trial_result(controller, trial, result)
+
+    def on_trial_complete(self, controller, trial, result):
+        s = self._of(trial)
+        return None if s is None else s.on_trial_complete(controller, trial, result)
+
+    def on_trial_remove(self, controller, trial):
+        s = self._of(trial)
+        return None if s is None else s.on_trial_remove(controller, trial)
+
+
+def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
+    """``(param_space, search_alg, num_samples, scheduler)`` of one experiment: random runs
+    the MAP reference and every method's configurations as one grid; tpe one method."""
+    if cfg.algorithm == "random":
+        from pipelines.evaluation.trials import sample_configs
+
+        names = [f"{MAP_TRIAL}:0"] + [f"{m}:{c.config_id}" for m in methods for c in sample_configs(cfg, m)]
+        sched = PerMethodASHA(methods, max_t, cfg.reduction_factor) if cfg.scheduler == "asha" else None
+        return {"trial": tune.grid_search(names)}, None, 1, sched
+    try:
+        from ray.tune.search.optuna import OptunaSearch
+        import optuna
+    except ImportError:
+        raise StageError("search.algorithm=tpe needs optuna (pip install optuna)") from None
+    (method,) = methods
+    (n0, n1), (t0, t1) = cfg.ranges(method)
+    space = {"log10_n": tune.uniform(n0, n1), "log10_tau": tune.uniform(t0, t1)}
+    alg = OptunaSearch(sampler=optuna.samplers.TPESampler(seed=cfg.seed), metric="objective", mode="min")
+    sched = None
+    if cfg.scheduler == "asha":
+        sched = ASHAScheduler(max_t=max_t, grace_period=1, reduction_factor=cfg.reduction_factor)
+    return space, alg, cfg.num_configs, sched
+
+
+def _fit_from(tuner: Any, where: str) -> Any:
+    """``tuner.fit()`` with ``where`` as the working directory: Tune lists the experiment's
+    files with relative paths (``os.getcwd()``), and a Ray job's working directory can be gone
+    by then (seen with a job's ``working_dir`` on a cluster); the previous one is restored."""
+    try:
+        prev = os.getcwd()
+    except FileNotFoundError:
+        prev = None
+    os.chdir(where)
+    try:
+        return tuner.fit()
+    finally:
+        if prev is not None and os.path.isdir(prev):
+            os.chdir(prev)
+
+
+def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Sequence[Any], images: int,
+                   cfg: SearchConfig, *, storage_root: str | None = None, key: str = "",
+                   endpoint_url: storage.Store = None) -> list[dict[str, Any]]:
+    """Run (or restore) one Tune experiment over the methods of ``uris`` (random: all of them
+    and the MAP reference; tpe: exactly one method); returns one dict per trial: ``trial``
+    (``"<method>:<i>"``, or ``"<method>:tpe"``), ``trial_id``, ``timestamp`` (of its last
+    result) and the last reported result's fields. A trial that still fails after
+    ``cfg.max_failures`` retries ends the call with a :class:`pipelines.errors.StageError`;
+    the experiment state keeps the finished trials, and the next call with the same settings
+    runs only the rest."""
+    methods = list(uris)
+    tmp = None
+    if storage_root is None:
+        storage_root = tmp = tempfile.mkdtemp(prefix="tune-")
+    fs, path = _filesystem(storage_root, endpoint_url)
+    name = f"{'+'.join(methods)}-{experiment_key(cfg, methods, images, key)}"
+    trainable = tune.with_resources(
+        tune.with_parameters(SearchTrainable, model=dict(model), uris=dict(uris), method=methods[0], cfg=cfg,
+                             chunks=list(chunks), endpoint_url=endpoint_url),
+        {"cpu": cfg.cpus_per_actor, "gpu": cfg.gpus_per_actor})
+    space, alg, num_samples, scheduler = _space_and_search(cfg, methods, max(1, len(chunks)))
+    exp = f"{path.rstrip('/')}/{name}"
+    try:
+        if tune.Tuner.can_restore(exp, storage_filesystem=fs):
+            print(f"[search] resuming the Tune experiment at {storage.join(storage_root, name)}", flush=True)
+            tuner = tune.Tuner.restore(exp, trainable, resume_errored=True, param_space=space, storage_filesystem=fs)
+        else:
+            tuner = tune.Tuner(
+                trainable, param_space=space,
+                tune_config=tune.TuneConfig(metric="objective", mode="min", search_alg=alg, scheduler=scheduler,
+                                            num_samples=num_samples, max_concurrent_trials=cfg.num_actors,
+                                            reuse_actors=True),
+                run_config=tune.RunConfig(name=name, storage_path=path, storage_filesystem=fs, verbose=0,
+                                          failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
+        grid = _fit_from(tuner, tempfile.gettempdir())
+        out = []
+        for r in grid:
+            if r.error is not None or not r.metrics or "acc" not in r.metrics:
+                why = str(r.error).strip().splitlines()[-1][:300] if r.error is not None else "no result"
+                raise StageError(f"search trial {r.config} failed: {why}")
+            out.append({"trial": r.config.get("trial", f"{methods[0]}:tpe"), "trial_id": r.metrics.get("trial_id", ""),
+                        "timestamp": r.metrics.get("timestamp"),
+                        **{k: r.metrics[k] for k in ("objective", "images", "chunks", "seconds", "status", "reason",
+                                                     "log10_n", "log10_tau", "acc")}})
+        return out
+    finally:
+        if tmp is not None:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def map_reference(model: Mapping[str, Any], chunks: Sequence[Any], cfg: SearchConfig,
+                  endpoint_url: storage.Store = None) -> dict[str, Any]:
+    """The MAP model's accumulators on the search split (JSON), in one Ray task."""
+    import ray
+
+    @ray.remote(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor)
+    def score(model, chunks, cfg, endpoint_url):
+        from pipelines.evaluation.predictors import load_eval_model, predict_chunk
+        from pipelines.evaluation.trials import SearchAccumulator
+
+        torch.set_num_threads(cfg.threads)
+        net = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device, endpoint_url=endpoint_url)
+        acc = SearchAccumulator.create(cfg)
+        with torch.no_grad():
+            for ref in chunks:
+                c = _chunk(ray.get(ref), cfg.resolved_device)
+                acc = acc.update(torch.cat(predict_chunk(net, None, c)), torch.cat(c.ys))
+        return acc.to_json()
+
+    return ray.get(score.remote(dict(model), list(chunks), cfg, endpoint_url))
