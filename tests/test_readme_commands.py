@@ -68,6 +68,7 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "make core-demo": ("parse", "minutes of CPU: the Makefile target and jobs/core_demo.py's parser"),
     "python benchmarks/core_pass.py --random-basis": ("parse", "benchmark"),
     "python benchmarks/sampling.py": ("parse", "benchmark"),
+    "python benchmarks/search_cost.py --configs 24": ("parse", "benchmark"),
     "python benchmarks/eval_overhead.py --model demo_cnn --size 64 --n-images 128 --batch-size 64 --threads 1":
         ("parse", "benchmark"),
     "python benchmarks/peers.py --model resnet18 --size 64 --batch 32 --batches 4": ("parse", "benchmark"),

@@ -174,7 +174,7 @@ def quiet_env(address: str | None = None) -> dict[str, str]:
     cleaner, which looks the cluster up by itself) pointed at this instance, so that another
     Ray instance on the machine does not make them fail with "Found multiple active Ray
     instances"."""
-    env = {} if verbose() else {"RAY_DATA_LOG_LEVEL": "ERROR"}
+    env = {} if verbose() else {"RAY_DATA_LOG_LEVEL": "ERROR", "RAY_AIR_NEW_OUTPUT": "0"}  # Tune: no boxes
     if address:
         env["RAY_ADDRESS"] = address
     return env

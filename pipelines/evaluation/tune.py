@@ -30,6 +30,8 @@ and the split, so a changed search starts afresh.
 """
 from __future__ import annotations
 
+import logging
+
 import hashlib
 import json
 import math
@@ -97,6 +99,11 @@ class SearchTrainable(tune.Trainable):
 
     def setup(self, config, model=None, uris=None, method=None, cfg=None, chunks=None, endpoint_url=None):
         self.cfg, self.default_method, self.chunks = cfg, method, list(chunks)
+        from pipelines.distributed.cluster import verbose
+
+        if not verbose():  # Tune's per-checkpoint INFO lines stay out of the job's log
+            for name in ("ray.train", "ray.tune"):
+                logging.getLogger(name).setLevel(logging.WARNING)
         self.actor = ModelActor(model, dict(uris), None, cfg, endpoint_url)
         if self.actor.init_error is not None:
             raise StageError(f"search actor could not start: {self.actor.init_error}")
