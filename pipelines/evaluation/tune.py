@@ -300,6 +300,7 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
         {"cpu": cfg.cpus_per_actor, "gpu": cfg.gpus_per_actor})
     space, alg, num_samples, scheduler = _space_and_search(cfg, methods, max(1, len(chunks)))
     exp = f"{path.rstrip('/')}/{name}"
+    _no_credentials_in_runtime_envs()
     try:
         if tune.Tuner.can_restore(exp, storage_filesystem=fs):
             print(f"[search] resuming the Tune experiment at {storage.join(storage_root, name)}", flush=True)
@@ -328,6 +329,16 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _no_credentials_in_runtime_envs() -> None:
+    """Ray Tune copies the driver's ``AWS_*`` credentials into every trainable's runtime env,
+    which Ray's runtime-env agent writes to its log on each node. Credentials never go there:
+    the trainables, like every other worker, read them from their node's AWS chain."""
+    from ray.tune.execution import class_cache
+
+    class_cache.ENV_VARS_TO_PROPAGATE = frozenset(v for v in class_cache.ENV_VARS_TO_PROPAGATE
+                                                  if not v.startswith("AWS_"))
 
 
 def map_reference(model: Mapping[str, Any], chunks: Sequence[Any], cfg: SearchConfig,
