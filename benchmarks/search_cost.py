@@ -1,14 +1,18 @@
 """Cost of the ``(N, τ)`` search on Ray Tune: scheduler none/ASHA x algorithm random/TPE.
 
-    flock /tmp/infoform-ray.lock python benchmarks/search_cost.py [--size 32] [--configs 24]
-        [--methods diag kfac] [--chunk-size 16] [--mc-samples 4] [--out search_cost.json]
+    flock /tmp/infoform-ray.lock python benchmarks/search_cost.py [--model demo_cnn] [--size 32]
+        [--configs 24] [--methods diag kfac] [--chunk-size 16] [--reduction-factor 4]
+        [--mc-samples 4] [--out search_cost.json]
+    flock /tmp/infoform-ray.lock python benchmarks/search_cost.py --model resnet18 --size 64
 
 Setup (driver process, no Ray, not timed): scikit-learn digits written as a ``size x size``
-ImageFolder (``pipelines.ingest.demo_data``: train / val / test), ``demo_cnn`` trained on
-train, MC-Fisher curvature and one posterior per ``--methods`` saved as artifacts (the demo's
-model and methods). Then, for each (scheduler, algorithm), :func:`pipelines.evaluation.search.search`
+ImageFolder (``pipelines.ingest.demo_data``: train / val / test), the model trained on
+train (``demo_cnn``: the demo's; ``resnet18``: torchvision's, 10 classes, trained from
+scratch with Adam for ``--epochs``), MC-Fisher curvature on at most ``--curvature-images``
+train images and one posterior per ``--methods`` saved as artifacts. Then, for each
+(scheduler, algorithm), :func:`pipelines.evaluation.search.search`
 on the **val** split (``--configs`` configurations per method, ``--chunk-size`` images per ASHA
-step, reduction factor 4) and :func:`pipelines.evaluation.evaluate.evaluate` of the chosen
+step, ``--reduction-factor``) and :func:`pipelines.evaluation.evaluate.evaluate` of the chosen
 ``(N, τ)`` on the **test** split. Printed per row: image-samples the search evaluated
 (images x ``K``) and their share of the full search's, the search's wall time, and per method
 the chosen configuration's test NLL and ECE. Starts its own local Ray (``--cpus``) in a
@@ -47,9 +51,14 @@ def _fit(work: Path, a) -> tuple[dict, dict[str, str]]:
     from pipelines.ingest import demo_data as dd
 
     dd.write_digits_imagefolder(work / "digits", size=a.size)
-    model, _ = dd.train_small_cnn(work / "digits", epochs=a.epochs, seed=0, cache_path=work / "cnn")
     x, y, _ = dd.load_imagefolder(work / "digits", "train")
-    batches = [(x[i:i + 128], y[i:i + 128]) for i in range(0, len(x), 128)]
+    if a.model == "demo_cnn":
+        model, _ = dd.train_small_cnn(work / "digits", epochs=a.epochs, seed=0, cache_path=work / "cnn")
+        spec = {"name": "demo_cnn", "weights": str(work / "cnn" / "small_cnn.safetensors"), "num_classes": 10}
+    else:
+        model, spec = _train_torchvision(a.model, x, y, a.epochs, work)
+    x, y = x[:a.curvature_images], y[:a.curvature_images]
+    batches = [(x[i:i + 32], y[i:i + 32]) for i in range(0, len(x), 32)]
     stats = lc.collect_statistics(model, batches, fisher="mc", generator=torch.Generator().manual_seed(0))
     basis = lc.eigenbasis(stats) if {"efb", "inf"} & set(a.methods) else None
     if basis is not None:
@@ -59,12 +68,44 @@ def _fit(work: Path, a) -> tuple[dict, dict[str, str]]:
     for m in a.methods:
         uris[m] = str(work / "posterior" / m)
         lc.build_posterior(stats, m, rank=100 if m == "inf" else None, basis=basis).save(uris[m])
-    return {"name": "demo_cnn", "weights": str(work / "cnn" / "small_cnn.safetensors"), "num_classes": 10}, uris
+    return spec, uris
+
+
+def _train_torchvision(name: str, x, y, epochs: int, work: Path):
+    """A torchvision classifier (10 classes) trained from scratch on ``x, y`` (Adam, batches
+    of 64, seeded), in eval mode, saved as safetensors; ``(model, spec)``."""
+    import torch
+    import torchvision
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(name, num_classes=10)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    for epoch in range(epochs):
+        model.train()
+        perm = torch.randperm(len(x), generator=g)
+        for i in range(0, len(x), 64):
+            idx = perm[i:i + 64]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            acc = sum(int((model(x[i:i + 256]).argmax(1) == y[i:i + 256]).sum()) for i in range(0, len(x), 256))
+        print(f"[setup] {name} epoch {epoch + 1}/{epochs}: train accuracy {acc / len(x):.3f}", file=sys.stderr,
+              flush=True)
+    weights = str(work / f"{name}.safetensors")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights)
+    return model, {"name": name, "weights": weights, "num_classes": 10}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="demo_cnn", choices=["demo_cnn", "resnet18"])
     ap.add_argument("--size", type=int, default=32)
+    ap.add_argument("--curvature-images", type=int, default=2048)
+    ap.add_argument("--reduction-factor", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--methods", nargs="+", default=["diag", "kfac"])
     ap.add_argument("--configs", type=int, default=24)
@@ -102,7 +143,7 @@ def main(argv=None) -> int:
 
         base = SearchConfig(num_actors=2, batch_size=a.batch_size, chunk_size=a.chunk_size, mc_samples=a.mc_samples,
                             torch_threads=1, cpus_per_actor=0.5, num_configs=a.configs, log10_n=(0.0, 5.0),
-                            log10_tau=(-2.0, 4.0), seed=0)
+                            log10_tau=(-2.0, 4.0), seed=0, reduction_factor=a.reduction_factor)
         for sched in ("none", "asha"):
             for alg in ("random", "tpe"):
                 cfg = dataclasses.replace(base, scheduler=sched, algorithm=alg)
@@ -124,8 +165,9 @@ def main(argv=None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     load.append(os.getloadavg())
     full = next(r for r in rows if r["scheduler"] == "none" and r["algorithm"] == "random")["image_samples"]
-    print(f"\ndemo_cnn on digits {a.size}x{a.size}: search on val, {a.configs} configurations per method "
-          f"({'+'.join(a.methods)}), K={a.mc_samples}, chunks of {a.chunk_size} images, ASHA reduction factor 4; "
+    print(f"\n{a.model} on digits {a.size}x{a.size}: search on val, {a.configs} configurations per method "
+          f"({'+'.join(a.methods)}), K={a.mc_samples}, chunks of {a.chunk_size} images, ASHA reduction factor "
+          f"{a.reduction_factor}; "
           f"test K={a.eval_mc_samples}; 2 trials at once, 0.5 CPU and 1 thread each; load average start "
           f"{load[0]}, end {load[1]}\n")
     print("| scheduler | algorithm | image-samples | share of full | wall s | " +

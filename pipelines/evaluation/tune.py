@@ -18,8 +18,10 @@ Search algorithms: ``random`` runs :func:`pipelines.evaluation.trials.sample_con
 configurations as a grid of configuration ids (the same configurations and seeds as the
 paper's protocol); ``tpe`` asks Optuna's TPE sampler (``ray.tune.search.optuna``) for
 ``num_configs`` points in the method's ranges, seeded with ``seed``. Schedulers: ``none``
-(every configuration sees the whole split) or ``asha`` (``ASHAScheduler``: grace period
-one chunk, ``reduction_factor``, at most all chunks).
+(every configuration sees the whole split) or ``asha``
+(:class:`pipelines.evaluation.asha.PromotionASHA`: promotion-based ASHA within each method,
+grace period one chunk, ``reduction_factor``, at most all chunks; paused trials keep their
+running sums in Tune's checkpoints).
 
 Failures: a Tune actor that dies is replaced and its trial starts again
 (``FailureConfig(max_failures)``); the trial's result does not depend on the attempt.
@@ -43,10 +45,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 from ray import tune
-from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
 from pipelines.errors import StageError
 from pipelines.evaluation.actors import ModelActor
+from pipelines.evaluation.asha import GridSearcher, PromotionASHA, RunningLimiter
 from pipelines.evaluation.chunks import Chunk, iter_chunks, valid_batches
 from pipelines.evaluation.runtime import SearchConfig
 from pipelines.storage import uris as storage
@@ -54,7 +56,7 @@ from pipelines.storage import uris as storage
 #: The ``trial`` name of the MAP reference (``"map:0"``).
 MAP_TRIAL = "map"
 
-__all__ = ["MAP_TRIAL", "chunk_refs", "SearchTrainable", "PerMethodASHA", "experiment_key", "run_experiment",
+__all__ = ["MAP_TRIAL", "chunk_refs", "SearchTrainable", "experiment_key", "run_experiment",
            "map_reference"]
 
 
@@ -208,45 +210,22 @@ def _filesystem(uri: str, endpoint_url: storage.Store):
     return PyFileSystem(FSSpecHandler(fs)), path
 
 
-class PerMethodASHA(FIFOScheduler):
-    """ASHA within each method: one ``ASHAScheduler`` per method (the configurations of one
-    method compete; the MAP reference trial is never stopped). Trials are named by their
-    ``config["trial"] = "<method>:<i>"``."""
-
-    def __init__(self, methods: Sequence[str], max_t: int, reduction_factor: int):
-        super().__init__()
-        self.sub = {m: ASHAScheduler(metric="objective", mode="min", max_t=max_t, grace_period=1,
-                                     reduction_factor=reduction_factor) for m in methods}
-
-    def _of(self, trial):
-        return self.sub.get(str(trial.config.get("trial", "")).split(":")[0])
-
-    def on_trial_add(self, controller, trial):
-        s = self._of(trial)
-        return None if s is None else s.on_trial_add(controller, trial)
-
-    def on_trial_result(self, controller, trial, result):
-        s = self._of(trial)
-        return FIFOScheduler.CONTINUE if s is None else s.on_trial_result(controller, trial, result)
-
-    def on_trial_complete(self, controller, trial, result):
-        s = self._of(trial)
-        return None if s is None else s.on_trial_complete(controller, trial, result)
-
-    def on_trial_remove(self, controller, trial):
-        s = self._of(trial)
-        return None if s is None else s.on_trial_remove(controller, trial)
-
-
 def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
-    """``(param_space, search_alg, num_samples, scheduler)`` of one experiment: random runs
-    the MAP reference and every method's configurations as one grid; tpe one method."""
+    """``(param_space, search_alg, num_samples, scheduler, max_concurrent_trials)`` of one
+    experiment: random runs the MAP reference and every method's configurations as one grid;
+    tpe one method. With ASHA the searcher is wrapped in a :class:`RunningLimiter` (a paused
+    trial frees its slot) instead of Tune's concurrency limit."""
+    sched = None
+    if cfg.scheduler == "asha":
+        sched = PromotionASHA(max_t, cfg.reduction_factor, exempt=(MAP_TRIAL,), max_concurrent=cfg.num_actors)
     if cfg.algorithm == "random":
         from pipelines.evaluation.trials import sample_configs
 
         names = [f"{MAP_TRIAL}:0"] + [f"{m}:{c.config_id}" for m in methods for c in sample_configs(cfg, m)]
-        sched = PerMethodASHA(methods, max_t, cfg.reduction_factor) if cfg.scheduler == "asha" else None
-        return {"trial": tune.grid_search(names)}, None, 1, sched
+        if sched is None:
+            return {"trial": tune.grid_search(names)}, None, 1, None, cfg.num_actors
+        alg = RunningLimiter(GridSearcher([{"trial": n} for n in names]), cfg.num_actors, sched)
+        return {}, alg, len(names), sched, None
     try:
         from ray.tune.search.optuna import OptunaSearch
         import optuna
@@ -256,10 +235,9 @@ def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
     (n0, n1), (t0, t1) = cfg.ranges(method)
     space = {"log10_n": tune.uniform(n0, n1), "log10_tau": tune.uniform(t0, t1)}
     alg = OptunaSearch(sampler=optuna.samplers.TPESampler(seed=cfg.seed), metric="objective", mode="min")
-    sched = None
-    if cfg.scheduler == "asha":
-        sched = ASHAScheduler(max_t=max_t, grace_period=1, reduction_factor=cfg.reduction_factor)
-    return space, alg, cfg.num_configs, sched
+    if sched is None:
+        return space, alg, cfg.num_configs, None, cfg.num_actors
+    return space, RunningLimiter(alg, cfg.num_actors, sched), cfg.num_configs, sched, None
 
 
 def _fit_from(tuner: Any, where: str) -> Any:
@@ -298,7 +276,7 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
         tune.with_parameters(SearchTrainable, model=dict(model), uris=dict(uris), method=methods[0], cfg=cfg,
                              chunks=list(chunks), endpoint_url=endpoint_url),
         {"cpu": cfg.cpus_per_actor, "gpu": cfg.gpus_per_actor})
-    space, alg, num_samples, scheduler = _space_and_search(cfg, methods, max(1, len(chunks)))
+    space, alg, num_samples, scheduler, concurrent = _space_and_search(cfg, methods, max(1, len(chunks)))
     exp = f"{path.rstrip('/')}/{name}"
     _no_credentials_in_runtime_envs()
     try:
@@ -309,7 +287,7 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
             tuner = tune.Tuner(
                 trainable, param_space=space,
                 tune_config=tune.TuneConfig(metric="objective", mode="min", search_alg=alg, scheduler=scheduler,
-                                            num_samples=num_samples, max_concurrent_trials=cfg.num_actors,
+                                            num_samples=num_samples, max_concurrent_trials=concurrent,
                                             reuse_actors=True),
                 run_config=tune.RunConfig(name=name, storage_path=path, storage_filesystem=fs, verbose=0,
                                           failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))

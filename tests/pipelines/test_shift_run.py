@@ -5,7 +5,8 @@ Checked: every method row (MAP, temperature, Diag, INF) has its metrics.json wit
 metrics; the temperature row is ``softmax(f/T)`` with the ``T`` fitted on the search split
 (``temperature.json``) and stores one number; every method has its ``shift.json`` with a
 result per (corruption, severity) and the mean over corruptions per severity; on the demo,
-accuracy under gaussian noise does not increase with severity.
+accuracy under gaussian noise does not increase with severity. The search runs with
+``search.scheduler=asha`` (4 chunks of 25 images: one rung), and stops configurations early.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def shift_run(ray_session, tmp_path_factory):
     cfg = load_config("smoke", [
         f"output={out}", "posterior.methods=[temperature, diag, inf]",
         "evaluate.shift={corruptions: [gaussian_noise, contrast], severities: [1, 5]}",
-        "evaluate.mc_samples=4",
+        "evaluate.mc_samples=4", "search.scheduler=asha", "search.chunk_size=25",
     ])
     res = run(cfg)
     assert res.summary is not None
@@ -134,3 +135,20 @@ def test_the_report_opens_with_the_summary_in_a_browser(shift_run, tmp_path):
     assert (shift_run / "figures" / "shift.png").exists()
     md = (shift_run / "report.md").read_text(encoding="utf-8")
     assert md.index("## Summary") < md.index("## Run") and "Temperature" in md.split("## Run")[0]
+
+
+def test_the_smoke_search_runs_under_asha(shift_run):
+    """``search.scheduler=asha`` on the smoke preset: per method, the 4 configurations all see the
+    first chunk, one goes on to the whole split and is the one chosen; the others are stopped
+    after the first chunk, so the search scores 7 of the full 16 chunk-configurations."""
+    import pyarrow.parquet as pq
+
+    for m in ("diag", "inf"):
+        info = json.loads((shift_run / "eval" / m / "search.json").read_text())
+        assert info["scheduler"] == "asha" and info["chunks"] == 4 and info["examples"] == 100
+        rows = pq.read_table(shift_run / "eval" / m / "search.parquet").to_pylist()
+        done = [r for r in rows if r["status"] == "ok"]
+        assert len(rows) == 4 and len(done) == 1 and info["chosen"]["config_id"] == done[0]["config_id"]
+        assert sorted(r["images"] for r in rows) == [25, 25, 25, 100], rows
+        assert info["stopped"][m] == 3
+    assert info["image_samples"] * 16 == info["image_samples_full"] * 7
