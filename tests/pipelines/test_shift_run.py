@@ -6,7 +6,7 @@ metrics; the temperature row is ``softmax(f/T)`` with the ``T`` fitted on the se
 (``temperature.json``) and stores one number; every method has its ``shift.json`` with a
 result per (corruption, severity) and the mean over corruptions per severity; on the demo,
 accuracy under gaussian noise does not increase with severity. The search runs with
-``search.scheduler=asha`` (4 chunks of 25 images: one rung), and stops configurations early.
+``search.scheduler=asha`` (4 chunks of 25 images, batches of 25: one rung), and stops configurations early.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def shift_run(ray_session, tmp_path_factory):
     cfg = load_config("smoke", [
         f"output={out}", "posterior.methods=[temperature, diag, inf]",
         "evaluate.shift={corruptions: [gaussian_noise, contrast], severities: [1, 5]}",
-        "evaluate.mc_samples=4", "search.scheduler=asha", "search.chunk_size=25",
+        "evaluate.mc_samples=4", "search.scheduler=asha", "search.chunk_size=25", "evaluate.batch_size=25",
     ])
     res = run(cfg)
     assert res.summary is not None
