@@ -108,8 +108,8 @@ class PromotionASHA(FIFOScheduler):
     # ------------------------------------------------------------------ Tune hooks
     def on_trial_add(self, tune_controller, trial: Trial) -> None:
         self.trials[trial.trial_id] = trial
-        if trial.status == Trial.PAUSED and trial.last_result:  # restored experiment: rebuild its rung entry
-            if self._record(trial, trial.last_result) is not None:
+        if trial.last_result and self.group(trial) not in self.exempt:  # restored experiment: its last rung entry
+            if self._record(trial, trial.last_result) is not None and trial.status == Trial.PAUSED:
                 self.paused.add(trial.trial_id)
 
     def on_trial_result(self, tune_controller, trial: Trial, result: dict) -> str:

@@ -27,8 +27,9 @@ Failures: a Tune actor that dies is replaced and its trial starts again
 (``FailureConfig(max_failures)``); the trial's result does not depend on the attempt.
 Experiment state lives under ``<output>/eval/tune/<method>-<key>`` (local or ``s3://``,
 through the run's storage options), so a re-submitted job restores an unfinished
-experiment (``Tuner.restore``) instead of starting it again; ``key`` hashes the settings
-and the split, so a changed search starts afresh.
+experiment (``Tuner.restore``) instead of starting it again, and a finished one
+(:data:`DONE_FILE`) is not run again; ``key`` hashes the settings and the split, so a
+changed search starts afresh.
 """
 from __future__ import annotations
 
@@ -55,6 +56,9 @@ from pipelines.storage import uris as storage
 
 #: The ``trial`` name of the MAP reference (``"map:0"``).
 MAP_TRIAL = "map"
+#: Written into a finished experiment's folder with its trials' results: a later call with the
+#: same settings returns them without restoring the experiment.
+DONE_FILE = "infoform-done.json"
 
 __all__ = ["MAP_TRIAL", "chunk_refs", "SearchTrainable", "experiment_key", "run_experiment",
            "map_reference"]
@@ -278,6 +282,11 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
         {"cpu": cfg.cpus_per_actor, "gpu": cfg.gpus_per_actor})
     space, alg, num_samples, scheduler, concurrent = _space_and_search(cfg, methods, max(1, len(chunks)))
     exp = f"{path.rstrip('/')}/{name}"
+    done_uri = None if tmp is not None else storage.join(storage_root, name, DONE_FILE)
+    if done_uri is not None and storage.exists(done_uri, endpoint_url):  # finished before: nothing runs
+        print(f"[search] the Tune experiment at {storage.join(storage_root, name)} is finished; its results are reused",
+              flush=True)
+        return json.loads(storage.read_bytes(done_uri, endpoint_url))["trials"]
     _no_credentials_in_runtime_envs()
     try:
         if tune.Tuner.can_restore(exp, storage_filesystem=fs):
@@ -301,6 +310,8 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
                         "timestamp": r.metrics.get("timestamp"),
                         **{k: r.metrics[k] for k in ("objective", "images", "chunks", "seconds", "status", "reason",
                                                      "log10_n", "log10_tau", "acc")}})
+        if done_uri is not None:  # the commit point of the experiment (Tune would resume paused trials)
+            storage.write_bytes_atomic(done_uri, json.dumps({"trials": out}).encode(), endpoint_url)  # NaN: MAP's N, τ
         return out
     finally:
         if tmp is not None:
