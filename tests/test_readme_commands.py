@@ -69,6 +69,7 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "python benchmarks/core_pass.py --random-basis": ("parse", "benchmark"),
     "python benchmarks/sampling.py": ("parse", "benchmark"),
     "python benchmarks/search_cost.py --configs 24": ("parse", "benchmark"),
+    "python benchmarks/search_cost.py --model resnet18 --size 64 --curvature-images 256": ("parse", "benchmark"),
     "python benchmarks/eval_overhead.py --model demo_cnn --size 64 --n-images 128 --batch-size 64 --threads 1":
         ("parse", "benchmark"),
     "python benchmarks/peers.py --model resnet18 --size 64 --batch 32 --batches 4": ("parse", "benchmark"),
