@@ -602,6 +602,38 @@ def test_cost_table_follows_from_its_inputs():
         assert _table_row(label)[1] == f"{int(n):,}", label
 
 
+def _asha_chunk_configurations(n: int, steps: int, eta: int) -> int:
+    """Chunk-configurations one method's search scores under promotion-based ASHA when every
+    configuration reaches a rung before any is promoted: ``n`` score rung 0 (step 1), the best
+    ``⌊n_k/η⌋`` go on to each next rung ``η^k < steps``, and at least one scores the rest."""
+    rungs, s = [], 1
+    while s < steps:
+        rungs.append(s)
+        s *= eta
+    total, alive = 0, n
+    for k, r in enumerate(rungs):
+        total += alive * (r - (rungs[k - 1] if k else 0))
+        alive = max(1, alive // eta) if k == len(rungs) - 1 else alive // eta
+    return total + alive * (steps - rungs[-1])
+
+
+def test_asha_rows_follow_from_the_promotion_count():
+    """The ASHA rows: 100 configurations, 10,000 search images in chunks of 500 (20 steps),
+    reduction factor 4: 100 + 25 x 3 + 6 x 12 + 1 x 4 = 251 of 2,000 chunk-configurations."""
+    v = cost_inputs()
+    steps = v["N_s"] // 500
+    used = _asha_chunk_configurations(v["S"], steps, 4)
+    assert (used, steps) == (251, 20)
+    share = used / (v["S"] * steps)
+    search = v["S"] * v["K_s"] * v["N_s"] * v["rho_mc"] / v["r_fwd"] / 3600
+    rest = (v["N_tr"] * v["rho_1"] / v["r_fb"] + v["f"] * v["N_tr"] * v["rho_2"] / v["r_fb"]
+            + v["K_mc"] * (v["N_ev"] + v["N_ood"]) * v["rho_mc"] / v["r_fwd"]) / 3600
+    row, total = _table_row("ASHA search"), _table_row("ASHA total")
+    assert row[1] == f"{int(4 * v['S'] * v['K_s'] * v['N_s'] * share):,}"
+    assert row[3] == f"{search * share:.2f}" and row[4] == f"${search * share * v['p_gpu']:.2f}"
+    assert total[3] == f"{rest + search * share:.2f}" and total[4] == f"${(rest + search * share) * v['p_gpu']:.2f}"
+
+
 def test_resnet50_allreduce_bytes_are_exact():
     """The all-reduce payloads quoted for ResNet-50: float64 sums of A (n x n), G (m x m) and the
     diagonal (m x n) per covered layer (pass 1), the EFB sums (m x n, pass 2), and the eigenbasis
