@@ -27,6 +27,7 @@ NOT_IN_FINGERPRINT = frozenset({"checkpoint_every_s", "gpus_per_worker", "bucket
 #: evaluation settings that do not change results (samples depend on (seed, t); retries and
 #: actor resources do not matter, so a stage computed on CPU stays valid on GPU)
 EVAL_NOT_IN_FINGERPRINT = frozenset({"max_failures", "cpus_per_actor", "gpus_per_actor", "placement_timeout_s",
+                                     "stall_timeout_s",
                                      "chunk_size", "sample_cache_mb", "torch_threads", "log_every_s"})
 
 
@@ -204,7 +205,8 @@ class ModelRun:
         from pipelines.ingest.batches import build_dataset
 
         ev, s = self.cfg.evaluate, self.splits
-        search_cfg = search_config(self.cfg, expected_rows=(len(s.search), None), **actor_resources(ev))
+        search_cfg = search_config(self.cfg, expected_rows=(len(s.search), None), **actor_resources(ev),
+                                   decode_cpus=float(self.cfg.data.decode_num_cpus))
         out: dict[str, Any] = {"chosen": {}, "notes": {}, "map": {}, "info": {"device": search_cfg.resolved_device},
                                "failed": 0, "table": layout.search_table_uri(self.output)}
         if self.uris:
@@ -246,7 +248,7 @@ class ModelRun:
 
         ev, s = self.cfg.evaluate, self.splits
         eval_cfg = eval_config(self.cfg, expected_rows=(len(s.test), None if s.ood is None else len(s.ood)),
-                               **actor_resources(ev))
+                               **actor_resources(ev), decode_cpus=float(self.cfg.data.decode_num_cpus))
         ood_ds = None if s.ood is None else build_dataset(s.ood, s.ood_config)
         res = evaluate(self.spec, self.uris, build_dataset(s.test, s.test_config), ood_ds, eval_cfg,
                        output=self.output, hyper=self.hyper, endpoint_url=self.ep, temperature=self.temperature)

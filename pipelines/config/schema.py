@@ -194,6 +194,7 @@ class EvalSpec:
     cpus_per_actor: float = 0.5  # Ray CPUs per search/evaluation actor (its torch threads: max(1, round(cpus)))
     gpus_per_actor: float | None = None  # None: 1, or 1/k so that every actor fits the cluster's GPUs; 0 without
     placement_timeout_s: float = 900.0  # actors not placed by then (resources the cluster lacks) end the stage
+    stall_timeout_s: float = 300.0  # a round of actors with no progress for this long ends in one line (what waits for what)
     chunk_size: int = 1024  # examples per group of weight samples (a draw is amortised over the chunk)
     sample_cache_mb: float = 256.0  # keep a method's K weight samples in memory when they fit (MiB)
     dtype: str = "float32"  # the actors' model and input dtype (float64 for exact checks)
@@ -255,6 +256,8 @@ class RunConfig:
                 raise ConfigError(f"evaluate.gpus_per_actor: {why}")
         if not self.evaluate.placement_timeout_s > 0:
             raise ConfigError("evaluate.placement_timeout_s must be > 0 (seconds)")
+        if not self.evaluate.stall_timeout_s > 0:
+            raise ConfigError("evaluate.stall_timeout_s must be > 0 (seconds)")
         if self.curvature.num_workers < 1:
             raise ConfigError("curvature.num_workers must be >= 1")
         if self.posterior.norm_layers not in ("map", "diag"):

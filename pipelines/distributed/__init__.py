@@ -21,7 +21,9 @@ from .workers import (
     fingerprint,
     gpu_shortfall,
     index_partitions,
+    fit_interruptibly,
     make_trainer,
+    trainer_cpus,
     model_ref,
     partition_dataset,
     path_keys,
@@ -32,6 +34,6 @@ from .workers import (
 __all__ = [
     "DTYPES", "FaultInjection", "Job", "ModelRef", "PassKind", "PassResult", "PassRun", "Progress",
     "allreduce_sum", "broadcast_object", "buckets", "dataset_name", "fingerprint", "gpu_shortfall",
-    "index_partitions", "list_checkpoints", "load_checkpoint", "make_trainer", "model_ref", "pack_symmetric",
+    "index_partitions", "list_checkpoints", "load_checkpoint", "make_trainer", "fit_interruptibly", "trainer_cpus", "model_ref", "pack_symmetric",
     "packed_size", "partition_dataset", "path_keys", "put_sources", "save_checkpoint", "unpack_symmetric", "worker_setup",
 ]

@@ -73,6 +73,11 @@ class RuntimeFields:
     progress (images, images/s, ETA when ``expected_rows`` gives the split's size:
     ``(in-domain or validation rows, OOD rows)``) this often. placement_timeout_s: actors
     not placed by then (the cluster lacks what they ask for) end the stage in one line.
+    stall_timeout_s: a round whose actors make no progress (no batch read, no chunk
+    scored) for this long ends with one line naming what waits for what (resources asked,
+    resources free). decode_cpus: the CPUs each Ray Data decode task of the round's datasets
+    asks for (``data.decode_num_cpus``, set by the run): the round keeps them free
+    (:func:`pipelines.evaluation.actors.round_size`).
     """
 
     num_actors: int = 2
@@ -88,6 +93,8 @@ class RuntimeFields:
     log_every_s: float = 30.0
     expected_rows: tuple[int | None, int | None] = (None, None)
     placement_timeout_s: float = 900.0
+    stall_timeout_s: float = 300.0
+    decode_cpus: float = 1.0
 
     def _check_runtime(self) -> None:
         for n in ("num_actors", "batch_size", "chunk_size"):
@@ -98,6 +105,10 @@ class RuntimeFields:
             raise ValueError(f"log_every_s must be > 0, got {self.log_every_s!r}")
         if not self.placement_timeout_s > 0:
             raise ValueError(f"placement_timeout_s must be > 0, got {self.placement_timeout_s!r}")
+        if not (self.stall_timeout_s > 0 and math.isfinite(self.stall_timeout_s)):
+            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s!r}")
+        if not (self.decode_cpus >= 0 and math.isfinite(self.decode_cpus)):
+            raise ValueError(f"decode_cpus must be >= 0, got {self.decode_cpus!r}")
         if not (self.cpus_per_actor >= 0 and math.isfinite(self.cpus_per_actor)):
             raise ValueError(f"cpus_per_actor must be >= 0, got {self.cpus_per_actor!r}")
         if not (self.gpus_per_actor >= 0 and math.isfinite(self.gpus_per_actor)):

@@ -69,7 +69,9 @@ from pipelines.distributed import (
     gpu_shortfall,
     index_partitions,
     load_checkpoint,
+    fit_interruptibly,
     make_trainer,
+    trainer_cpus,
     model_ref,
     put_sources,
     path_keys,
@@ -402,7 +404,7 @@ def run_curvature(
               use_gpu=bool(use_gpu), fingerprint=fp, sources=sources)
     trainer = make_trainer(_train_loop, {"job": job}, cfg, bool(use_gpu), f"curvature-{run_id}", output_uri, datasets)
     t0 = time.perf_counter()
-    trainer.fit()
+    fit_interruptibly(trainer, trainer_cpus(cfg, data_config), "curvature")
     fit_s = time.perf_counter() - t0
 
     stats = CurvatureStatistics.load(reduced_uri(output_uri), storage.fsspec_options(output_uri, store))

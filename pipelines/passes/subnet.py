@@ -70,7 +70,9 @@ from pipelines.distributed import (
     dataset_name,
     fingerprint,
     index_partitions,
+    fit_interruptibly,
     make_trainer,
+    trainer_cpus,
     model_ref,
     put_sources,
     unpack_symmetric,
@@ -400,7 +402,7 @@ def run_subnet_pass(
                             cfg, bool(use_gpu), run_id, output_uri, datasets)
     say(f"[subnet] S = {S} of {D} weights ({scfg.rule}), {scfg.fisher} Fisher on {cfg.num_workers} worker(s)")
     t0 = time.perf_counter()
-    trainer.fit()
+    fit_interruptibly(trainer, trainer_cpus(cfg, data_config), "subnet")
     fit_s = time.perf_counter() - t0
     written = storage.read_json(storage.join(uri, ckpt.MANIFEST), endpoint_url)["meta"]
     count = int(written["count"])

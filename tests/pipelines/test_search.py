@@ -289,7 +289,7 @@ def test_runtime_configs_copy_every_field_they_share_with_the_specs():
                "log10_n": (1.0, 2.0), "log10_tau": (-1.0, 0.5), "objective": "ece", "accuracy_floor": 0.3,
                "method_ranges": (("kfac", (0.0, 1.0), (2.0, 3.0)),), "dtype": "float64", "torch_threads": 3,
                "log_every_s": 2.0, "entropy_bins": 7, "ood_exact_limit": 11, "scheduler": "asha",
-               "algorithm": "tpe", "reduction_factor": 3}
+               "algorithm": "tpe", "reduction_factor": 3, "stall_timeout_s": 12.0}
     for spec_cls, cfg_cls in ((EvalSpec, EvalConfig), (SearchSpec, SearchConfig)):
         shared = {f.name for f in dataclasses.fields(spec_cls)} & {f.name for f in dataclasses.fields(cfg_cls)}
         assert shared <= set(changed), f"give the test a value for {sorted(shared - set(changed))}"
@@ -297,4 +297,5 @@ def test_runtime_configs_copy_every_field_they_share_with_the_specs():
         got = cfg_cls.from_spec(spec)
         assert {k: getattr(got, k) for k in shared} == {k: changed[k] for k in shared}
     run_only = {f.name for f in dataclasses.fields(EvalConfig)} - {f.name for f in dataclasses.fields(EvalSpec)}
-    assert run_only == {"device", "fault_marker", "expected_rows"}  # from gpus_per_actor; tests; the scanned split
+    # from gpus_per_actor; tests; the scanned split; data.decode_num_cpus
+    assert run_only == {"device", "fault_marker", "expected_rows", "decode_cpus"}
