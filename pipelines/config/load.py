@@ -20,6 +20,7 @@ from typing import Any, Mapping
 import yaml
 
 from pipelines.config.schema import ConfigError, RunConfig
+from pipelines.config.settings import SettingError
 
 __all__ = ["PRESETS_DIR", "list_presets", "load_config", "from_dict", "to_dict", "apply_overrides", "derive"]
 
@@ -99,7 +100,18 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
         hint = f"; did you mean {prefix}{close[0]}?" if close else ""
         raise ConfigError(f"unknown key {prefix}{unknown[0]}{hint} (valid keys here: {', '.join(names)})")
     kwargs = {k: _coerce(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except SettingError as e:  # a field out of its range or choices
+        raise ConfigError(e.keyed(prefix)) from None
+    except (ValueError, TypeError) as e:  # a section's own rule: name the field it starts with, else the section
+        msg = str(e)
+        first = msg.split(" ", 1)[0].rstrip(":")
+        if first in names:
+            raise ConfigError(f"{prefix}{msg}") from None
+        raise ConfigError(f"{prefix.rstrip('.')}: {msg}" if prefix else msg) from None
 
 
 def to_dict(obj: Any) -> Any:
