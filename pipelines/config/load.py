@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any, Mapping
 import yaml
 
 from pipelines.config.schema import ConfigError, RunConfig
-from pipelines.config.settings import SettingError
+from pipelines.config.settings import SettingError, to_dict
 
 __all__ = ["PRESETS_DIR", "list_presets", "load_config", "from_dict", "to_dict", "apply_overrides", "derive"]
 
@@ -108,19 +109,10 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
         raise ConfigError(e.keyed(prefix)) from None
     except (ValueError, TypeError) as e:  # a section's own rule: name the field it starts with, else the section
         msg = str(e)
-        first = msg.split(" ", 1)[0].rstrip(":")
+        first = re.match(r"\w*", msg).group()
         if first in names:
             raise ConfigError(f"{prefix}{msg}") from None
         raise ConfigError(f"{prefix.rstrip('.')}: {msg}" if prefix else msg) from None
-
-
-def to_dict(obj: Any) -> Any:
-    """JSON/YAML-able nested dict of a config tree."""
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (tuple, list)):
-        return [to_dict(v) for v in obj]
-    return obj
 
 
 def _set_path(tree: dict, path: str, value: Any) -> None:

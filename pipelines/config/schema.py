@@ -195,10 +195,10 @@ class PosteriorSpec(Checked):
     subnet_rule: str = setting("wasserstein", "subnetwork selection (wasserstein_live skips dead units)",
                                choices=SELECTION_RULES)
     subnet_memory_gb: float = setting(4.0, "budget for the S x S float64 Fisher, checked before any cluster work",
-                                      range=POSITIVE)
+                                      range=POSITIVE, fingerprint=False)
     subnet_checkpoint_s: float | None = setting(
         600.0, "save the running S x S sum after a partition this often (0: each; null: never)",
-        range=NON_NEGATIVE)
+        range=NON_NEGATIVE, fingerprint=False)
     norm_layers: str = setting("map", "map: normalisation layers stay at MAP; diag: a diagonal block for them",
                                choices=NORM_LAYER_MODES)
     layers: str | tuple[str, ...] = setting(
@@ -220,16 +220,10 @@ class MethodRange(Checked):
     (√N G/M + √τ I)``, regularises differently from ``N F/M + τ I`` at the same ``(N, τ)``,
     so its best ``τ`` can lie elsewhere."""
 
-    method: str = setting(dataclasses.MISSING, "the method", choices=METHOD_NAMES)
+    method: str = setting(dataclasses.MISSING, "the method (one of posterior's methods)")
     log10_n: tuple[float, float] | None = setting(None, "its log10 N range (null: search.log10_n)", range=ANY)
     log10_tau: tuple[float, float] | None = setting(None, "its log10 tau range (null: search.log10_tau)",
                                                     range=ANY)
-
-    def _check(self) -> None:
-        for name in ("log10_n", "log10_tau"):
-            low_high = getattr(self, name)
-            if low_high is not None and not low_high[0] <= low_high[1]:
-                raise ValueError(f"{name}: low must be <= high, got {list(low_high)}")
 
 
 def method_range_entry(entry: Any) -> tuple[Any, Any, Any]:
@@ -271,10 +265,15 @@ class SearchSpec(Checked):
                 raise ValueError(f"{name} must be finite with low <= high, got {getattr(self, name)!r}")
         seen = set()
         for entry in self.method_ranges:
-            method = method_range_entry(entry)[0]
+            method, *ranges = method_range_entry(entry)
+            if method not in METHOD_NAMES:
+                raise ValueError(f"method_ranges: unknown method {method!r}; valid: {', '.join(METHOD_NAMES)}")
             if method in seen:
-                raise ValueError(f"method_ranges names {method!r} twice")
+                raise ValueError(f"method_ranges: {method!r} appears twice")
             seen.add(method)
+            for name, low_high in zip(("log10_n", "log10_tau"), ranges):
+                if low_high is not None and not low_high[0] <= low_high[1]:
+                    raise ValueError(f"method_ranges[{method}].{name}: low must be <= high, got {list(low_high)}")
 
 
 @dataclass(frozen=True)

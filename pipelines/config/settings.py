@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 __all__ = ["SettingError", "Interval", "setting", "same_as", "Checked", "check_settings", "fingerprint_fields",
-           "describe", "section_types"]
+           "describe", "section_types", "to_dict"]
 
 
 class SettingError(ValueError):
@@ -63,6 +63,8 @@ class Interval:
         return bool(above and below)
 
     def __str__(self) -> str:
+        if self.low == -math.inf and self.high == math.inf:
+            return "any finite number"
         if self.high == math.inf:
             return f"{'>' if self.low_open else '>='} {self.low:g}"
         return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
@@ -124,7 +126,7 @@ def _check_number(name: str, v: Any, meta: Any, integral: bool) -> None:
     if integral and not float(v).is_integer():
         raise SettingError(name, f"{{key}} must be an integer, got {v!r}")
     if meta["range"] is not None and (math.isnan(v) or v not in meta["range"]):
-        raise SettingError(name, f"{{key}} must be {meta['range']}, got {v!r}")
+        raise SettingError(name, f"{{key}} must be {'an int ' if integral else ''}{meta['range']}, got {v!r}")
 
 
 def check_settings(obj: Any) -> None:
@@ -163,24 +165,27 @@ class Checked:
                 own(self)
 
 
-def fingerprint_fields(obj: Any) -> dict[str, Any]:
-    """The fields of ``obj`` that shape its stage's result (all but ``fingerprint=False``), as
-    JSON-able values (nested sections recursively)."""
-    from pipelines.config.load import to_dict
+def to_dict(obj: Any) -> Any:
+    """JSON/YAML-able nested dict of a config tree."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (tuple, list)):
+        return [to_dict(v) for v in obj]
+    return obj
 
-    return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+
+def fingerprint_fields(obj: Any, section: type | None = None) -> dict[str, Any]:
+    """The fields of ``obj`` (only those of ``section``, when given) that shape its stage's
+    result (all but ``fingerprint=False``), as JSON-able values (nested sections recursively)."""
+    return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(section or obj)
             if f.metadata.get("fingerprint", True)}
 
 
 def section_types(tp: Any) -> list[type]:
     """The config dataclasses an annotation holds (``ShiftSpec | None``, ``tuple[MethodRange, ...]``)."""
-    out = []
-    for a in (tp, *typing.get_args(tp)):
-        if isinstance(a, type) and dataclasses.is_dataclass(a):
-            out.append(a)
-        elif typing.get_args(a):
-            out.extend(section_types(a))
-    return out
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return [tp]
+    return [sub for a in typing.get_args(tp) for sub in section_types(a)]
 
 
 def describe(cls: type, prefix: str = "") -> Iterator[tuple[str, str, str, str]]:
@@ -191,23 +196,26 @@ def describe(cls: type, prefix: str = "") -> Iterator[tuple[str, str, str, str]]
         key = prefix + f.name
         default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         meta = f.metadata or {}
+        kinds = _base_types(hints[f.name])
         if meta.get("choices") is not None:
             valid = "one of " + ", ".join(meta["choices"])
         elif meta.get("range") is not None:
             valid = str(meta["range"])
         else:
-            valid = " | ".join(getattr(t, "__name__", str(t)).replace("NoneType", "null")
-                               for t in _base_types(hints[f.name]))
+            valid = " | ".join(sorted(getattr(t, "__name__", str(t)) for t in kinds - {type(None)}))
+        if type(None) in kinds:
+            valid += " or null"
         yield key, _show(default), valid, meta.get("help", "")
         for sub in section_types(hints[f.name]):
-            if sub is not cls:
-                yield from describe(sub, f"{key}.")
+            yield from describe(sub, f"{key}[]." if tuple in kinds else f"{key}.")
 
 
 def _show(value: Any) -> str:
-    from pipelines.config.load import to_dict
-
     if dataclasses.is_dataclass(value):
         return "(section)"
+    if value is dataclasses.MISSING:
+        return "(required)"
+    if value == "":
+        return '""'
     v = to_dict(value)
     return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
