@@ -273,7 +273,8 @@ class SearchSpec(Checked):
             seen.add(method)
             for name, low_high in zip(("log10_n", "log10_tau"), ranges):
                 if low_high is not None and not low_high[0] <= low_high[1]:
-                    raise ValueError(f"method_ranges[{method}].{name}: low must be <= high, got {list(low_high)}")
+                    raise ValueError(f"method_ranges[{method}].{name} must be finite with low <= high, "
+                                     f"got {list(low_high)}")
 
 
 @dataclass(frozen=True)

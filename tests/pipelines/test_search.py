@@ -116,7 +116,7 @@ def test_method_ranges_in_the_run_config():
         load_config("smoke", ["search.method_ranges=[{method: kfc}]"])
     with pytest.raises(ConfigError, match="'kfac' appears twice"):
         load_config("smoke", ["search.method_ranges=[{method: kfac}, {method: kfac}]"])
-    with pytest.raises(ConfigError, match=r"method_ranges\[inf\].log10_n: low must be <= high"):
+    with pytest.raises(ConfigError, match=r"search.method_ranges\[inf\].log10_n must be finite with low <= high"):
         load_config("smoke", ["search.method_ranges=[{method: inf, log10_n: [4, 1]}]"])
 
 
