@@ -10,6 +10,7 @@ runtime class shares with a config section is copied, so no field list is writte
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import re
@@ -25,6 +26,7 @@ from pipelines.config.settings import SettingError, to_dict
 
 __all__ = ["PRESETS_DIR", "list_presets", "load_config", "from_dict", "to_dict", "apply_overrides", "derive"]
 
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's when built with it: same results, faster
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -131,7 +133,7 @@ def _set_path(tree: dict, path: str, value: Any) -> None:
 
 def apply_overrides(tree: dict, overrides: list[str]) -> dict:
     """Apply ``key.path=value`` overrides (values parsed as YAML) to a nested dict."""
-    out = yaml.safe_load(yaml.safe_dump(tree))  # deep copy through plain types
+    out = copy.deepcopy(tree)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value (e.g. curvature.num_workers=4)")
@@ -158,7 +160,7 @@ def _read_preset(name_or_path: str) -> dict:
     if not path.exists():
         raise ConfigError(f"unknown preset {name_or_path!r}; valid: {', '.join(list_presets())} (or a path to a .yaml file)")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_LOADER)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

@@ -291,7 +291,10 @@ class ShiftSpec(Checked):
         if not self.corruptions or not self.severities:
             raise ValueError("needs at least one corruption and one severity (or null: no sweep)")
         for severity in self.severities:
-            check_corruption(self.corruptions[0], severity)
+            try:
+                check_corruption(self.corruptions[0], severity)
+            except ValueError as e:
+                raise ValueError(f"severities: {e}") from None
         if len(set(self.corruptions)) != len(self.corruptions) or len(set(self.severities)) != len(self.severities):
             raise ValueError("a corruption or severity is listed twice")
 
