@@ -323,7 +323,7 @@ def headline(r: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def write_search_table(output: str, methods, ep) -> None:
+def write_search_table(output: str, methods, store) -> None:
     """One search table for all methods at ``eval/search.parquet`` (from the per-method files)."""
     import io
 
@@ -331,24 +331,24 @@ def write_search_table(output: str, methods, ep) -> None:
     import pyarrow.parquet as pq
 
     target = layout.search_table_uri(output)
-    if storage.exists(target, ep):
+    if storage.exists(target, store):
         return
     tables = []
     for m in methods:
         uri = layout.search_table_uri(output, m)
-        if storage.exists(uri, ep):
-            tables.append(pq.read_table(io.BytesIO(storage.read_bytes(uri, ep))))
+        if storage.exists(uri, store):
+            tables.append(pq.read_table(io.BytesIO(storage.read_bytes(uri, store))))
     if tables:
         buf = io.BytesIO()
         pq.write_table(pa.concat_tables(tables), buf)
-        storage.write_bytes_atomic(target, buf.getvalue(), ep)
+        storage.write_bytes_atomic(target, buf.getvalue(), store)
 
 
-def read_search(output: str, ep):
+def read_search(output: str, store):
     """The run's search table rows (None before the search)."""
     uri = layout.search_table_uri(output)
-    if not storage.exists(uri, ep):
+    if not storage.exists(uri, store):
         return None
     from pipelines.report.load import read_search_table
 
-    return read_search_table(uri, ep)
+    return read_search_table(uri, store)
