@@ -53,7 +53,7 @@ from typing import Any, Mapping, Sequence
 
 from laplace_core.eigenbasis import Eigenbasis
 from laplace_core.layer_selection import check_selection
-from laplace_core.layers import check_norm_layers, find_layers
+from laplace_core.layers import find_layers
 from laplace_core.statistics import CurvatureStatistics
 
 from pipelines.config.schema import CurvatureSpec, PosteriorSpec
@@ -136,7 +136,6 @@ class CurvatureConfig(CurvatureSpec):
         if isinstance(self.fault_injection, Mapping):
             object.__setattr__(self, "fault_injection", FaultInjection.from_mapping(self.fault_injection))
         object.__setattr__(self, "methods", tuple(self.methods))
-        check_norm_layers(self.norm_layers)
         object.__setattr__(self, "layers", check_selection(self.layers))
         for m in self.methods:
             if m not in METHOD_NAMES:
