@@ -14,6 +14,7 @@ pytest on a planted hang (a 1-CPU Ray whose only CPU an actor holds):
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -51,7 +52,7 @@ PLANTED = textwrap.dedent('''
     @pytest.mark.timeout(WAIT)
     def test_stuck():
         if os.environ["HOW"] == "project":
-            await_round([never.remote()], (), EvalConfig())
+            await_round([never.remote()], (), EvalConfig(), "planted")
         else:
             ray.get(never.remote())
 ''')
@@ -60,13 +61,12 @@ PLANTED = textwrap.dedent('''
 def _child(tmp_path, how: str, wait: float, backstop: float) -> tuple[subprocess.CompletedProcess, float]:
     test = tmp_path / f"test_planted_{how}.py"
     test.write_text(PLANTED.replace("WAIT", str(wait)))
+    shutil.copy(REPO / "tests" / "conftest.py", tmp_path / "conftest.py")  # the backstop, as the suite has it
     env = dict(os.environ, HOW=how, INFOFORM_TIMEOUT_BACKSTOP_S=str(backstop), PYTHONPATH=str(REPO),
                RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled")
     t0 = time.perf_counter()
-    # the repository's conftest (the backstop) applies: the child runs from the repository root
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(REPO),
-                           "-c", str(REPO / "pyproject.toml"), "-p", "tests.conftest", str(test)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                           str(test)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     return proc, time.perf_counter() - t0
 
 

@@ -11,6 +11,8 @@ its parser). Each parser sets ``func``; ``func(args) -> int`` is the exit code.
           --data s3://bucket/imagenet --weights s3://bucket/resnet50.pt --output s3://bucket/runs/r50
 
   With no data arguments it runs the embedded ``demo`` preset on a local Ray instance.
+* ``infoform config [--list] [PREFIX]``: every config key with its default, valid range or
+  values, and help, from the one place they are written (:mod:`pipelines.config.schema`).
 * ``infoform sizes --model NAME [--rank K] [--stats URI] [--norm-layers map|diag] [--layers all|last|NAMES] [--json]``: numbers stored per
   posterior method for any torchvision classifier, built with ``weights=None`` on the
   ``meta`` device (no weights, no data, offline). See :mod:`laplace_core.sizes`.
@@ -55,7 +57,8 @@ def get_args_parser(add_help: bool = False) -> argparse.ArgumentParser:
                        prog="imagenet_inf.py")
     p.add_argument("--preset", default="demo", help=f"YAML preset in configs/ or a path ({', '.join(list_presets())})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config key, e.g. --set curvature.num_workers=4 (repeatable)")
+                   help="override any config key, e.g. --set curvature.num_workers=4 (repeatable; every key, "
+                        "its default and range: infoform config --list)")
     p.add_argument("--output", help="output URI (local path or s3://bucket/prefix)")
     p.add_argument("--data", help="dataset root (ImageNet/ImageFolder layout or Parquet shards), local or s3://")
     p.add_argument("--ood", help="out-of-distribution image folder")
@@ -333,6 +336,28 @@ def cmd_sizes(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- config
+def add_config_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("config", help="every config key with its default, valid values and help",
+                       description="The keys of the run config (YAML presets, --set KEY=VALUE), each written once "
+                                   "in pipelines/config/schema.py.")
+    p.add_argument("--list", action="store_true", help="list every key (the default)")
+    p.add_argument("prefix", nargs="?", default="", help="only keys starting with this, e.g. evaluate.")
+    p.set_defaults(func=cmd_config)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from pipelines.config.settings import describe
+
+    rows = [r for r in describe(RunConfig) if r[0].startswith(args.prefix)]
+    if not rows:
+        raise CliError(f"no config key starts with {args.prefix!r}")
+    width = max(len(key) for key, *_ in rows)
+    for key, default, valid, help_text in rows:
+        print(f"{key:<{width}}  {default}  [{valid}]  {help_text}".rstrip())
+    return 0
+
+
 # --------------------------------------------------------------------------- registry
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", parents=[get_args_parser(add_help=False)],
@@ -344,6 +369,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
 SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "run": add_run_parser,
     "sizes": add_sizes_parser,
+    "config": add_config_parser,
 }
 
 

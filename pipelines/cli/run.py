@@ -58,13 +58,13 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: DataPlan,
                ensure_ray: Callable[[], None]) -> dict[str, Any]:
     """All stages for one model; returns the run summary (also written as run.json)."""
     t_start = time.perf_counter()
-    mr = ModelRun(cfg, spec, output, plan, ensure_ray)
-    mr.run_all()
-    summary = _summary(cfg, mr.spec, mr.model_info, mr.data_info, mr.results, output)
+    model_run = ModelRun(cfg, spec, output, plan, ensure_ray)
+    stages = model_run.run_all()
+    summary = _summary(cfg, model_run.spec, model_run.model_info, model_run.data_info, model_run.results, output)
     summary["timings"]["total_this_run"] = time.perf_counter() - t_start
-    if mr.results.get("evaluate") is not None:
-        mr.report(summary)
-    storage.write_json_atomic(layout.run_json_uri(output), _stable_run_json(summary), mr.ep)
+    if stages.evaluate.summary is not None:
+        model_run.report(stages.evaluate, summary)
+    storage.write_json_atomic(layout.run_json_uri(output), _stable_run_json(summary), model_run.store)
     return summary
 
 

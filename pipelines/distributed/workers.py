@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from pipelines.config import schema
 from pipelines.distributed.cluster import train_log_level
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
@@ -25,7 +26,7 @@ __all__ = ["DTYPES", "FaultInjection", "ModelRef", "Job", "model_ref", "make_tra
            "gpu_shortfall", "worker_setup", "index_partitions", "partition_dataset", "path_keys", "fingerprint",
            "put_sources"]
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = schema.DTYPES  # the config's dtype names -> torch dtypes
 
 
 @dataclass(frozen=True)

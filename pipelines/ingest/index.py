@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+from pipelines.config.schema import DataSpec
+from pipelines.config.settings import same_as
 from pipelines.storage import uris as storage
 
 __all__ = [
@@ -81,13 +83,13 @@ class DataConfig:
 
     root: str
     split: str | None = "train"
-    image_size: int = 224
-    resize_size: int = 256
+    image_size: int = same_as(DataSpec, "image_size")
+    resize_size: int = same_as(DataSpec, "resize_size")
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
-    limit: int | None = None
-    per_class: int | None = None
-    labels_csv: str | None = None
+    limit: int | None = same_as(DataSpec, "limit")
+    per_class: int | None = same_as(DataSpec, "per_class")
+    labels_csv: str | None = same_as(DataSpec, "labels_csv")
     classes: tuple[str, ...] | None = None
     classes_file: str | None = None
     extensions: tuple[str, ...] | None = None
@@ -96,8 +98,8 @@ class DataConfig:
     endpoint_url: str | None = None
     num_partitions: int | None = None
     partition_size: int | None = None
-    decode_batch_size: int = 128
-    decode_num_cpus: float = 1.0
+    decode_batch_size: int = same_as(DataSpec, "decode_batch_size")
+    decode_num_cpus: float = same_as(DataSpec, "decode_num_cpus")
 
     def __post_init__(self) -> None:
         if not self.root or not isinstance(self.root, (str, os.PathLike)):

@@ -61,7 +61,8 @@ from laplace_core.subnet import DEFAULT_MEMORY_BUDGET, SELECTION_RULES, check_su
 
 from pipelines.distributed.progress import say
 from pipelines.storage import uris as storage
-from pipelines.config.schema import SUBNET_FISHER_TYPES
+from pipelines.config.schema import SUBNET_FISHER_TYPES, PosteriorSpec
+from pipelines.config.settings import same_as
 from pipelines.passes.curvature import CurvatureConfig, pass_records, reduced_uri
 from pipelines.distributed import (
     DTYPES,
@@ -156,8 +157,8 @@ class SubnetConfig:
     subnet_size: int
     fisher: str = "mc"
     rule: str = "wasserstein"
-    n_data: float | None = None
-    prior_precision: float = 1.0
+    n_data: float | None = same_as(PosteriorSpec, "n_data")
+    prior_precision: float = same_as(PosteriorSpec, "prior_precision")
     selection_seed: int = 0
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET
     dtype: str = "float64"
