@@ -71,13 +71,22 @@ def s3_bucket(moto_s3):
     yield f"s3://{name}", moto_s3
 
 
+_STDERR: dict[str, int] = {}
+
+
+def pytest_configure(config):
+    """Keep a descriptor of the real stderr (before pytest captures it for the tests): the
+    backstop's stacks must reach the log even though the process ends without pytest's report."""
+    _STDERR.setdefault("fd", os.dup(sys.stderr.fileno()))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Arm the :data:`TIMEOUT_BACKSTOP_S` backstop around each test (setup, call, teardown)."""
     marker = item.get_closest_marker("timeout")
     limit = float(marker.args[0]) if marker is not None and marker.args else float(item.config.getini("timeout") or 0)
     if limit > 0:
-        faulthandler.dump_traceback_later(limit + TIMEOUT_BACKSTOP_S, exit=True)
+        faulthandler.dump_traceback_later(limit + TIMEOUT_BACKSTOP_S, exit=True, file=_STDERR.get("fd", 2))
     try:
         yield
     finally:
