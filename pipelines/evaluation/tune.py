@@ -48,7 +48,7 @@ import torch
 from ray import tune
 
 from pipelines.errors import StageError
-from pipelines.evaluation.actors import ModelActor
+from pipelines.evaluation.actors import ModelActor, await_round
 from pipelines.evaluation.asha import GridSearcher, PromotionASHA, RunningLimiter
 from pipelines.evaluation.chunks import Chunk, iter_chunks, valid_batches
 from pipelines.evaluation.runtime import SearchConfig
@@ -349,4 +349,4 @@ def map_reference(model: Mapping[str, Any], chunks: Sequence[Any], cfg: SearchCo
                 acc = acc.update(torch.cat(predict_chunk(net, None, c)), torch.cat(c.ys))
         return acc.to_json()
 
-    return ray.get(score.remote(dict(model), list(chunks), cfg, endpoint_url))
+    return await_round([score.remote(dict(model), list(chunks), cfg, endpoint_url)], (), cfg, "map reference")[0]
