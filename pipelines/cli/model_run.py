@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable
 
 from laplace_core.methods import TEMPERATURE, method_info
+from pipelines.cli.counts import ignored_lines
 from pipelines.cli.plan import DataPlan, Splits, demo_model, scan_splits
 from pipelines.cli.stages import Stages, fingerprint, log
 from pipelines.config.load import derive, to_dict
@@ -82,6 +83,8 @@ class ModelRun:
         s = self.splits
         log(f"data: {len(s.train)} train images in {len(s.parts)} partitions, {len(s.search)} for the search, "
             f"{len(s.test)} test, {0 if s.ood is None else len(s.ood)} OOD")
+        for line in ignored_lines(s.ignored()):
+            log(line)
         self.methods = tuple(cfg.posterior.methods)
         # methods with a posterior (``temperature`` has none: it is fitted in the search stage)
         self.post_methods = tuple(m for m in self.methods if method_info(m).posterior)
@@ -214,7 +217,8 @@ class ModelRun:
                          output=self.output, endpoint_url=self.ep, key=key)
             out.update(chosen=res.chosen, notes=res.notes, map=res.map,
                        info={**res.info, "device": search_cfg.resolved_device},
-                       failed=sum(1 for r in res.rows if r["status"] != "ok"))
+                       failed=sum(1 for r in res.rows if r["status"] != "ok"),
+                       skipped={"count": res.info["skipped"], "examples": res.info.get("skipped_examples", [])})
         if TEMPERATURE in self.methods:  # Guo et al. (2017): T by NLL on the search split
             from pipelines.evaluation.temperature import fit_temperature_run
 
@@ -250,7 +254,9 @@ class ModelRun:
         ood_ds = None if s.ood is None else build_dataset(s.ood, s.ood_config)
         res = evaluate(self.spec, self.uris, build_dataset(s.test, s.test_config), ood_ds, eval_cfg,
                        output=self.output, hyper=self.hyper, endpoint_url=self.ep, temperature=self.temperature)
-        out = {"methods": {m: headline(r) for m, r in res.items()}, "device": eval_cfg.resolved_device}
+        out = {"methods": {m: headline(r) for m, r in res.items()}, "device": eval_cfg.resolved_device,
+               "skipped": {k: v for k, v in (("test", res["map"].get("skipped")),
+                                             ("ood", res["map"].get("ood_skipped"))) if v is not None}}
         if ev.shift is not None:
             from pipelines.evaluation.shift import evaluate_shift
 

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from pipelines.cli.counts import skipped_images, skipped_lines
 from pipelines.cli.model_run import ModelRun, read_search
 from pipelines.cli.plan import DataPlan, config_plan
 from pipelines.cli.stages import fingerprint, log
@@ -62,6 +63,8 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: DataPlan,
     mr.run_all()
     summary = _summary(cfg, mr.spec, mr.model_info, mr.data_info, mr.results, output)
     summary["timings"]["total_this_run"] = time.perf_counter() - t_start
+    for line in skipped_lines(summary["skipped_images"]):
+        log(line)
     if mr.results.get("evaluate") is not None:
         mr.report(summary)
     storage.write_json_atomic(layout.run_json_uri(output), _stable_run_json(summary), mr.ep)
@@ -91,10 +94,7 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
     sizes = {m: {"numbers": p.get("num_stored"), "note": f"rank {cfg.posterior.rank}" if m == "inf" else
                  f"S = {p.get('subnet_size')} of {p.get('d_total')} weights" if m == "subnet" else ""}
              for m, p in posteriors.items()}
-    skipped = {}
-    for k, v in (curv.get("skipped") or {}).items():
-        if isinstance(v, dict) and "count" in v:
-            skipped[k] = {"count": int(v.get("count", 0)), "examples": v.get("examples", [])}
+    skipped = skipped_images(results)
     chosen = {m: {"log10_n": c_["log10_n"], "log10_tau": c_["log10_tau"]}
               for m, c_ in (srch.get("chosen") or {}).items() if c_}
     inf_clip = _inf_clipping(posteriors, chosen, cfg.storage_options())
@@ -108,6 +108,7 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
         "timings": {s: (results.get(s) or {}).get("seconds") for s in STAGES if results.get(s)},
         "posterior_sizes": sizes,
         "skipped_images": skipped,
+        "ignored_files": (data_info or {}).get("ignored_files", {}),
         "clipped_d_entries": {m: int(p.get("clipped_D", 0) or 0) for m, p in posteriors.items()}
         | ({"inf": inf_clip["clipped_D"]} if inf_clip else {}),
         "inf_clipping": inf_clip,

@@ -81,6 +81,7 @@ class DataSpec:
     std: tuple[float, float, float] | None = None
     decode_batch_size: int = 128  # images per Ray Data decode task batch
     decode_num_cpus: float = 1.0  # CPUs per Ray Data decode task
+    extensions: tuple[str, ...] = ()  # file suffixes indexed as images besides .jpg .jpeg .png .bmp .gif .webp .tif .tiff
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,9 @@ class RunConfig:
                 raise ConfigError(f"{key} must be > 0, got {v!r}")
         if d.decode_batch_size < 1:
             raise ConfigError("data.decode_batch_size must be >= 1")
+        bad = [e for e in d.extensions if not str(e).lstrip(".").replace("_", "").isalnum()]
+        if bad:
+            raise ConfigError(f"data.extensions must be file suffixes such as .jpe, got {bad[0]!r}")
         ev = self.evaluate
         if ev.dtype not in DTYPES:
             raise ConfigError(f"unknown evaluate.dtype {ev.dtype!r}; valid: {', '.join(DTYPES)}")
