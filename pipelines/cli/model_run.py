@@ -31,6 +31,9 @@ EVAL_NOT_IN_FINGERPRINT = frozenset({"max_failures", "cpus_per_actor", "gpus_per
                                      "chunk_size", "sample_cache_mb", "torch_threads", "log_every_s"})
 
 
+_SAID: set[str] = set()
+
+
 def actor_resources(ev: EvalSpec) -> dict[str, float]:
     """Ray resources of each search/evaluation actor: ``evaluate.cpus_per_actor`` and
     ``evaluate.gpus_per_actor``, or when that is null a share that lets every actor be placed
@@ -45,10 +48,13 @@ def actor_resources(ev: EvalSpec) -> dict[str, float]:
         declared = float(ray.cluster_resources().get("GPU", 0.0))
         gpus = gpu_share(ev.num_actors, declared)
         if gpus == 0:
-            log("actors: the cluster declares no GPU, so search and evaluation run on CPUs "
-                "(evaluate.gpus_per_actor=1 waits for GPU nodes instead)")
+            line = ("actors: the cluster declares no GPU, so search and evaluation run on CPUs "
+                    "(evaluate.gpus_per_actor=1 waits for GPU nodes instead)")
         else:
-            log(f"actors: {ev.num_actors} actor(s) on {declared:g} declared GPU(s), {gpus:.4g} GPU each")
+            line = f"actors: {ev.num_actors} actor(s) on {declared:g} declared GPU(s), {gpus:.4g} GPU each"
+        if line not in _SAID:  # one placement line per run, not one per stage
+            _SAID.add(line)
+            log(line)
     return {"cpus_per_actor": float(ev.cpus_per_actor), "gpus_per_actor": float(gpus)}
 
 
@@ -81,7 +87,8 @@ class ModelRun:
         self.data_info = self.splits.summary(cfg, plan)
         self.model_info["coverage"] = self._coverage()
         s = self.splits
-        log(f"data: {len(s.train)} train images in {len(s.parts)} partitions, {len(s.search)} for the search, "
+        log(f"data: {len(s.train)} train images in {len(s.parts)} partition{'s' if len(s.parts) != 1 else ''}, "
+            f"{len(s.search)} for the search, "
             f"{len(s.test)} test, {0 if s.ood is None else len(s.ood)} OOD")
         for line in ignored_lines(s.ignored()):
             log(line)
@@ -279,6 +286,7 @@ class ModelRun:
 
             from pipelines.report.shift import load_shift, render_shift
 
+            log("report: the summary table, the figures (matplotlib) and the HTML/Markdown pages")
             metrics = load_eval_metrics(self.output, self.ep)
             table = read_search(self.output, self.ep)
             figures = {}

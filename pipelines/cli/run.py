@@ -32,7 +32,7 @@ from pipelines.config.schema import STAGES, ModelSpec, RunConfig
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
 
-__all__ = ["RunResult", "run"]
+__all__ = ["RunResult", "run", "verdict_lines"]
 
 
 
@@ -97,6 +97,8 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
     skipped = skipped_images(results)
     chosen = {m: {"log10_n": c_["log10_n"], "log10_tau": c_["log10_tau"]}
               for m, c_ in (srch.get("chosen") or {}).items() if c_}
+    if (posteriors.get("inf") or {}).get("uri") and chosen.get("inf"):
+        log("summary: INF's clipped D entries at the chosen (N, tau) (loads the INF posterior)")
     inf_clip = _inf_clipping(posteriors, chosen, cfg.storage_options())
     return {
         "title": f"infoform report: {spec.name}" + (" (demo)" if cfg.data.demo else ""),
@@ -127,6 +129,27 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
         "results": evl.get("methods"),
         "output": output,
     }
+
+
+def verdict_lines(summary: dict[str, Any]) -> list[str]:
+    """The report's summary in a few lines for the end of the log: MAP's test numbers, then the
+    verdict's sentences (:func:`pipelines.report.verdict.verdict_sentences`), then the data counts."""
+    from pipelines.report.verdict import METRICS, verdict_sentences
+
+    results = summary.get("results") or {}
+    if not isinstance(results.get("map"), dict):
+        return []
+    m = results["map"]
+    shown = [f"{x.label} {x.fmt(m[x.key])}" for x in METRICS[:5] if isinstance(m.get(x.key), (int, float))]
+    n = ((summary.get("data") or {}).get("test") or {}).get("num_files")
+    lines = [f"verdict: MAP on {n if n is not None else 'the'} test images: {', '.join(shown)}"]
+    lines += [f"verdict: {s}" for s in verdict_sentences(results, summary.get("posterior_sizes"))]
+    skipped = sum(int(d.get("count", 0)) for d in (summary.get("skipped_images") or {}).values())
+    ignored = sum(int(d.get("count", 0)) for d in (summary.get("ignored_files") or {}).values())
+    failed = [k for k, r in results.items() if isinstance(r, dict) and r.get("status") not in (None, "ok")]
+    lines.append(f"verdict: {skipped} image(s) skipped as undecodable, {ignored} non-image file(s) ignored"
+                 + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return lines[:6]
 
 
 def _stable_run_json(summary: dict[str, Any]) -> dict[str, Any]:
