@@ -146,6 +146,7 @@ class ModelRun:
         from pipelines.passes.curvature import run_curvature
 
         train_dcfg = self.splits.train_config
+        self._announce_disk()
         res = run_curvature(self.spec, self.splits.parts, self.curv_cfg, self.output, data_config=train_dcfg,
                             endpoint_url=self.ep)
         passes, subnet = dict(res.passes), None
@@ -156,6 +157,12 @@ class ModelRun:
                                    data_config=train_dcfg, endpoint_url=self.ep, stats=res.stats)
             passes.update(sres.passes)
             subnet = {k: v for k, v in dataclasses.asdict(sres).items() if k != "passes"}
+        from pipelines.passes.curvature import pass_uri
+        from pipelines.storage.disk import drop, human
+
+        freed = drop([pass_uri(self.output, p) for p in ("pass1", "pass2")], self.ep)
+        if freed:
+            log(f"disk: removed the pass checkpoints ({human(freed)}): stats/reduced holds the same sums")
         return {
             "count": res.stats.count, "efb_count": res.stats.efb_count, "excluded": res.stats.excluded,
             "skipped_batches": res.stats.skipped_batches, "skipped": dict(res.skipped),
@@ -178,9 +185,51 @@ class ModelRun:
     def _do_posterior(self) -> dict[str, Any]:
         from pipelines.passes.posterior import build_posteriors
 
+        from pipelines.errors import StageError
+        from pipelines.passes.curvature import reduced_uri
+
         p = self.cfg.posterior
-        return {"posteriors": build_posteriors(self.output, self.post_methods, p.rank, n_data=p.n_data,
-                                               prior_precision=p.prior_precision, endpoint_url=self.ep)}
+        if not storage.exists(reduced_uri(self.output), self.ep):
+            raise StageError(f"posterior: {reduced_uri(self.output)} was dropped after an earlier posterior stage "
+                             "(storage.keep_stats=false); redo the statistics with --force curvature")
+        out = {"posteriors": build_posteriors(self.output, self.post_methods, p.rank, n_data=p.n_data,
+                                              prior_precision=p.prior_precision, endpoint_url=self.ep)}
+        self._keep_or_drop_stats()
+        return out
+
+    def _announce_disk(self) -> None:
+        """One line before pass 1: the bytes the statistics, checkpoint and posteriors will take."""
+        from pipelines.ingest.models import model_size_report
+        from pipelines.storage.disk import announce, expected_bytes
+
+        c, p = self.cfg.curvature, self.cfg.posterior
+        try:
+            rep = model_size_report(self.spec.name, self.spec.num_classes or len(self.splits.classes),
+                                    p.norm_layers, p.layers, p.rank)
+        except (ValueError, RuntimeError) as e:  # a model that cannot be built without weights: said, not fatal
+            log(f"disk: expected sizes not computed ({e})")
+            return
+        est = expected_bytes(rep, self.post_methods, stats_bytes=8 if c.stats_dtype == "float64" else 4,
+                             efb=any(method_info(m).needs_efb for m in self.post_methods if m != "subnet"))
+        log(announce(est, self.cfg.storage.keep_stats))
+
+    def _keep_or_drop_stats(self) -> None:
+        """After the posteriors: ``storage.keep_stats=false`` drops what only built them; the log
+        says what stays (the eigenbasis always: the kfac/efb posteriors reference its eigenvectors)."""
+        from pipelines.passes.curvature import basis_uri, reduced_uri
+        from pipelines.passes.subnet import subnet_uri
+        from pipelines.storage.disk import drop, human, tree_bytes
+
+        stats = [reduced_uri(self.output), subnet_uri(self.output)]
+        if self.cfg.storage.keep_stats:
+            kept = sum(tree_bytes(u, self.ep) for u in stats)
+            log(f"disk: kept stats/reduced ({human(kept)}) to rebuild posteriors with other settings, and "
+                f"stats/eigenbasis ({human(tree_bytes(basis_uri(self.output), self.ep))}); "
+                "storage.keep_stats=false drops the statistics after this stage")
+        else:
+            freed = drop(stats, self.ep)
+            log(f"disk: dropped the statistics ({human(freed)}, storage.keep_stats=false); kept stats/eigenbasis "
+                f"({human(tree_bytes(basis_uri(self.output), self.ep))}), which the posteriors reference")
 
     # ------------------------------------------------------------------ (N, tau) search
     def search(self) -> dict[str, Any] | None:

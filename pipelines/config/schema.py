@@ -103,6 +103,7 @@ class StorageSpec:
     options: dict[str, Any] = field(default_factory=dict)
     shared_fs: bool = False  # local paths are on a filesystem every node mounts at the same place
     allow_download: bool = False  # torchvision weights names not in the local cache may be downloaded by each node
+    keep_stats: bool = True  # keep stats/reduced after the posterior stage (a changed posterior setting rebuilds from it)
 
 
 @dataclass(frozen=True)
