@@ -97,7 +97,11 @@ class StorageSpec:
     (:mod:`pipelines.distributed.cluster`). ``allow_download``: a torchvision weights name (e.g.
     ``ResNet50_Weights.IMAGENET1K_V1``) whose file is not in the driver's torch hub cache is
     refused in preflight unless this is set, since every node would download it and clusters
-    often have no internet access."""
+    often have no internet access. ``keep_stats``: keep ``stats/reduced`` (and the subnet pass's
+    Fisher) after the posterior stage. On by default: they are what a changed posterior setting
+    (``posterior.rank``, a new method, ``n_data``) rebuilds from in seconds, where without them the
+    curvature stage, the run's most expensive one, would have to run again; ``false`` drops them
+    once the posteriors are written (the eigenbasis stays: the kfac/efb posteriors reference it)."""
 
     endpoint_url: str | None = None
     options: dict[str, Any] = field(default_factory=dict)

@@ -121,7 +121,8 @@ def test_counts_are_the_same_in_run_json_the_report_and_the_log(dirty_run):
 
 def test_the_log_is_plain_text_with_progress_and_ends_with_the_verdict(dirty_run):
     _, out, log = dirty_run
-    assert "\x1b[" not in log and "core_worker" not in log
+    # no colour codes in a log file; Ray Train's PreemptionWatcher (core_worker.cc's error line) is off
+    assert "\x1b[" not in log and "core_worker.cc" not in log and "PreemptionWatcher" not in log
     lines = [ln for ln in log.splitlines() if ln.strip()]
     for title in ("pass 1 (KFAC factors and diagonal)", "pass 2 (EFB eigenvalues)"):
         done = [ln for ln in lines if title in ln and re.search(r"\d+/\d+ images done in [\d.]+ s, [\d.]+ images/s", ln)]
