@@ -318,7 +318,7 @@ def _train_loop(config: dict) -> None:
         else:
             if rank == 0:
                 say(f"[curvature] eigenbasis: {_eigen_work(stats)}, spread over {world} worker(s)")
-            basis = distributed_eigenbasis(stats, rank, world, device, rec)
+            basis = distributed_eigenbasis(stats, rank, world, device, rec, every_s=cfg.log_every_s)
             rec["eigenbasis"] = "computed"
             if rank == 0:
                 save_eigenbasis(buri, basis, stats.count, job.store)
