@@ -21,7 +21,7 @@ from pipelines.config.schema import ConfigError, EvalSpec, ModelSpec, RunConfig
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
 
-__all__ = ["ModelRun", "actor_resources", "layer_fingerprint", "NOT_IN_FINGERPRINT"]
+__all__ = ["ModelRun", "actor_resources", "forget_placement", "layer_fingerprint", "NOT_IN_FINGERPRINT"]
 
 #: curvature settings that do not change the statistics: not part of the stage's fingerprint
 NOT_IN_FINGERPRINT = frozenset({"checkpoint_every_s", "gpus_per_worker", "bucket_mb", "log_every_s"})
@@ -32,6 +32,11 @@ EVAL_NOT_IN_FINGERPRINT = frozenset({"max_failures", "cpus_per_actor", "gpus_per
 
 
 _SAID: set[str] = set()
+
+
+def forget_placement() -> None:
+    """A new run says its actor placement again (called at the start of each run)."""
+    _SAID.clear()
 
 
 def actor_resources(ev: EvalSpec) -> dict[str, float]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipelines.cli.counts import skipped_images, skipped_lines
-from pipelines.cli.model_run import ModelRun, read_search
+from pipelines.cli.model_run import ModelRun, forget_placement, read_search
 from pipelines.cli.plan import DataPlan, config_plan
 from pipelines.cli.stages import fingerprint, log
 from pipelines.config.load import to_dict
@@ -181,6 +181,7 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
     Without it, Ray must already be initialised (or ``ray.init()`` is called).
     """
     cfg.validate()
+    forget_placement()
     started = []
 
     def ensure_ray() -> None:

@@ -48,6 +48,9 @@ class Progress:
         est = min(self.done_global + self.done_local * self.world, self.total or 1 << 62)
         rate = est / max(now - self.t0, 1e-9)
         eta = "?" if not self.total or not est else f"{max(self.total - est, 0) / max(rate, 1e-9):.0f} s"
+        if not est:
+            return (f"[{self.prefix}] {self.label}: 0/{self.total or '?'} images after {now - self.t0:.0f} s "
+                    "(reading and computing the first batch)")
         approx = "~" if self.done_local and self.world > 1 else ""
         return (f"[{self.prefix}] {self.label}: {approx}{est}/{self.total or '?'} images, {rate:.2f} images/s, "
                 f"ETA {eta}")
