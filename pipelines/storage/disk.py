@@ -1,7 +1,8 @@
 """What a run writes, said before it writes it, and what it removes once it is redundant.
 
 :func:`expected_bytes` counts from the layer shapes (the same per-layer counts as ``infoform
-sizes``, :mod:`laplace_core.sizes`) the bytes of the statistics (``stats/reduced``), the
+sizes``, :mod:`laplace_core.sizes`) the bytes of the statistics (``stats/reduced``: ``A``, ``G``
+as upper triangles, the diagonal and the EFB sums), the
 eigenbasis, the pass-1 checkpoint (packed upper triangles; removed at the end of the curvature
 stage, when ``stats/reduced`` holds the same sums) and each posterior (``kfac`` / ``efb``
 reference the eigenbasis' eigenvectors instead of storing them again; INF at its lower bound).
@@ -33,7 +34,7 @@ def expected_bytes(report: Any, methods: Iterable[str], *, stats_bytes: int = 8,
         m, n = ls.m, ls.n
         full = ls.counts.get("kfac", 0) != m * n or (m, n) == (1, 1)  # a norm layer stores its diagonal only
         if full:
-            stats += n * n + m * m + m * n * (2 if efb else 1)
+            stats += n * (n + 1) // 2 + m * (m + 1) // 2 + m * n * (2 if efb else 1)  # A, G as upper triangles
             basis += n * n + m * m + n + m
             ckpt += n * (n + 1) // 2 + m * (m + 1) // 2 + m * n
         else:

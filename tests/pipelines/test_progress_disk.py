@@ -61,6 +61,8 @@ def test_expected_bytes_of_resnet18_match_what_a_run_wrote():
     est = expected_bytes(rep, ("diag", "kfac", "efb", "inf"))
     assert round(est["checkpoint"] / MiB, 1) == 444.0
     assert abs(est["eigenbasis"] / MiB - 718) < 1
+    # stats/reduced: A, G as upper triangles + diagonal + EFB sums = the checkpoint + one m x n sum
+    assert est["statistics"] == est["checkpoint"] + 8 * rep.num_weights
     assert est["posteriors"]["diag"] == est["posteriors"]["efb"] == 8 * rep.num_weights
     assert est["posteriors"]["kfac"] == 8 * sum(ls.m + ls.n for ls in rep.layers)
     assert human(444 * MiB) == "444 MiB" and human(3 * 2**30) == "3.00 GiB"
