@@ -11,6 +11,7 @@ LPT's makespan is at most ``4/3 - 1/(3W)`` of the optimum.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Mapping, Sequence
 
@@ -89,13 +90,21 @@ def distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, de
     t0 = time.perf_counter()
     # on the worker's device (a GPU's float64 eigh of resnet50's factors: ~1.5 s, against
     # minutes on a few CPU threads); kept on the CPU afterwards like the statistics
-    mine, last = {}, t0
-    for i, k in enumerate(plan[rank]):
-        mine[k] = layer_eigenbasis(stats.layers[k].A.to(device), stats.layers[k].G.to(device), stats.count,
-                                   name=k).to(device="cpu")
-        if rank == 0 and every_s is not None and time.perf_counter() - last >= every_s:
-            last = time.perf_counter()
-            say(f"[curvature] eigenbasis: {i + 1}/{len(plan[rank])} layers of worker 0 in {last - t0:.0f} s")
+    mine: dict[str, LayerBasis] = {}
+    stop = threading.Event()
+    if rank == 0 and every_s is not None:  # one float64 eigh of a 4608 x 4608 factor takes minutes on CPUs
+        def tick() -> None:
+            while not stop.wait(every_s):
+                say(f"[curvature] eigenbasis: {len(mine)}/{len(plan[rank])} layers of worker 0 done after "
+                    f"{time.perf_counter() - t0:.0f} s")
+
+        threading.Thread(target=tick, name="eigen-progress", daemon=True).start()
+    try:
+        for k in plan[rank]:
+            mine[k] = layer_eigenbasis(stats.layers[k].A.to(device), stats.layers[k].G.to(device), stats.count,
+                                       name=k).to(device="cpu")
+    finally:
+        stop.set()
     rec["eigh_s"] = time.perf_counter() - t0
     rec["eigh_layers"] = list(plan[rank])
     t0 = time.perf_counter()
