@@ -222,8 +222,10 @@ def scan_splits(cfg: RunConfig, plan: DataPlan) -> Splits:
     if plan.ood:
         ood_cfg = data_config(cfg, plan, None, root=plan.ood, unlabeled=True,
                               extensions=(".jpg",) if plan.demo is not None else None)
-        scanned["ood"] = scan(ood_cfg)
-        ood = limit_index(scanned["ood"], cfg.data.ood_limit)
+        ood_full = scan(ood_cfg)
+        if plan.demo is None:  # the demo's letters folder also holds its own infoform-letters.json
+            scanned["ood"] = ood_full
+        ood = limit_index(ood_full, cfg.data.ood_limit)
     parts = partition(train, partition_size=cfg.data.partition_size)
     return Splits(train=train, train_config=train_cfg, parts=parts, classes=classes, search=search,
                   search_config=val_cfg, test=test, test_config=test_cfg, ood=ood, ood_config=ood_cfg,
