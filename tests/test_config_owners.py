@@ -22,6 +22,7 @@ DIFFERENT_ON_PURPOSE = {
     ("DataConfig", "mean"): "the resolved value of data.mean's null (IMAGENET_MEAN, written once)",
     ("DataConfig", "std"): "the resolved value of data.std's null (IMAGENET_STD, written once)",
     ("DataConfig", "partition_size"): "per split: unset unless the plan partitions that split",
+    ("DataConfig", "extensions"): "the suffixes indexed: the image suffixes widened by data.extensions (set by the plan)",
 }
 
 

@@ -199,6 +199,8 @@ def cmd_run(args: argparse.Namespace, prog: str | None = None) -> int:
         os.environ[VERBOSE_ENV] = "1"
     for k, v in quiet_env().items():  # this process (the driver's Ray Data)
         os.environ.setdefault(k, v)
+    if not sys.stdout.isatty():  # a log file or a job's log: Ray's "(Actor pid=...)" prefixes without colour codes
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     from pipelines.errors import StageError
     from pipelines.errors import PreflightError
     from pipelines.cli.run import run
@@ -211,6 +213,10 @@ def cmd_run(args: argparse.Namespace, prog: str | None = None) -> int:
     except StageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
+    from pipelines.cli.run import verdict_lines
+
+    for line in verdict_lines(result.summary):
+        print(f"infoform: {line}")
     print(f"infoform: report at {result.report_path}")
     return 0
 

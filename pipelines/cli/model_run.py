@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from laplace_core.methods import TEMPERATURE, method_info
+from pipelines.cli.counts import ignored_lines
 from pipelines.cli.plan import DataPlan, Splits, demo_model, scan_splits
 from pipelines.cli.stages import Stages, fingerprint, log
 from pipelines.config.load import derive, to_dict
@@ -26,7 +27,7 @@ from pipelines.storage import layout
 from pipelines.storage import uris as storage
 
 __all__ = ["ModelRun", "StageResult", "CurvatureResult", "SearchResult", "RunResult", "actor_resources",
-           "FINGERPRINT_VERSION"]
+           "forget_placement", "FINGERPRINT_VERSION"]
 
 #: Bumped when what enters a stage fingerprint changes: a run folder made under another version
 #: is refused in one line (``--force <stage>`` or a new ``--output``) instead of being misread.
@@ -74,6 +75,14 @@ class RunResult:
     seconds: float
 
 
+_SAID: set[str] = set()
+
+
+def forget_placement() -> None:
+    """A new run says its actor placement again (called at the start of each run)."""
+    _SAID.clear()
+
+
 def actor_resources(evaluate_spec: EvalSpec) -> dict[str, float]:
     """Ray resources of each search/evaluation actor: ``evaluate.cpus_per_actor`` and
     ``evaluate.gpus_per_actor``, or when that is null a share that lets every actor be placed
@@ -88,10 +97,13 @@ def actor_resources(evaluate_spec: EvalSpec) -> dict[str, float]:
         declared = float(ray.cluster_resources().get("GPU", 0.0))
         gpus = gpu_share(evaluate_spec.num_actors, declared)
         if gpus == 0:
-            log("actors: the cluster declares no GPU, so search and evaluation run on CPUs "
-                "(evaluate.gpus_per_actor=1 waits for GPU nodes instead)")
+            line = ("actors: the cluster declares no GPU, so search and evaluation run on CPUs "
+                    "(evaluate.gpus_per_actor=1 waits for GPU nodes instead)")
         else:
-            log(f"actors: {evaluate_spec.num_actors} actor(s) on {declared:g} declared GPU(s), {gpus:.4g} GPU each")
+            line = f"actors: {evaluate_spec.num_actors} actor(s) on {declared:g} declared GPU(s), {gpus:.4g} GPU each"
+        if line not in _SAID:  # one placement line per run, not one per stage
+            _SAID.add(line)
+            log(line)
     return {"cpus_per_actor": float(evaluate_spec.cpus_per_actor), "gpus_per_actor": float(gpus)}
 
 
@@ -113,8 +125,11 @@ class ModelRun:
         self.data_info = self.splits.summary(cfg, plan)
         self.model_info["coverage"] = self._coverage()
         splits = self.splits
-        log(f"data: {len(splits.train)} train images in {len(splits.parts)} partitions, {len(splits.search)} for "
-            f"the search, {len(splits.test)} test, {0 if splits.ood is None else len(splits.ood)} OOD")
+        log(f"data: {len(splits.train)} train images in {len(splits.parts)} "
+            f"partition{'s' if len(splits.parts) != 1 else ''}, {len(splits.search)} for the search, "
+            f"{len(splits.test)} test, {0 if splits.ood is None else len(splits.ood)} OOD")
+        for line in ignored_lines(splits.ignored()):
+            log(line)
         self.methods = tuple(cfg.posterior.methods)
         # methods with a posterior (``temperature`` has none: it is fitted in the search stage)
         self.post_methods = tuple(m for m in self.methods if method_info(m).posterior)
@@ -164,6 +179,7 @@ class ModelRun:
         from pipelines.passes.curvature import run_curvature
 
         train_dcfg = self.splits.train_config
+        self._announce_disk()
         res = run_curvature(self.spec, self.splits.parts, curv_cfg, self.output, data_config=train_dcfg,
                             endpoint_url=self.store)
         passes, subnet = dict(res.passes), None
@@ -174,6 +190,12 @@ class ModelRun:
                                          data_config=train_dcfg, endpoint_url=self.store, stats=res.stats)
             passes.update(subnet_res.passes)
             subnet = {k: v for k, v in dataclasses.asdict(subnet_res).items() if k != "passes"}
+        from pipelines.passes.curvature import pass_uri
+        from pipelines.storage.disk import drop, human
+
+        freed = drop([pass_uri(self.output, p) for p in ("pass1", "pass2")], self.store)
+        if freed:
+            log(f"disk: removed the pass checkpoints ({human(freed)}): stats/reduced holds the same sums")
         return {
             "count": res.stats.count, "efb_count": res.stats.efb_count, "excluded": res.stats.excluded,
             "skipped_batches": res.stats.skipped_batches, "skipped": dict(res.skipped),
@@ -196,9 +218,51 @@ class ModelRun:
     def _do_posterior(self) -> dict[str, Any]:
         from pipelines.passes.posterior import build_posteriors
 
+        from pipelines.errors import StageError
+        from pipelines.passes.curvature import reduced_uri
+
         post = self.cfg.posterior
-        return {"posteriors": build_posteriors(self.output, self.post_methods, post.rank, n_data=post.n_data,
-                                               prior_precision=post.prior_precision, endpoint_url=self.store)}
+        if not storage.exists(reduced_uri(self.output), self.store):
+            raise StageError(f"posterior: {reduced_uri(self.output)} was dropped after an earlier posterior stage "
+                             "(storage.keep_stats=false); redo the statistics with --force curvature")
+        out = {"posteriors": build_posteriors(self.output, self.post_methods, post.rank, n_data=post.n_data,
+                                              prior_precision=post.prior_precision, endpoint_url=self.store)}
+        self._keep_or_drop_stats()
+        return out
+
+    def _announce_disk(self) -> None:
+        """One line before pass 1: the bytes the statistics, checkpoint and posteriors will take."""
+        from pipelines.ingest.models import model_size_report
+        from pipelines.storage.disk import announce, expected_bytes
+
+        curvature, post = self.cfg.curvature, self.cfg.posterior
+        try:
+            rep = model_size_report(self.spec.name, self.spec.num_classes or len(self.splits.classes),
+                                    post.norm_layers, post.layers, post.rank)
+        except (ValueError, RuntimeError) as e:  # a model that cannot be built without weights: said, not fatal
+            log(f"disk: expected sizes not computed ({e})")
+            return
+        est = expected_bytes(rep, self.post_methods, stats_bytes=8 if curvature.stats_dtype == "float64" else 4,
+                             efb=any(method_info(m).needs_efb for m in self.post_methods if m != "subnet"))
+        log(announce(est, self.cfg.storage.keep_stats))
+
+    def _keep_or_drop_stats(self) -> None:
+        """After the posteriors: ``storage.keep_stats=false`` drops what only built them; the log
+        says what stays (the eigenbasis always: the kfac/efb posteriors reference its eigenvectors)."""
+        from pipelines.passes.curvature import basis_uri, reduced_uri
+        from pipelines.passes.subnet import subnet_uri
+        from pipelines.storage.disk import drop, human, tree_bytes
+
+        stats = [reduced_uri(self.output), subnet_uri(self.output)]
+        if self.cfg.storage.keep_stats:
+            kept = sum(tree_bytes(u, self.store) for u in stats)
+            log(f"disk: kept stats/reduced ({human(kept)}) to rebuild posteriors with other settings, and "
+                f"stats/eigenbasis ({human(tree_bytes(basis_uri(self.output), self.store))}); "
+                "storage.keep_stats=false drops the statistics after this stage")
+        else:
+            freed = drop(stats, self.store)
+            log(f"disk: dropped the statistics ({human(freed)}, storage.keep_stats=false); kept stats/eigenbasis "
+                f"({human(tree_bytes(basis_uri(self.output), self.store))}), which the posteriors reference")
 
     # ------------------------------------------------------------------ (N, tau) search
     def search(self, posterior: StageResult) -> SearchResult:
@@ -234,7 +298,8 @@ class ModelRun:
                          output=self.output, endpoint_url=self.store, key=fingerprint(fp)[:12])
             out.update(chosen=res.chosen, notes=res.notes, map=res.map,
                        info={**res.info, "device": search_cfg.resolved_device},
-                       failed=sum(1 for r in res.rows if r["status"] != "ok"))
+                       failed=sum(1 for r in res.rows if r["status"] != "ok"),
+                       skipped={"count": res.info["skipped"], "examples": res.info.get("skipped_examples", [])})
         if TEMPERATURE in self.methods:  # Guo et al. (2017): T by NLL on the search split
             from pipelines.evaluation.temperature import fit_temperature_run
 
@@ -267,7 +332,9 @@ class ModelRun:
         res = evaluate(self.spec, self.uris, build_dataset(splits.test, splits.test_config), ood_ds, eval_cfg,
                        output=self.output, hyper=searched.hyper, endpoint_url=self.store,
                        temperature=searched.temperature)
-        out = {"methods": {m: headline(r) for m, r in res.items()}, "device": eval_cfg.resolved_device}
+        out = {"methods": {m: headline(r) for m, r in res.items()}, "device": eval_cfg.resolved_device,
+               "skipped": {k: v for k, v in (("test", res["map"].get("skipped")),
+                                             ("ood", res["map"].get("ood_skipped"))) if v is not None}}
         if evaluate_spec.shift is not None:
             from pipelines.evaluation.shift import evaluate_shift
 
@@ -290,6 +357,7 @@ class ModelRun:
 
             from pipelines.report.shift import load_shift, render_shift
 
+            log("report: the summary table, the figures (matplotlib) and the HTML/Markdown pages")
             metrics = load_eval_metrics(self.output, self.store)
             table = read_search(self.output, self.store)
             figures = {}

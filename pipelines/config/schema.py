@@ -120,6 +120,14 @@ class DataSpec(Checked):
                                                      range=POSITIVE)
     decode_batch_size: int = setting(128, "images per Ray Data decode task batch", range=COUNT)
     decode_num_cpus: float = setting(1.0, "CPUs per Ray Data decode task", range=POSITIVE)
+    extensions: tuple[str, ...] = setting((), "file suffixes indexed as images besides .jpg .jpeg .png .bmp .gif "
+                                          ".webp .tif .tiff (e.g. [.jpe])")
+
+    def _check(self) -> None:
+        bad = [e for e in self.extensions if not (isinstance(e, str) and e.startswith(".")
+                                                   and e[1:].replace("_", "").isalnum())]
+        if bad:
+            raise ValueError(f"extensions must be file suffixes such as .jpe, got {bad[0]!r}")
 
 
 @dataclass(frozen=True)
@@ -135,12 +143,18 @@ class StorageSpec(Checked):
     (:mod:`pipelines.distributed.cluster`). ``allow_download``: a torchvision weights name (e.g.
     ``ResNet50_Weights.IMAGENET1K_V1``) whose file is not in the driver's torch hub cache is
     refused in preflight unless this is set, since every node would download it and clusters
-    often have no internet access."""
+    often have no internet access. ``keep_stats``: keep ``stats/reduced`` (and the subnet pass's
+    Fisher) after the posterior stage. On by default: they are what a changed posterior setting
+    (``posterior.rank``, a new method, ``n_data``) rebuilds from in seconds, where without them the
+    curvature stage, the run's most expensive one, would have to run again; ``false`` drops them
+    once the posteriors are written (the eigenbasis stays: the kfac/efb posteriors reference it)."""
 
     endpoint_url: str | None = setting(None, "S3-compatible endpoint (null: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL)")
     options: dict[str, Any] = setting(help="further s3fs keyword arguments", factory=dict)
     shared_fs: bool = setting(False, "local paths are on a filesystem every node mounts at the same place")
     allow_download: bool = setting(False, "torchvision weights names not in the local cache may be downloaded")
+    keep_stats: bool = setting(True, "keep stats/reduced after the posterior stage (a changed posterior setting "
+                                     "rebuilds from it); false drops it", fingerprint=False)
 
     def _check(self) -> None:
         self.resolved()

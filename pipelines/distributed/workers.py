@@ -179,6 +179,12 @@ def make_trainer(loop, loop_config: dict, cfg, use_gpu: bool, name: str, output_
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    # Ray Train 2.60 starts a PreemptionWatcher actor per worker group with max_restarts=-1 and the
+    # worker handles as constructor arguments, which makes every run log core_worker.cc's
+    # "constructor arguments in the object store and max_restarts > 0" error line. It only watches
+    # for cloud preemption notices; a lost node is still retried through FailureConfig and the
+    # pass checkpoints. Off unless the user turned it on (the driver's value reaches the controller).
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     resources = {"CPU": cfg.cpus_per_worker}
     if use_gpu:
         resources["GPU"] = cfg.gpus_per_worker

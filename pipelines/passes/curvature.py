@@ -65,6 +65,7 @@ from pipelines.distributed import (
     Job,
     PassRun,
     broadcast_object,
+    say,
     buckets,
     dataset_name,
     fingerprint,
@@ -231,6 +232,12 @@ def efb_partition_ids(
 
 
 # =========================================================================== worker side
+def _eigen_work(stats: CurvatureStatistics) -> str:
+    """``eigendecomposition of N factors (largest n x n)``: what the silent step between the passes does."""
+    dims = [d for k, info in stats.infos.items() if not info.diag_only for d in info.shape]
+    return f"eigendecomposition of {len(dims)} factors (largest {max(dims, default=0)} x {max(dims, default=0)})"
+
+
 def _train_loop(config: dict) -> None:
     """``train_loop_per_worker``: pass 1, eigenbasis, pass 2, reduced statistics."""
     import torch.distributed as dist
@@ -270,12 +277,16 @@ def _train_loop(config: dict) -> None:
             basis = load_eigenbasis(buri, job.store)
             rec["eigenbasis"] = "loaded"
         else:
-            basis = distributed_eigenbasis(stats, rank, world, device, rec)
+            if rank == 0:
+                say(f"[curvature] eigenbasis: {_eigen_work(stats)}, spread over {world} worker(s)")
+            basis = distributed_eigenbasis(stats, rank, world, device, rec, every_s=cfg.log_every_s)
             rec["eigenbasis"] = "computed"
             if rank == 0:
                 save_eigenbasis(buri, basis, stats.count, job.store)
             dist.barrier()
         rec["eigen_s"] = time.perf_counter() - t0
+        if rank == 0:
+            say(f"[curvature] eigenbasis {rec['eigenbasis']} in {rec['eigen_s']:.1f} s")
 
     if run2 is not None:
         dev_basis = Eigenbasis(layers={k: b.to(device=device) for k, b in basis.layers.items()},

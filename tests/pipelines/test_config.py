@@ -20,7 +20,7 @@ def _names(cls) -> set[str]:
 CURVATURE_FROM_ELSEWHERE = {"methods": "posterior.methods", "norm_layers": "posterior.norm_layers",
                             "layers": "posterior.layers",
                             "fault_injection": "tests only"}
-DATA_FROM_ELSEWHERE = {"split", "classes", "classes_file", "extensions", "unlabeled", "format", "endpoint_url",
+DATA_FROM_ELSEWHERE = {"split", "classes", "classes_file", "unlabeled", "format", "endpoint_url",
                        "num_partitions"}  # the run's plan per split; storage.endpoint_url; data.partition_size
 
 
