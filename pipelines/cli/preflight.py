@@ -66,6 +66,14 @@ def _explain(e: BaseException, uri: str, opts: storage.StorageOptions) -> str:
     name = type(e).__name__
     low = text.lower()
     bucket = uri.split("://", 1)[1].split("/", 1)[0] if "://" in uri else None
+    if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError") \
+            or "unable to locate credentials" in low:
+        why = storage.unreachable(opts, CONNECT_TIMEOUT_S)
+        if why:  # botocore asks for credentials before it connects: the endpoint is the first cause
+            return (f"cannot reach the S3 store at the {_where(opts)} for {uri} ({why}); "
+                    "check --endpoint-url (storage.endpoint_url)")
+        return (f"no AWS credentials found for {uri} (the {_where(opts)} answers): set AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY, a shared config profile or an instance role")
     if "nosuchbucket" in low or "bucket does not exist" in low or "specified bucket does not exist" in low:
         return f"bucket {bucket!r} does not exist at the {_where(opts)} ({uri})"
     if isinstance(e, PermissionError) or "accessdenied" in low or "access denied" in low or "forbidden" in low \
