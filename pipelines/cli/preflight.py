@@ -268,7 +268,7 @@ def preflight(cfg: RunConfig, *, dry_run: bool = False) -> dict[str, Any]:
             check_uri(storage.join(root, cfg.data.train_split), "train split", opts)
         if cfg.data.ood:
             check_uri(cfg.data.ood, "OOD folder", opts)
-    check_weights_fit(cfg, opts)
     check_writable(cfg.output, opts)
     checked["output"] = cfg.output
+    check_weights_fit(cfg, opts)
     return checked
