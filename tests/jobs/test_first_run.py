@@ -116,3 +116,83 @@ def test_missing_credentials_said_only_when_the_endpoint_answers(moto_s3):
                     env=_no_credentials_env())
     line = _one_line_exit_2(res, cpu, "no AWS credentials found", moto_s3)
     assert "cannot reach" not in line, line
+
+
+# --------------------------------------------------------------------------- the README's quick start
+#: README.md "Your own model and data": the command, run in a folder holding my_data/ and my_model.pt
+QUICK_START = ["--data", "my_data", "--model", "resnet18", "--weights", "my_model.pt"]
+DIGITS = (0, 1, 7)  # three classes of scikit-learn's real handwritten digits
+PER_SPLIT = {"train": 4, "val": 4}
+
+
+@pytest.fixture(scope="module")
+def quick_start(tmp_path_factory):
+    """``my_data/{train,val}/<digit>/*.jpg`` (real digits from scikit-learn as 16x16 RGB JPEGs)
+    and ``my_model.pt``, a resnet18 state dict with a 3-way head, as the README describes them."""
+    import numpy as np
+    import torch
+    import torchvision
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    cwd = tmp_path_factory.mktemp("quick")
+    digits = load_digits()
+    for c in DIGITS:
+        imgs = iter(digits.images[digits.target == c])
+        for split, n in PER_SPLIT.items():
+            d = cwd / "my_data" / split / f"digit{c}"
+            d.mkdir(parents=True)
+            for i in range(n):
+                gray = (next(imgs) * (255 / 16)).astype(np.uint8)
+                Image.fromarray(gray).convert("RGB").resize((16, 16)).save(d / f"{i}.jpg", quality=90)
+    torch.manual_seed(0)
+    torch.save(torchvision.models.resnet18(num_classes=len(DIGITS)).state_dict(), cwd / "my_model.pt")
+    return cwd
+
+
+def _quick(cwd, *extra: str):
+    env = dict(os.environ, RAY_ADDRESS="")
+    return subprocess.run([sys.executable, str(JOB), *QUICK_START, *extra], capture_output=True, text=True,
+                          timeout=900, env=env, cwd=cwd)
+
+
+def test_quick_start_dry_run_is_the_custom_preset(quick_start):
+    import yaml
+
+    res = _quick(quick_start, "--dry-run")
+    assert res.returncode == 0, res.stderr
+    first = res.stdout.splitlines()[0]
+    assert first.startswith("# preset custom (no --preset"), first
+    assert "ResNet18_Weights.IMAGENET1K_V1's transforms" in first and "224 px" in first, first
+    cfg = yaml.safe_load(res.stdout)
+    assert cfg["preset"] == "custom" and cfg["output"] == "runs/resnet18-my_data"
+    assert cfg["data"]["image_size"] == 224 and cfg["data"]["resize_size"] == 256
+    assert cfg["data"]["mean"] == [0.485, 0.456, 0.406] and cfg["data"]["std"] == [0.229, 0.224, 0.225]
+    assert cfg["search"]["log10_n"] == [0.0, 10.0] and cfg["search"]["log10_tau"] == [0.0, 10.0]
+    # a flag given by the user wins over what the preset derived, and the line says so
+    res = _quick(quick_start, "--set", "data.image_size=32", "--dry-run")
+    assert res.returncode == 0 and "image_size: 32" in res.stdout and "data.image_size=32 as set" in res.stdout
+
+
+def test_no_preset_model_without_weights_torchvision_defaults_and_random():
+    """A model with no torchvision weights: 224 and ImageNet's statistics, said; --weights random said."""
+    from pipelines.cli.plan import custom_preset
+
+    sets, why = custom_preset("tiny_cnn", "random", "s3://bucket/pets/")
+    assert "data.image_size=224" in sets and 'output="runs/tiny_cnn-pets"' in sets
+    assert "no torchvision weights" in why and "ImageNet's mean/std" in why and "--weights random" in why
+    sets, why = custom_preset("efficientnet_b3", "w.pt", "/data/birds")
+    assert "data.image_size=300" in sets and "data.resize_size=320" in sets and "EfficientNet_B3_Weights" in why
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_quick_start_runs(quick_start):
+    """The README command itself, made small (32 px, one method, two configurations): the
+    first log line names the preset, and the report is written under runs/resnet18-my_data."""
+    res = _quick(quick_start, "--methods", "diag", "--set", "data.image_size=32", "--set", "data.resize_size=32",
+                 "--set", "search.num_configs=2", "--set", "search.mc_samples=2", "--set", "evaluate.mc_samples=2",
+                 "--set", "evaluate.num_actors=1", "--set", "curvature.batch_size=4")
+    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
+    assert res.stdout.splitlines()[0].startswith("infoform: preset custom (no --preset"), res.stdout[:500]
+    assert (quick_start / "runs" / "resnet18-my_data" / "report.html").is_file()
