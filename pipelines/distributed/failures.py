@@ -18,29 +18,9 @@ from ray.train.v2._internal.execution.failure_handling import DefaultFailurePoli
 from ray.train.v2._internal.execution.failure_handling.failure_policy import FailureDecision
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
 
-from pipelines.errors import StageError, cause_line
+from pipelines.errors import DETERMINISTIC, StageError, cause_line, error_line, is_deterministic, root_error
 
 __all__ = ["DETERMINISTIC", "is_deterministic", "error_line", "worker_cause", "DeterministicFirst", "Trainer"]
-
-#: Exceptions that a retry would raise again (the code's or the input's, not the cluster's).
-DETERMINISTIC: tuple[type[BaseException], ...] = (ValueError, TypeError, LookupError, AttributeError,
-                                                  NotImplementedError, ArithmeticError)
-
-
-def _base(error: BaseException) -> BaseException:
-    """The user's exception inside Ray Train's wrapper (which keeps it with its traceback text)."""
-    inner = getattr(error, "_base_exc", None)
-    return inner if isinstance(inner, BaseException) else error
-
-
-def is_deterministic(error: BaseException) -> bool:
-    return isinstance(_base(error), DETERMINISTIC)
-
-
-def error_line(error: BaseException) -> str:
-    """``Type: message`` in one line."""
-    e = _base(error)
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
 
 
 def worker_cause(error: BaseException) -> tuple[int | None, BaseException | None]:
@@ -49,7 +29,7 @@ def worker_cause(error: BaseException) -> tuple[int | None, BaseException | None
     failures: dict[int, Any] = getattr(error, "worker_failures", None) or {}
     for rank in sorted(failures):
         if is_deterministic(failures[rank]):
-            return rank, _base(failures[rank])
+            return rank, root_error(failures[rank])
     return None, None
 
 
@@ -79,7 +59,7 @@ class Trainer(TorchTrainer):
                 raise StageError(f"{name} failed on worker {rank}: {error_line(cause)} (not retried: "
                                  "the same input would fail again)") from None
             failures = getattr(e, "worker_failures", None) or {}
-            first = _base(next(iter(failures.values()), e))
+            first = root_error(next(iter(failures.values()), e))
             why = cause_line(first).splitlines()[0] if isinstance(first, TrainingFailedError) else error_line(first)
             raise StageError(f"{name} failed after {self.run_config.failure_config.max_failures} retr(ies) "
                              f"(lost workers are retried): {why[:400]}") from None

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from pipelines.distributed.malloc import tune_malloc
-from pipelines.errors import StageError, cause_line
+from pipelines.errors import StageError, cause_line, is_deterministic
 from pipelines.evaluation.predictors import load_eval_model, load_posteriors
 from pipelines.evaluation.runtime import RuntimeFields
 from pipelines.storage import uris as storage
@@ -81,10 +81,12 @@ class ModelActor:
         # actor; the driver asks ``started()`` and reports the first one in one line
         self.cfg = cfg
         self.init_error: str | None = None
+        self.init_deterministic = False  # a retry would fail the same way (pipelines.errors.DETERMINISTIC)
         try:
             self._load(model, posterior_uris, hyper, cfg, endpoint_url)
         except Exception as e:  # noqa: BLE001 - reported to the driver, which stops the stage
             self.init_error = f"{type(e).__name__}: {e}"
+            self.init_deterministic = is_deterministic(e)
 
     def started(self) -> str | None:
         """``None`` once the model and posteriors are loaded, else the error, in one line."""

@@ -52,3 +52,30 @@ def test_the_policy_tells_errors_of_the_input_from_lost_workers():
     assert policy.make_decision(lost) == FailureDecision.RETRY  # retried, as before
     bad = WorkerGroupError("bad input", {0: RuntimeError("collective aborted"), 1: ValueError("bad key")})
     assert policy.make_decision(bad) == FailureDecision.RAISE
+
+
+def test_value_error_in_a_search_trial_ends_the_search_at_once(tmp_path, ray_session):
+    """A trial actor whose model raises ValueError (max_failures=2): the experiment stops at the
+    first trial, one StageError line with the cause, the factory called once (a retried trial
+    would call it 3 times), and no experiment state is left to resume into the same error."""
+    import torch
+
+    from pipelines.evaluation.runtime import SearchConfig
+    from pipelines.evaluation.tune import chunk_refs, run_experiment
+    from pipelines.storage import uris as storage
+
+    rows = [{"image": torch.zeros(3, 8, 8).numpy(), "label": i % 3, "path": f"{i}.png", "valid": True}
+            for i in range(32)]
+    cfg = SearchConfig(num_actors=1, batch_size=8, chunk_size=16, mc_samples=2, cpus_per_actor=0.5, torch_threads=1,
+                       num_configs=3, log10_n=(0.0, 4.0), log10_tau=(-2.0, 3.0), max_failures=2)
+    chunks, images, _ = chunk_refs(ray_session.data.from_items(rows, override_num_blocks=2), cfg)
+    if os.path.exists(retry_factories.CALLS):
+        os.remove(retry_factories.CALLS)
+    model = {"name": "retry_factories:raises_value_error", "weights": None, "num_classes": 3}
+    root = str(tmp_path / "tune")
+    with pytest.raises(StageError) as err:
+        run_experiment(model, {"diag": str(tmp_path / "posterior")}, chunks, images, cfg, storage_root=root)
+    msg = str(err.value)
+    assert "\n" not in msg and "ValueError" in msg and "'head9'" in msg and "not retried" in msg, msg
+    assert retry_factories.calls() == 1
+    assert storage.listdir(root) == []
