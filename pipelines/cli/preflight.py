@@ -1,11 +1,13 @@
 """Preflight: everything the job can check before any cluster work, each failure one line.
 
 Run by the job (``pipelines.cli.main.main``) before Ray starts: the configuration's model names
-and weights, the data, OOD and weights URIs, and that the output prefix is writable, all
+and weights, the data, OOD and weights URIs, that the output prefix is writable, and the weights
+themselves (read and matched against the model's state dict and the data's classes), all
 with the run's own store settings (:class:`pipelines.storage.uris.StorageOptions`) and the
 credentials of the AWS chain. A wrong endpoint, a missing bucket, denied access or a
 missing object is a :class:`PreflightError` (a ``ValueError``) naming the URI and the
-endpoint; the job prints it and exits with code 2. The store is probed through a fresh
+endpoint (a dead endpoint is "cannot reach" whatever the credentials; missing credentials are
+said only when the endpoint answers); the job prints it and exits with code 2. The store is probed through a fresh
 filesystem with short timeouts and one retry, so a wrong endpoint fails in seconds rather
 than after s3fs's and botocore's back-off (minutes).
 """

@@ -18,7 +18,8 @@ module or attribute, a factory that raises or one that returns something other t
 
 ``weights`` is one of
 
-* ``None`` — random initialisation (tests, shape-only tools);
+* ``None`` or ``"random"`` — random initialisation (tests, shape-only tools; ``--weights random``:
+  a test run of the pipeline);
 * a torchvision weights enum name such as ``"ResNet50_Weights.IMAGENET1K_V2"`` —
   resolved with ``torchvision.models.get_weight`` (downloads in real use);
 * a local path or URI (``s3://bucket/key``; ``endpoint_url`` or
@@ -30,7 +31,9 @@ module or attribute, a factory that raises or one that returns something other t
   ``{"model": ...}`` and DDP ``module.`` prefixes are unwrapped.
 
 Missing / unexpected keys and shape mismatches raise a one-line ``ValueError``
-naming the first offending key (and both shapes).
+naming the first three of each (and both shapes); a file that is neither safetensors nor a
+torch file (a text file, say) says so in words. :func:`check_weights` does the same match on
+the meta device (no memory, nothing loaded): the job's preflight, before Ray starts.
 """
 from __future__ import annotations
 
