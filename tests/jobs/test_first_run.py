@@ -118,6 +118,40 @@ def test_missing_credentials_said_only_when_the_endpoint_answers(moto_s3):
     assert "cannot reach" not in line, line
 
 
+@pytest.mark.s3
+def test_weights_on_s3_are_read_through_the_store(s3_bucket, tmp_path):
+    """The same checks for weights on S3 (moto on 127.0.0.1), in-process: under 10 CPU s each (this
+    process's, moto's server thread included; wall time on a shared CI machine says little)."""
+    import time
+
+    import boto3
+    import torch
+    import torchvision
+
+    from pipelines.cli.main import config_from_args, get_args_parser
+    from pipelines.cli.preflight import PreflightError, preflight
+
+    bucket, endpoint = s3_bucket
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    for c in ("ant", "bee", "cat"):
+        s3.put_object(Bucket=bucket[5:], Key=f"data/train/{c}/a.jpg", Body=b"\xff\xd8\xff")
+    s3.put_object(Bucket=bucket[5:], Key="notes.pt", Body=b"weights: see the wiki\n")
+    torch.save(torchvision.models.resnet18(num_classes=3).state_dict(), tmp_path / "r18.pt")
+    s3.upload_file(str(tmp_path / "r18.pt"), bucket[5:], "r18.pt")
+    for weights, needle in (("notes.pt", "is a text file"), ("r18.pt", None)):
+        args = ["--model", "resnet18", "--weights", f"{bucket}/{weights}", "--data", f"{bucket}/data",
+                "--output", f"{bucket}/out", "--endpoint-url", endpoint]
+        cfg = config_from_args(get_args_parser().parse_args(args))
+        assert cfg.preset == "custom"
+        t0 = time.process_time()
+        if needle is None:
+            preflight(cfg)  # resnet18 with a 3-way head, 3 classes: fits
+        else:
+            with pytest.raises(PreflightError, match=needle):
+                preflight(cfg)
+        assert time.process_time() - t0 < ANSWER_CPU_S
+
+
 # --------------------------------------------------------------------------- the README's quick start
 #: README.md "Your own model and data": the command, run in a folder holding my_data/ and my_model.pt
 QUICK_START = ["--data", "my_data", "--model", "resnet18", "--weights", "my_model.pt"]
