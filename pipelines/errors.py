@@ -11,7 +11,29 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["PreflightError", "StageError", "cause_line"]
+__all__ = ["PreflightError", "StageError", "cause_line", "DETERMINISTIC", "is_deterministic", "error_line", "root_error"]
+
+#: Exceptions that a retry would raise again: the code's or the input's (a bad weights file, a key
+#: that does not exist, a shape that does not fit), not the cluster's (a lost worker or node).
+DETERMINISTIC: tuple[type[BaseException], ...] = (ValueError, TypeError, LookupError, AttributeError,
+                                                  NotImplementedError, ArithmeticError)
+
+
+def root_error(error: BaseException) -> BaseException:
+    """The user's exception inside Ray Train's wrapper (which keeps it with its traceback text)."""
+    inner = getattr(error, "_base_exc", None)
+    return inner if isinstance(inner, BaseException) else error
+
+
+def is_deterministic(error: BaseException) -> bool:
+    """Whether a retry would fail the same way (:data:`DETERMINISTIC`)."""
+    return isinstance(root_error(error), DETERMINISTIC)
+
+
+def error_line(error: BaseException) -> str:
+    """``Type: message`` in one line."""
+    e = root_error(error)
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:400]}"
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)|[A-Z]\w*Error)\b(:.*)?$")

@@ -61,7 +61,10 @@ def _flat(path: Path) -> str:
 # Plain code blocks that hold no commands, by their first line.
 NOT_COMMANDS = {
     "configs/                  presets: one YAML file per run shape (demo, smoke, imagenet-*, audit)": "the folder tree",
-    "stats/passes/pass{1,2}/ckpt-NNNNNN/      running sums of the finished partitions (resume point)": "the artifact layout",
+    "stats/passes/pass{1,2}/ckpt-NNNNNN/      running sums of the finished partitions (resume point; removed when the "
+    "stage ends)": "the artifact layout",
+    "my_data/train/<class>/*.jpg   the images the curvature is computed on (the training set, or part of it)":
+        "the ImageFolder layout of the quick start",
 }
 
 # Command (README.md or a docs page) -> (kind, where / why). kind "run": a test or CI runs it (the needle ties it to
@@ -83,6 +86,9 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "infoform sizes": ("here", "test_sizes_commands_run (the section heading)"),
     "infoform run ...": ("here", "test_infoform_run_is_the_job"),
     "ray start --head": ("run", "tests/jobs/test_job.py"),
+    "python jobs/imagenet_inf.py --data my_data --model resnet18 --weights my_model.pt":
+        ("run", "tests/jobs/test_first_run.py"),
+    "infoform config --list": ("run", "tests/pipelines/test_settings.py"),
     "make core-demo": ("parse", "minutes of CPU: the Makefile target and jobs/core_demo.py's parser"),
     "python benchmarks/core_pass.py --random-basis": ("parse", "benchmark"),
     "python benchmarks/sampling.py": ("parse", "benchmark"),
@@ -122,6 +128,9 @@ RUNNER_NEEDLES = {
     "python jobs/imagenet_inf.py": "$(PY) jobs/imagenet_inf.py",
     "pip install -e '.[dev,bench]'": "pip install -e '.[dev,bench]'",
     "ray start --head": '"start", "--head"',
+    "python jobs/imagenet_inf.py --data my_data --model resnet18 --weights my_model.pt":
+        'QUICK_START = ["--data", "my_data", "--model", "resnet18", "--weights", "my_model.pt"]',
+    "infoform config --list": 'main(["config", "--list"])',
 }
 
 

@@ -55,7 +55,9 @@ class _OneLineParser(argparse.ArgumentParser):
 def get_args_parser(add_help: bool = False) -> argparse.ArgumentParser:
     p = _OneLineParser(description="INF Laplace posterior + calibration/OOD audit on Ray", add_help=add_help,
                        prog="imagenet_inf.py")
-    p.add_argument("--preset", default="demo", help=f"YAML preset in configs/ or a path ({', '.join(list_presets())})")
+    p.add_argument("--preset", default=None,
+                   help=f"YAML preset in configs/ or a path ({', '.join(list_presets())}); default: custom when "
+                        "--data, --model or --weights is given (your own model and data), else demo")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set curvature.num_workers=4 (repeatable; every key, "
                         "its default and range: infoform config --list)")
@@ -106,7 +108,39 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         flags.append(f"stages=[{args.stages}]")
     if args.force is not None:
         flags.append(f"force=[{args.force}]")
-    return load_config(args.preset, flags + list(args.overrides))
+    preset, derived = chosen_preset(args)
+    return load_config(preset, derived + flags + list(args.overrides))
+
+
+def chosen_preset(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """``--preset``, or with none: ``custom`` when ``--data`` / ``--model`` / ``--weights`` point at a
+    model and data of one's own (with the settings derived from the model,
+    :func:`pipelines.cli.plan.custom_preset`), else the embedded ``demo``."""
+    if args.preset is not None:
+        return args.preset, []
+    if args.data is None and args.model is None and args.weights is None:
+        return "demo", []
+    if args.model is None:
+        raise ConfigError("--data without a preset is your own model and data: give --model NAME (a torchvision "
+                          "name or package.module:callable) and --weights FILE (or --preset demo / smoke)")
+    from pipelines.cli.plan import custom_preset
+
+    return "custom", custom_preset(args.model, args.weights, args.data)[0]
+
+
+def preset_line(args: argparse.Namespace, cfg: RunConfig) -> str:
+    """Which preset runs and why, in one line (the dry run's first line, the job's first log line)."""
+    if cfg.preset == "custom" and getattr(args, "preset", None) is None:
+        line = cfg.description
+    elif getattr(args, "preset", None) is None:
+        line = f"preset demo (no --preset and no --data/--model/--weights): {cfg.description}"
+    else:
+        line = f"preset {cfg.preset} (--preset {args.preset})" + (f": {cfg.description}" if cfg.description else "")
+    if cfg.preset == "custom" and f"at {cfg.data.image_size} px" not in line:
+        line += f"; data.image_size={cfg.data.image_size} as set"
+    if cfg.model.weights == "random" and "--weights random" not in line:
+        line += "; --weights random: a test run with randomly initialised weights, not a trained model"
+    return line
 
 
 #: What a driver started outside ``ray job submit`` ships to the cluster (``--address``).
@@ -188,11 +222,15 @@ def cmd_run(args: argparse.Namespace, prog: str | None = None) -> int:
 
         from pipelines.config.load import to_dict
 
+        print(f"# {preset_line(args, cfg)}")
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
     if cfg.data.demo:
-        print(f"infoform: running the embedded demo (preset {cfg.preset}): digits in-distribution, "
+        why = ", no --preset given" if args.preset is None else ""
+        print(f"infoform: running the embedded demo (preset {cfg.preset}{why}): digits in-distribution, "
               "rendered letters out-of-distribution, a small CNN trained on the spot")
+    else:
+        print(f"infoform: {preset_line(args, cfg)}")
     from pipelines.distributed.cluster import VERBOSE_ENV, quiet_env
 
     if getattr(args, "verbose", False):

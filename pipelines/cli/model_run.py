@@ -123,6 +123,10 @@ class ModelRun:
         self.spec = spec
         self.splits: Splits = scan_splits(cfg, plan)  # on the driver, before any cluster work
         self.data_info = self.splits.summary(cfg, plan)
+        if spec.weights == "random":  # a test run: the head sized to the data's classes
+            self.spec = spec = dataclasses.replace(spec, num_classes=spec.num_classes or len(self.splits.classes))
+            log(f"model: {spec.name} with random weights ({spec.num_classes} classes): a test run of the pipeline, "
+                "its results say nothing about a trained model")
         self.model_info["coverage"] = self._coverage()
         splits = self.splits
         log(f"data: {len(splits.train)} train images in {len(splits.parts)} "

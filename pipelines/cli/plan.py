@@ -7,6 +7,7 @@ output is remote, so that every node reads them from there) and trains its small
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,43 @@ from pipelines.storage import layout
 from pipelines.storage import uris as storage
 
 DEMO_NUM_CLASSES = 10
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def _folder_name(uri: str) -> str:
+    name = uri.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
+    return name.split("://", 1)[-1] or "data"
+
+
+def custom_preset(model: str | None, weights: str | None, data: str | None) -> tuple[list[str], str]:
+    """What the ``custom`` preset (no ``--preset``, your own model and data) derives from the
+    model: ``key=value`` settings (image size and normalisation of the torchvision weights' own
+    eval transforms where known, else 224 and ImageNet's statistics; output
+    ``runs/<model>-<data folder name>``) and the line that says so. Flags and ``--set`` given
+    by the user come after these and win."""
+    from pipelines.ingest.models import RANDOM_WEIGHTS, default_transforms
+
+    name = model or "resnet50"
+    t = default_transforms(name, weights)
+    if t is None:
+        t = {"image_size": 224, "resize_size": 256, "mean": IMAGENET_MEAN, "std": IMAGENET_STD}
+        how = (f"{name} has no torchvision weights to take the transforms from: images at 224 px (resize 256) and "
+               "ImageNet's mean/std; set data.image_size, data.mean, data.std if your model was trained otherwise")
+    else:
+        how = (f"images at {t['image_size']} px (resize {t['resize_size']}) and the normalisation of "
+               f"{t['source']}'s transforms")
+    short = name.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+    sets = [f"data.image_size={t['image_size']}", f"data.resize_size={t['resize_size']}",
+            f"data.mean=[{', '.join(map(str, t['mean']))}]", f"data.std=[{', '.join(map(str, t['std']))}]"]
+    if data:
+        sets.append(f"output={json.dumps(f'runs/{short}-{_folder_name(data)}')}")
+    given = ", ".join(f for f, v in (("--data", data), ("--model", model), ("--weights", weights)) if v)
+    why = f"preset custom (no --preset, {given} given): your model {name}" + (f" on {data}" if data else "") + f"; {how}"
+    if weights == RANDOM_WEIGHTS:
+        why += "; --weights random: a test run with randomly initialised weights, not a trained model"
+    sets.append(f"description={json.dumps(why)}")
+    return sets, why
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
 """Preflight: everything the job can check before any cluster work, each failure one line.
 
 Run by the job (``pipelines.cli.main.main``) before Ray starts: the configuration's model names
-and weights, the data, OOD and weights URIs, and that the output prefix is writable, all
+and weights, the data, OOD and weights URIs, that the output prefix is writable, and the weights
+themselves (read and matched against the model's state dict and the data's classes), all
 with the run's own store settings (:class:`pipelines.storage.uris.StorageOptions`) and the
 credentials of the AWS chain. A wrong endpoint, a missing bucket, denied access or a
 missing object is a :class:`PreflightError` (a ``ValueError``) naming the URI and the
-endpoint; the job prints it and exits with code 2. The store is probed through a fresh
+endpoint (a dead endpoint is "cannot reach" whatever the credentials; missing credentials are
+said only when the endpoint answers); the job prints it and exits with code 2. The store is probed through a fresh
 filesystem with short timeouts and one retry, so a wrong endpoint fails in seconds rather
 than after s3fs's and botocore's back-off (minutes).
 """
@@ -66,6 +68,14 @@ def _explain(e: BaseException, uri: str, opts: storage.StorageOptions) -> str:
     name = type(e).__name__
     low = text.lower()
     bucket = uri.split("://", 1)[1].split("/", 1)[0] if "://" in uri else None
+    if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError") \
+            or "unable to locate credentials" in low:
+        why = storage.unreachable(opts, CONNECT_TIMEOUT_S)
+        if why:  # botocore asks for credentials before it connects: the endpoint is the first cause
+            return (f"cannot reach the S3 store at the {_where(opts)} for {uri} ({why}); "
+                    "check --endpoint-url (storage.endpoint_url)")
+        return (f"no AWS credentials found for {uri} (the {_where(opts)} answers): set AWS_ACCESS_KEY_ID / "
+                "AWS_SECRET_ACCESS_KEY, a shared config profile or an instance role")
     if "nosuchbucket" in low or "bucket does not exist" in low or "specified bucket does not exist" in low:
         return f"bucket {bucket!r} does not exist at the {_where(opts)} ({uri})"
     if isinstance(e, PermissionError) or "accessdenied" in low or "access denied" in low or "forbidden" in low \
@@ -145,18 +155,21 @@ def _check_enum_weights(name: str, cfg: RunConfig) -> None:
 
 
 def _check_models(cfg: RunConfig, opts: storage.StorageOptions, world: bool = True) -> None:
-    from pipelines.ingest.models import EXTRA_MODELS, is_enum_name, is_factory, model_names, resolve_factory, resolve_weights_enum
+    from pipelines.ingest.models import (EXTRA_MODELS, RANDOM_WEIGHTS, is_enum_name, is_factory, model_names,
+                                         resolve_factory, resolve_weights_enum)
 
     valid = set(model_names())
     for spec in cfg.all_models():
         if is_factory(spec.name):  # a user's package.module:callable; it builds its own model
             resolve_factory(spec.name)
-            if spec.weights is not None and world:
+            if spec.weights not in (None, RANDOM_WEIGHTS) and world:
                 check_uri(spec.weights, "weights file", opts)
             continue
         if spec.name not in valid:
             fam = sorted(n for n in valid if n.startswith(("resnet", "densenet"))) + sorted(EXTRA_MODELS)
             raise PreflightError(f"unknown model {spec.name!r}; valid: {', '.join(fam)} (or any torchvision classifier)")
+        if spec.weights == RANDOM_WEIGHTS:
+            continue
         if spec.weights is not None:
             if is_enum_name(spec.weights):
                 resolve_weights_enum(spec.weights)
@@ -165,7 +178,8 @@ def _check_models(cfg: RunConfig, opts: storage.StorageOptions, world: bool = Tr
             elif world:
                 check_uri(spec.weights, "weights file", opts)
         elif spec.name != "demo_cnn":
-            raise PreflightError(f"model {spec.name!r} needs --weights (a state-dict file or a torchvision weights name)")
+            raise PreflightError(f"model {spec.name!r} needs --weights (a state-dict file, a torchvision weights name, "
+                                 "or random: a test run with random initialisation)")
     if cfg.models and cfg.model != ModelSpec():
         raise PreflightError("both model (--model/--weights) and models: (an audit) are set; with models:, give each "
                              "model's weights in the list, e.g. --set 'models=[{name: resnet18, weights: ...}]'")
@@ -196,6 +210,50 @@ def _check_layer_selection(cfg: RunConfig) -> None:
             continue
 
 
+def data_classes(cfg: RunConfig, opts: storage.StorageOptions) -> int | None:
+    """How many classes the training split holds, from its folder names (ImageFolder) or the
+    Parquet shards' metadata file; None where that is not known without a scan (flat layouts)."""
+    if cfg.data.demo or not cfg.data.root or not cfg.data.train_split:
+        return None
+    from pipelines.ingest.parquet import PARQUET_META_FILE
+
+    train = storage.join(cfg.data.root, cfg.data.train_split)
+    try:
+        meta = storage.join(train, PARQUET_META_FILE)
+        if storage.exists(meta, opts):
+            return len(storage.read_json(meta, opts).get("classes") or ()) or None
+        fs, path = storage.get_fs(train, opts)
+        dirs = [e for e in fs.ls(path, detail=True) if e.get("type") == "directory"
+                and not str(e["name"]).rstrip("/").rsplit("/", 1)[-1].startswith(".")]
+    except (OSError, ValueError):
+        return None
+    return len(dirs) or None
+
+
+def check_weights_fit(cfg: RunConfig, opts: storage.StorageOptions) -> None:
+    """Each model's state-dict file is read (safetensors header, or ``torch.load(weights_only=True)``)
+    and matched against the model's state dict, and its classifier head against the number of
+    classes in the data: a file that is not weights, missing / unexpected keys, shape mismatches
+    and a head of another size are each one :class:`PreflightError` line."""
+    from pipelines.ingest.models import RANDOM_WEIGHTS, check_weights, is_enum_name
+
+    n_data = None
+    for spec in cfg.all_models():
+        if spec.weights in (None, RANDOM_WEIGHTS) or is_enum_name(spec.weights):
+            continue
+        try:
+            fit = check_weights(spec.name, spec.weights, spec.num_classes, endpoint_url=opts)
+        except ValueError as e:
+            raise PreflightError(f"--weights {spec.weights}: {e}") from None
+        n_data = data_classes(cfg, opts) if n_data is None else n_data
+        if n_data and fit["num_classes"] and fit["num_classes"] != n_data:
+            raise PreflightError(
+                f"--weights {spec.weights}: the classifier head {fit['head']!r} of {spec.name} has "
+                f"{fit['num_classes']} outputs, but the data has {n_data} classes "
+                f"({storage.join(cfg.data.root, cfg.data.train_split)}): train the head on these classes "
+                "(the class folders, sorted by name, are the label order) or point --data at the classes it was trained on")
+
+
 def preflight(cfg: RunConfig, *, dry_run: bool = False) -> dict[str, Any]:
     """Check ``cfg`` against the world before any cluster work; returns what was checked.
     Raises :class:`PreflightError` (one line) on the first problem. ``dry_run`` checks the
@@ -214,4 +272,5 @@ def preflight(cfg: RunConfig, *, dry_run: bool = False) -> dict[str, Any]:
             check_uri(cfg.data.ood, "OOD folder", opts)
     check_writable(cfg.output, opts)
     checked["output"] = cfg.output
+    check_weights_fit(cfg, opts)
     return checked

@@ -17,6 +17,7 @@ their outputs, posterior sizes and headline results.
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import sys
 import time
@@ -172,6 +173,28 @@ def _quiet_ray_data() -> None:
         pass
 
 
+def _absolute(uri: str | None) -> str | None:
+    if not uri or storage.is_remote(uri) or uri.startswith("file://"):
+        return uri
+    return os.path.abspath(os.path.expanduser(uri))
+
+
+def absolute_inputs(cfg: RunConfig) -> RunConfig:
+    """Local input paths (data, OOD, labels CSV, weights files) made absolute on the driver:
+    Ray Train workers and actors run in directories of their own, where ``my_model.pt`` is not."""
+    from pipelines.ingest.models import RANDOM_WEIGHTS, is_enum_name
+
+    def spec(m: ModelSpec) -> ModelSpec:
+        w = m.weights
+        if w is None or w == RANDOM_WEIGHTS or is_enum_name(w):
+            return m
+        return dataclasses.replace(m, weights=_absolute(w))
+
+    data = dataclasses.replace(cfg.data, root=_absolute(cfg.data.root), ood=_absolute(cfg.data.ood),
+                               labels_csv=_absolute(cfg.data.labels_csv))
+    return dataclasses.replace(cfg, data=data, model=spec(cfg.model), models=tuple(spec(m) for m in cfg.models))
+
+
 # --------------------------------------------------------------------------- entry
 def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult:
     """Run every requested stage for the configured model(s).
@@ -209,6 +232,7 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
     output = resolve_output(cfg.output)
     if output != cfg.output:
         cfg = dataclasses.replace(cfg, output=output)
+    cfg = absolute_inputs(cfg)
     plan = config_plan(cfg, output)
     storage.write_json_atomic(layout.config_uri(output), to_dict(cfg), cfg.storage_options())
     models = cfg.all_models()

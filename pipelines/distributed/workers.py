@@ -173,11 +173,14 @@ def gpu_shortfall(need: float, have: float) -> str | None:
 
 def make_trainer(loop, loop_config: dict, cfg, use_gpu: bool, name: str, output_uri: str, datasets: dict):
     """The ``TorchTrainer`` every pass runs on: ``cfg.num_workers`` workers (GPU + NCCL
-    when ``use_gpu``, else gloo), ``FailureConfig(cfg.max_failures)``, the lossless data
+    when ``use_gpu``, else gloo), ``FailureConfig(cfg.max_failures)`` for lost workers (a
+    deterministic error is not retried: :mod:`pipelines.distributed.failures`), the lossless data
     config; Ray Train's own files go next to a local output, or to a temp dir for S3."""
     import ray
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
+
+    from pipelines.distributed.failures import Trainer
 
     # Ray Train 2.60 starts a PreemptionWatcher actor per worker group with max_restarts=-1 and the
     # worker handles as constructor arguments, which makes every run log core_worker.cc's
@@ -195,7 +198,7 @@ def make_trainer(loop, loop_config: dict, cfg, use_gpu: bool, name: str, output_
         storage_path = os.path.join(tempfile.gettempdir(), "infoform_ray_train")
     else:
         storage_path = os.path.abspath(layout.train_storage_uri(output_uri))
-    return TorchTrainer(
+    return Trainer(
         loop,
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),

@@ -20,7 +20,7 @@ import torch
 from ray import method as ray_method
 
 from pipelines.distributed.malloc import tune_malloc
-from pipelines.errors import StageError, cause_line
+from pipelines.errors import StageError, cause_line, is_deterministic
 from pipelines.evaluation.predictors import load_eval_model, load_posteriors
 from pipelines.evaluation.runtime import RuntimeFields
 from pipelines.storage import uris as storage
@@ -84,10 +84,12 @@ class ModelActor:
         self.cfg = cfg
         self.init_error: str | None = None
         self.beats, self.waiting = 0, False  # batches read, and whether it waits for the next: the stall watchdog's view
+        self.init_deterministic = False  # a retry would fail the same way (pipelines.errors.DETERMINISTIC)
         try:
             self._load(model, posterior_uris, hyper, cfg, endpoint_url)
         except Exception as e:  # noqa: BLE001 - reported to the driver, which stops the stage
             self.init_error = f"{type(e).__name__}: {e}"
+            self.init_deterministic = is_deterministic(e)
 
     def started(self) -> str | None:
         """``None`` once the model and posteriors are loaded, else the error, in one line."""

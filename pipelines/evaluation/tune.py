@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from ray import tune
 
-from pipelines.errors import StageError
+from pipelines.errors import DETERMINISTIC, StageError, error_line
 from pipelines.evaluation.actors import ModelActor, await_round
 from pipelines.evaluation.asha import GridSearcher, PromotionASHA, RunningLimiter
 from pipelines.evaluation.chunks import Chunk, iter_chunks, valid_batches
@@ -120,14 +120,28 @@ class SearchTrainable(tune.Trainable):
         if not verbose():  # Tune's per-checkpoint INFO lines stay out of the job's log
             for name in ("ray.train", "ray.tune"):
                 logging.getLogger(name).setLevel(logging.WARNING)
+        self.error = ""  # a deterministic error: reported as the trial's result, not raised (Tune would retry)
+        self.k = self.images = 0
+        self.seconds = 0.0
         self.actor = ModelActor(model, dict(uris), None, cfg, endpoint_url)
         if self.actor.init_error is not None:
-            raise StageError(f"search actor could not start: {self.actor.init_error}")
-        self._start(config)
+            if not self.actor.init_deterministic:  # e.g. the store did not answer: Tune retries the trial
+                raise StageError(f"search actor could not start: {self.actor.init_error}")
+            self.error = f"search actor could not start: {self.actor.init_error}"
+            return
+        try:
+            self._start(config)
+        except DETERMINISTIC as e:
+            self.error = error_line(e)
 
     def reset_config(self, new_config) -> bool:
         self.config = new_config
-        self._start(new_config)
+        if self.actor.init_error is None:
+            self.error = ""
+            try:
+                self._start(new_config)
+            except DETERMINISTIC as e:
+                self.error = error_line(e)
         return True
 
     def _start(self, config: Mapping[str, Any]) -> None:
@@ -175,6 +189,18 @@ class SearchTrainable(tune.Trainable):
             os._exit(1)
 
     def step(self) -> dict[str, Any]:
+        if not self.error:
+            try:
+                return self._step()
+            except DETERMINISTIC as e:
+                self.error = error_line(e)
+        hc = getattr(self, "hc", None)
+        return {"objective": math.inf, "images": self.images, "chunks": self.k, "seconds": self.seconds,
+                "status": "error", "reason": self.error, "error": self.error,
+                "log10_n": math.nan if hc is None else hc.log10_n, "log10_tau": math.nan if hc is None else hc.log10_tau,
+                "acc": "{}", "done": True}
+
+    def _step(self) -> dict[str, Any]:
         import ray
 
         from pipelines.evaluation.predictors import finite_or_reason, predict_chunk
@@ -315,10 +341,17 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
                                             num_samples=num_samples, max_concurrent_trials=concurrent,
                                             reuse_actors=True),
                 run_config=tune.RunConfig(name=name, storage_path=path, storage_filesystem=fs, verbose=0,
+                                          stop=StopOnError(),
                                           failure_config=tune.FailureConfig(max_failures=cfg.max_failures),
                                           callbacks=[SearchProgress(num_samples * _grid_size(space), images,
                                                                     cfg.log_every_s)]))
         grid = _fit_from(tuner, tempfile.gettempdir())
+        errors = [(r.config, r.metrics["error"]) for r in grid if r.metrics and r.metrics.get("error")]
+        if errors:  # deterministic: not retried, and no experiment is left to resume into the same error
+            if tmp is None:
+                storage.remove(storage.join(storage_root, name), recursive=True, endpoint_url=endpoint_url)
+            raise StageError(f"search trial {errors[0][0]} failed: {errors[0][1]} (not retried: it would fail "
+                             "the same way again)")
         out = []
         for r in grid:
             if r.error is not None or not r.metrics or "acc" not in r.metrics:
@@ -336,6 +369,21 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
             import shutil
 
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+class StopOnError(tune.Stopper):
+    """Ends the whole experiment once a trial reports a deterministic error (``error`` in its result)."""
+
+    def __init__(self):
+        self.failed = False
+
+    def __call__(self, trial_id: str, result: Mapping[str, Any]) -> bool:
+        if result.get("error"):
+            self.failed = True
+        return bool(result.get("error"))
+
+    def stop_all(self) -> bool:
+        return self.failed
 
 
 def _no_credentials_in_runtime_envs() -> None:

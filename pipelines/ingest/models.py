@@ -18,7 +18,8 @@ module or attribute, a factory that raises or one that returns something other t
 
 ``weights`` is one of
 
-* ``None`` — random initialisation (tests, shape-only tools);
+* ``None`` or ``"random"`` — random initialisation (tests, shape-only tools; ``--weights random``:
+  a test run of the pipeline);
 * a torchvision weights enum name such as ``"ResNet50_Weights.IMAGENET1K_V2"`` —
   resolved with ``torchvision.models.get_weight`` (downloads in real use);
 * a local path or URI (``s3://bucket/key``; ``endpoint_url`` or
@@ -30,7 +31,9 @@ module or attribute, a factory that raises or one that returns something other t
   ``{"model": ...}`` and DDP ``module.`` prefixes are unwrapped.
 
 Missing / unexpected keys and shape mismatches raise a one-line ``ValueError``
-naming the first offending key (and both shapes).
+naming the first three of each (and both shapes); a file that is neither safetensors nor a
+torch file (a text file, say) says so in words. :func:`check_weights` does the same match on
+the meta device (no memory, nothing loaded): the job's preflight, before Ray starts.
 """
 from __future__ import annotations
 
@@ -48,6 +51,10 @@ __all__ = [
     "resolve_weights_enum",
     "read_state_dict",
     "check_state_dict",
+    "state_dict_mismatch",
+    "check_weights",
+    "default_transforms",
+    "RANDOM_WEIGHTS",
     "load_model",
     "model_coverage",
     "vit_tiny_test",
@@ -218,13 +225,37 @@ def _unwrap(obj) -> dict[str, torch.Tensor]:
     return sd
 
 
-def read_state_dict(uri: str, *, endpoint_url: str | None = None) -> dict[str, torch.Tensor]:
-    """Read a state dict from a local path or fsspec URI (``.safetensors`` or a torch file).
+def _is_safetensors(data: bytes) -> bool:
+    """safetensors: an 8-byte little-endian header length, then a JSON header."""
+    if len(data) < 10:
+        return False
+    n = int.from_bytes(data[:8], "little")
+    return 0 < n <= len(data) - 8 and data[8:9] == b"{"
 
-    torch files are read with ``weights_only=True`` (no arbitrary unpickling).
-    """
+
+def _not_weights(uri: str, data: bytes) -> ValueError:
+    """A one-line ``ValueError`` for a file that is neither safetensors nor a torch file, in words."""
+    how = ("give a state dict saved with torch.save(model.state_dict(), path) (or a .safetensors file)")
+    if not data:
+        return ValueError(f"weights file {uri} is empty, not weights; {how}")
+    head = data[:4096]
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and sum(c.isprintable() or c in "\n\r\t" for c in text) >= 0.95 * len(text):
+        first = " ".join(text.split())[:40]
+        return ValueError(f"weights file {uri} is a text file ({first!r}...), not weights; {how}")
+    return ValueError(f"weights file {uri} is neither a safetensors file nor a torch.save file; {how}")
+
+
+def read_state_dict(uri: str, *, endpoint_url: str | None = None) -> dict[str, torch.Tensor]:
+    """Read a state dict from a local path or fsspec URI (``.safetensors`` or a torch file,
+    told apart by their first bytes). torch files are read with ``weights_only=True`` (no
+    arbitrary unpickling); a file that is neither (a text file, say) is a one-line
+    ``ValueError`` that says so in words."""
     data = _read_bytes(uri, endpoint_url)
-    if uri.endswith(".safetensors"):
+    if _is_safetensors(data) or (uri.endswith(".safetensors") and not data.startswith(b"PK")):
         from safetensors.torch import load as st_load
 
         try:
@@ -232,7 +263,11 @@ def read_state_dict(uri: str, *, endpoint_url: str | None = None) -> dict[str, t
         except Exception as e:  # safetensors raises its own error type
             if isinstance(e, ValueError) and "state dict" in str(e):
                 raise
+            if not _is_safetensors(data):
+                raise _not_weights(uri, data) from None
             raise ValueError(f"cannot read safetensors weights {uri}: {e}") from None
+    if not (data.startswith(b"PK\x03\x04") or data[:1] == b"\x80"):  # zip (torch.save) or a legacy pickle
+        raise _not_weights(uri, data)
     try:
         obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as e:
@@ -240,20 +275,43 @@ def read_state_dict(uri: str, *, endpoint_url: str | None = None) -> dict[str, t
     return _unwrap(obj)
 
 
-def check_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> None:
+def _some(keys: list[str], k: int = 3) -> str:
+    """The first ``k`` quoted keys, and how many more."""
+    more = f" and {len(keys) - k} more" if len(keys) > k else ""
+    return ", ".join(repr(x) for x in keys[:k]) + more
+
+
+def state_dict_mismatch(own: Mapping[str, tuple], sd: Mapping[str, torch.Tensor]) -> str | None:
+    """One line naming missing keys, unexpected keys and shape mismatches of ``sd`` against the
+    model's ``own`` key -> shape (first three of each, model order), or None when they match."""
+    missing = [k for k in own if k not in sd]
+    unexpected = [k for k in sd if k not in own]
+    shapes = [k for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k])]
+    parts = []
+    if missing:
+        k = missing[0]
+        parts.append(f"weights are missing key {k!r} (expected shape {tuple(own[k])})"
+                     + (f"; also missing {_some(missing[1:])}" if len(missing) > 1 else "")
+                     + f" ({len(missing)} of the model's {len(own)} keys"
+                     + ("; none of them is in the file: weights of another architecture?)" if len(missing) == len(own)
+                        else ")"))
+    if shapes:
+        k = shapes[0]
+        parts.append(f"shape mismatch for {k!r}: weights have {tuple(sd[k].shape)}, model expects {tuple(own[k])}"
+                     + (f"; also for {_some(shapes[1:])}" if len(shapes) > 1 else ""))
+    if unexpected:
+        k = unexpected[0]
+        parts.append(f"weights have unexpected key {k!r} (shape {tuple(sd[k].shape)})"
+                     + (f"; also {_some(unexpected[1:])}" if len(unexpected) > 1 else ""))
+    return "; ".join(parts) or None
+
+
+def check_state_dict(model: nn.Module, sd: Mapping[str, torch.Tensor], name: str | None = None) -> None:
     """Raise a one-line ``ValueError`` unless ``sd`` matches ``model.state_dict()`` exactly
-    (same keys, same shapes). Reports the first offending key in model order."""
-    own = model.state_dict()
-    for k, v in own.items():
-        if k not in sd:
-            raise ValueError(f"weights are missing key {k!r} (expected shape {tuple(v.shape)})")
-        if tuple(sd[k].shape) != tuple(v.shape):
-            raise ValueError(
-                f"shape mismatch for {k!r}: weights have {tuple(sd[k].shape)}, model expects {tuple(v.shape)}"
-            )
-    for k in sd:
-        if k not in own:
-            raise ValueError(f"weights have unexpected key {k!r} (shape {tuple(sd[k].shape)})")
+    (same keys, same shapes), naming the first three missing / unexpected / mismatched keys."""
+    why = state_dict_mismatch({k: tuple(v.shape) for k, v in model.state_dict().items()}, sd)
+    if why:
+        raise ValueError((f"weights do not fit model {name!r}: " if name else "") + why)
 
 
 def _last_linear(model: nn.Module) -> str | None:
@@ -296,6 +354,22 @@ def _build(name: str, num_classes: int | None, weights_enum=None) -> nn.Module:
     return tvm.get_model(name, weights=weights_enum, **kwargs)
 
 
+#: ``weights: random`` — random initialisation on purpose (a test run of the pipeline, said in the log).
+RANDOM_WEIGHTS = "random"
+
+
+def _fit_state_dict(name: str, sd: Mapping[str, torch.Tensor], num_classes: int | None, build) -> nn.Module:
+    """``build(name, num_classes)`` with the classifier size of ``sd`` when ``num_classes`` is None,
+    checked against ``sd`` (one-line ``ValueError`` naming what does not fit)."""
+    model = build(name, num_classes)
+    if num_classes is None:
+        inferred = _infer_num_classes(model, sd)
+        if inferred is not None and inferred != model.get_submodule(_last_linear(model)).out_features:
+            model = build(name, inferred)
+    check_state_dict(model, sd, name)
+    return model
+
+
 def load_model(
     name: str,
     weights: str | None = None,
@@ -308,15 +382,18 @@ def load_model(
     ``num_classes=None`` means the architecture's default, or, with a state-dict
     file, the output size of the file's last Linear layer. A factory string
     ``"package.module:callable"`` builds the model by calling it (see the module docstring);
-    its state dict, if given, must fit the returned model exactly.
+    its state dict, if given, must fit the returned model exactly. ``weights="random"``
+    (:data:`RANDOM_WEIGHTS`) is a random initialisation, as ``None``.
     """
+    if weights == RANDOM_WEIGHTS:
+        weights = None
     if is_factory(name):
         if weights is not None and is_enum_name(weights):
             raise ValueError(f"model {name!r} is a factory; give a state-dict file, not torchvision weights {weights!r}")
         model = _build_factory(name, num_classes)
         if weights is not None:
             sd = read_state_dict(weights, endpoint_url=endpoint_url)
-            check_state_dict(model, sd)
+            check_state_dict(model, sd, name)
             model.load_state_dict(sd, strict=True)
         return model.eval()
     if name not in EXTRA_MODELS and name not in _torchvision_names():
@@ -332,14 +409,56 @@ def load_model(
         model = _build(name, None, enum)
     else:
         sd = read_state_dict(weights, endpoint_url=endpoint_url)
-        model = _build(name, num_classes)
-        if num_classes is None:
-            inferred = _infer_num_classes(model, sd)
-            if inferred is not None and inferred != model.get_submodule(_last_linear(model)).out_features:
-                model = _build(name, inferred)
-        check_state_dict(model, sd)
+        model = _fit_state_dict(name, sd, num_classes, _build)
         model.load_state_dict(sd, strict=True)
     return model.eval()
+
+
+def _build_meta(name: str, num_classes: int | None) -> nn.Module:
+    """The model's shapes without memory: built on the ``meta`` device where its constructor allows."""
+    if is_factory(name):
+        return _build_factory(name, num_classes)
+    try:
+        with torch.device("meta"):
+            return _build(name, num_classes)
+    except NotImplementedError:  # constructors that read tensor values (regnet)
+        return _build(name, num_classes)
+
+
+def check_weights(name: str, weights: str, num_classes: int | None = None, *,
+                  endpoint_url=None) -> dict[str, object]:
+    """Read the state-dict file ``weights`` and match it against model ``name`` (built on the
+    meta device: no memory, no download) as :func:`load_model` would, without loading it.
+    Returns ``{"head": name of the last Linear layer or None, "num_classes": its outputs}``;
+    one-line ``ValueError`` for a file that is not weights or weights that do not fit."""
+    sd = read_state_dict(weights, endpoint_url=endpoint_url)
+    model = _fit_state_dict(name, sd, num_classes, _build_meta)
+    head = _last_linear(model)
+    return {"head": head, "num_classes": None if head is None else int(model.get_submodule(head).out_features)}
+
+
+def default_transforms(name: str, weights: str | None = None) -> dict[str, object] | None:
+    """Image size, resize size and normalisation of the torchvision weights' own eval transforms
+    (``weights`` when it is an enum name, else the architecture's ``DEFAULT`` weights): a dict with
+    ``image_size``, ``resize_size``, ``mean``, ``std`` and ``source`` (the enum), or None when the
+    model has no torchvision weights (a factory, an extra model). Reads metadata only: no download."""
+    import torchvision.models as tvm
+
+    try:
+        if weights is not None and is_enum_name(weights):
+            enum = resolve_weights_enum(weights)
+        elif is_factory(name) or name in EXTRA_MODELS:
+            return None
+        else:
+            enum = tvm.get_model_weights(name).DEFAULT
+        t = enum.transforms()
+    except Exception:  # no weights registered for the name, or transforms that are not a classification preset
+        return None
+    crop, resize = getattr(t, "crop_size", None), getattr(t, "resize_size", None)
+    if not crop or not resize:
+        return None
+    return {"image_size": int(crop[0]), "resize_size": int(resize[0]), "mean": tuple(float(v) for v in t.mean),
+            "std": tuple(float(v) for v in t.std), "source": f"{type(enum).__name__}.{enum.name}"}
 
 
 def _few(names: list[str], k: int = 6) -> str:
@@ -371,11 +490,7 @@ def model_coverage(name: str, num_classes: int | None = None, norm_layers: str =
     from laplace_core.layers import DESELECTED
     from laplace_core.sizes import model_sizes
 
-    try:
-        with torch.device("meta"):
-            model = _build(name, num_classes)
-    except NotImplementedError:  # constructors that read tensor values (regnet)
-        model = _build(name, num_classes)
+    model = _build_meta(name, num_classes) if not is_factory(name) else _build(name, num_classes)
     rep = model_sizes(model, norm_layers=norm_layers, layers=layers)
     cov = rep.coverage
     cov["at_map_layers"] = [k for k, why in rep.excluded.items() if why == DESELECTED]  # model order

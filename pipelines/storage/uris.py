@@ -55,6 +55,7 @@ __all__ = [
     "read_json",
     "listdir",
     "remove",
+    "unreachable",
 ]
 
 #: Supported URI schemes ("" = plain local path).
@@ -262,3 +263,23 @@ def remove(uri: str, recursive: bool = False, endpoint_url: Store = None) -> Non
         return
     fs.rm(path, recursive=recursive)
     fs.invalidate_cache(path)
+
+
+def unreachable(endpoint_url: Store = None, timeout_s: float = 3.0) -> str | None:
+    """Why the S3 endpoint cannot be reached (a TCP connection to its host and port within
+    ``timeout_s``), or None when it answers. No request is sent and no credentials are needed,
+    so a dead endpoint is told apart from missing credentials (botocore signs, and fails for want
+    of credentials, before it connects)."""
+    import socket
+
+    ep = resolve_options(endpoint_url).endpoint_url or "https://s3.amazonaws.com"
+    parts = urlsplit(ep)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except socket.timeout:
+        return f"no answer from {host}:{port} within {timeout_s:g} s"
+    except OSError as e:
+        return f"{e.strerror or type(e).__name__} at {host}:{port}"

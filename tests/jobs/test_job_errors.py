@@ -124,20 +124,22 @@ def test_posterior_layers_matching_nothing_is_one_line_naming_valid_layers():
 # --------------------------------------------------------------------------- S3 preflight
 @pytest.fixture(scope="module")
 def s3_layout(moto_s3, weights):
-    """A bucket with one training image and a weights object on moto's server (127.0.0.1)."""
+    """A bucket with one training image in each of 4 classes and resnet18 weights with a 4-way head on
+    moto's server (127.0.0.1): preflight reads the weights and matches them to the model and the data."""
     import boto3
 
     bucket = f"pre-{os.getpid()}"
     s3 = boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1")
     s3.create_bucket(Bucket=bucket)
-    s3.put_object(Bucket=bucket, Key="data/train/n01/a.jpg", Body=b"\xff\xd8\xff")
+    for c in ("n01", "n02", "n03", "n04"):  # as many classes as the weights' head has outputs
+        s3.put_object(Bucket=bucket, Key=f"data/train/{c}/a.jpg", Body=b"\xff\xd8\xff")
     s3.put_object(Bucket=bucket, Key="r18.pt", Body=weights.read_bytes())
     return f"s3://{bucket}", moto_s3
 
 
 def _s3_args(data: str, weights: str, endpoint: str, output: str) -> list[str]:
-    return ["--preset", "imagenet-resnet50", "--data", data, "--weights", weights, "--output", output,
-            "--endpoint-url", endpoint]
+    return ["--preset", "imagenet-resnet50", "--model", "resnet18", "--data", data, "--weights", weights,
+            "--output", output, "--endpoint-url", endpoint]
 
 
 def _closed_port_endpoint() -> str:
