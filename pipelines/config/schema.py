@@ -201,6 +201,7 @@ class EvalSpec:
     log_every_s: float = 30.0  # progress line interval of the actors (seconds)
     entropy_bins: int = 50  # histogram bins of the predictive entropies
     ood_exact_limit: int = 0  # keep raw OOD scores (exact AUROC) while in + out examples <= this
+    bootstrap: int = 1000  # paired bootstrap resamples over test images behind every interval (seeded by seed)
     shift: ShiftSpec | None = None  # e.g. {corruptions: [gaussian_noise, contrast], severities: [1, 3, 5]}
 
 
@@ -311,6 +312,7 @@ class RunConfig:
             raise ConfigError(f"unknown evaluate.dtype {ev.dtype!r}; valid: {', '.join(DTYPES)}")
         for key, v, low in (("evaluate.chunk_size", ev.chunk_size, 1), ("search.chunk_size", self.search.chunk_size, 1),
                             ("evaluate.entropy_bins", ev.entropy_bins, 1), ("evaluate.ood_exact_limit", ev.ood_exact_limit, 0),
+                            ("evaluate.bootstrap", ev.bootstrap, 2),
                             ("evaluate.torch_threads", 1 if ev.torch_threads is None else ev.torch_threads, 1)):
             if v < low:
                 raise ConfigError(f"{key} must be >= {low}, got {v!r}")

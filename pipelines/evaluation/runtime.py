@@ -160,6 +160,8 @@ class EvalConfig(RuntimeFields):
     sample_cache_mb: keep a method's ``K`` deltas in memory when they fit (MiB).
     entropy_bins: histogram bins for entropies; ood_exact_limit: keep raw OOD scores
     (exact AUROC) while in + out examples <= this (see ``OODDetection``).
+    bootstrap: resamples of the paired bootstrap over test images behind every interval
+    (:mod:`laplace_core.metrics.bootstrap`, seeded by ``seed``; default 1,000).
     Runtime fields: see ``RuntimeFields``.
     """
 
@@ -171,11 +173,14 @@ class EvalConfig(RuntimeFields):
     sample_cache_mb: float = 256.0
     entropy_bins: int = ENTROPY_BINS
     ood_exact_limit: int = 0
+    bootstrap: int = 1000
 
     def __post_init__(self) -> None:
         self._check_runtime()
         _check_scoring(self)
         check_pos_int("entropy_bins", self.entropy_bins)
+        if isinstance(self.bootstrap, bool) or not isinstance(self.bootstrap, int) or self.bootstrap < 2:
+            raise ValueError(f"bootstrap must be an int >= 2 (resamples), got {self.bootstrap!r}")
         if not (self.sample_cache_mb >= 0):
             raise ValueError(f"sample_cache_mb must be >= 0, got {self.sample_cache_mb!r}")
         if isinstance(self.ood_exact_limit, bool) or not isinstance(self.ood_exact_limit, int) or self.ood_exact_limit < 0:

@@ -141,6 +141,12 @@ class TemperaturePredictor:
         with torch.no_grad():
             return [torch.softmax(self.model(x) / self.temperature, dim=-1) for x in xs]
 
+    def predict_batches_stats(self, xs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, None]]:
+        """``(log_softmax(f(x; θ*) / T)`` float64, no draws) per batch: the exact log-probabilities."""
+        with torch.no_grad():
+            return [(torch.log_softmax(self.model(x).to(torch.float64) / self.temperature, dim=-1), None)
+                    for x in xs]
+
 
 def map_logits(model: nn.Module, batches: Any, cfg: RuntimeFields, progress=None) -> tuple[np.ndarray, np.ndarray]:
     """The MAP logits ``[n, C]`` and labels ``[n]`` of ``batches`` (fixed-size batches of
