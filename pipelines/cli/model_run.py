@@ -194,7 +194,9 @@ class ModelRun:
         if srch is not None:
             self.hyper = {m: (c["n_data"], c["prior_precision"]) for m, c in srch["chosen"].items() if c is not None}
             if srch.get("temperature") is not None:
-                self.temperature = float(srch["temperature"]["temperature"])
+                from pipelines.evaluation.temperature import with_fallback
+
+                self.temperature = float(with_fallback(srch["temperature"])["temperature"])
             write_search_table(self.output, self.post_methods, self.ep)
         return srch
 
@@ -212,6 +214,10 @@ class ModelRun:
             key = fingerprint(self.search_fp)[:12]
             res = search(self.spec, self.uris, build_dataset(s.search, s.search_config), search_cfg,
                          output=self.output, endpoint_url=self.ep, key=key)
+            from pipelines.report.edges import edge_notes
+
+            for line in edge_notes(res.chosen, to_dict(self.cfg.search)):
+                log(f"search: {line}")
             out.update(chosen=res.chosen, notes=res.notes, map=res.map,
                        info={**res.info, "device": search_cfg.resolved_device},
                        failed=sum(1 for r in res.rows if r["status"] != "ok"))
@@ -220,8 +226,11 @@ class ModelRun:
 
             fit = fit_temperature_run(self.spec, build_dataset(s.search, s.search_config), search_cfg,
                                       output=self.output, endpoint_url=self.ep)
-            log(f"temperature: T = {fit['temperature']:.4g} (search-split NLL {fit['nll_before']:.4f} -> "
-                f"{fit['nll_after']:.4f}){'; ' + fit['note'] if fit.get('note') else ''}")
+            if fit.get("fallback"):
+                log(fit["fallback"])
+            else:
+                log(f"temperature: T = {fit['temperature']:.4g} (search-split NLL {fit['nll_before']:.4f} -> "
+                    f"{fit['nll_after']:.4f}){'; ' + fit['note'] if fit.get('note') else ''}")
             out["temperature"] = fit
         return out
 
@@ -301,6 +310,16 @@ def headline(r: dict[str, Any]) -> dict[str, Any]:
     if isinstance(r.get("ood"), dict):
         out["ood_auroc"] = r["ood"].get("auroc")
         out["ood_entropy_mean"] = r.get("ood_entropy_mean")
+    ent = (r.get("ood_scores") or {}).get("entropy")
+    if isinstance(ent, dict):  # exact, from the per-image scores
+        out.update(ood_auroc=ent["auroc"], ood_fpr95=ent["fpr_at_95_tpr"], ood_aupr=ent["aupr"],
+                   ood_scores=r["ood_scores"])
+    sel = r.get("selective")
+    if isinstance(sel, dict):
+        out.update({k: sel[k] for k in ("aurc", "acc_at_90", "acc_at_95")})
+    for k in ("intervals", "nll_from", "count", "temperature"):
+        if k in r:
+            out[k] = r[k]
     return out
 
 
