@@ -123,22 +123,28 @@ def wilson(k: float, n: float, z: float = 1.959963984540054) -> tuple[float, flo
 
 def _bin_counts_and_intervals(ax: Any, pts: list[dict[str, float]]) -> None:
     """Per bin of a reliability panel: the Wilson interval of its accuracy (error bar) and its
-    image count (grey bars on a right axis scaled to the panel's lower quarter, the number on top)."""
+    image count (grey bars in the panel's lower quarter, right axis, the number on top)."""
     if not pts:
         return
     for p in pts:
         lo, hi = wilson(p["accuracy"] * p["count"], p["count"])
         mid = (p["lo"] + p["hi"]) / 2
         ax.plot([mid, mid], [lo, hi], color="black", lw=0.9)
-    axc = ax.twinx()
+    axc = ax.inset_axes([0.0, 0.0, 1.0, 0.24])  # the panel's lower quarter
+    axc.patch.set_alpha(0.0)
+    axc.set_xlim(0, 1)
+    axc.set_xticks([])
+    for side in ("top", "left", "bottom"):
+        axc.spines[side].set_visible(False)
+    axc.yaxis.tick_right()
     top = max(p["count"] for p in pts)
     for p in pts:
         bw = max(p["hi"] - p["lo"], 1e-3)
         axc.bar(p["lo"], p["count"], width=bw, align="edge", color="0.55", alpha=0.5, edgecolor="none")
         axc.text(p["lo"] + bw / 2, p["count"], str(p["count"]), ha="center", va="bottom", fontsize=5.5,
                  color="0.25")
-    axc.set_ylim(0, 4.2 * top)
-    axc.set_yticks([0, top])
+    axc.set_ylim(0, 1.3 * top)
+    axc.set_yticks([top])
     axc.tick_params(labelsize=6, colors="0.4")
 
 

@@ -71,7 +71,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("nll", "NLL", False),
     Metric("ece", "ECE", False, percent=True),
     Metric("brier", "Brier", False, digits=4),
-    Metric("aurc", "AURC (selective risk)", False, digits=4),
+    Metric("aurc", "AURC", False, digits=4),
     Metric("ood_auroc", "OOD AUROC", True),
     Metric("ood_fpr95", "OOD FPR at 95% TPR", False, percent=True),
     Metric("ood_aupr", "OOD AUPR", True),
