@@ -43,9 +43,10 @@ class Metric:
     def fmt_ci(self, v: float, ci: Any) -> str:
         if not (isinstance(ci, (list, tuple)) and len(ci) == 2 and all(_finite(x) for x in ci)):
             return self.fmt(v)
+        # no-break spaces inside the bracket: a narrow cell breaks only between value and interval
         if self.percent:
-            return f"{100 * v:.1f}% [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
-        return f"{v:.{self.digits}f} [{ci[0]:.{self.digits}f}, {ci[1]:.{self.digits}f}]"
+            return f"{100 * v:.1f}% [{100 * ci[0]:.1f},\u00a0{100 * ci[1]:.1f}]"
+        return f"{v:.{self.digits}f} [{ci[0]:.{self.digits}f},\u00a0{ci[1]:.{self.digits}f}]"
 
     def delta(self, v: float, ref: float) -> str:
         d = v - ref
@@ -140,7 +141,8 @@ def summary_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
             if meth in best:
                 marked.append((len(rows), j + 2))
         if len(best) > 1:
-            cells.append(" = ".join(method_label(b) for b in best) + " (tie)")
+            have = [meth for meth in methods if _value(results, meth, m.key) is not None]
+            cells.append("all tied" if len(best) == len(have) else " = ".join(method_label(b) for b in best) + " (tie)")
         else:
             cells.append(method_label(best[0]) if best else "—")
         rows.append(cells)
@@ -189,14 +191,15 @@ def sample_line(results: Mapping[str, Any]) -> str:
 
 
 def _against(results: Mapping[str, Any], meth: str, ref: str, n: int) -> str | None:
-    """``"vs MAP: better NLL (...), worse ECE (...); no significant difference in ... at n = ..."``."""
+    """``"vs MAP: better NLL, ECE; worse Accuracy; no significant difference at n = ... in ..."`` (the
+    differences with their intervals are :func:`paired_table`'s)."""
     better, worse, same = [], [], []
     for m in METRICS:
         p = _paired(results, meth, ref, m.key)
         if p is None:
             continue
         b = m.better(p)
-        (better if b else worse if b is False else same).append(m if b is None else f"{m.label} ({m.fmt_diff(p)})")
+        (better if b else worse if b is False else same).append(m.label)
     if not (better or worse or same):
         return None
     parts = []
@@ -207,7 +210,7 @@ def _against(results: Mapping[str, Any], meth: str, ref: str, n: int) -> str | N
     if same and not (better or worse):
         parts.append(f"no significant difference at n = {n:,} on any metric")
     elif same:
-        parts.append(f"no significant difference at n = {n:,} in " + ", ".join(m.label for m in same))
+        parts.append(f"no significant difference at n = {n:,} in " + ", ".join(same))
     return f"vs {method_label(ref)}: " + "; ".join(parts)
 
 

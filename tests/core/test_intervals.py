@@ -121,13 +121,15 @@ def test_identical_methods_are_not_different_and_a_clearly_better_one_is_better(
     diag = next(s for s in said if s.startswith("Diag"))
     inf = next(s for s in said if s.startswith("INF"))
     assert diag == f"Diag vs MAP: no significant difference at n = {n} on any metric."
-    assert inf.startswith("INF vs MAP: better Accuracy (") and ", NLL (-" in inf and "worse" not in inf
+    assert inf.startswith("INF vs MAP: better Accuracy, NLL, ECE, Brier, AURC") and "worse" not in inf
     header, rows, marked, keys = summary_table(results)
     acc = dict(zip(header, rows[keys.index("accuracy")]))
     assert acc["Better"] == "↑ higher" and acc["Best"] == "INF" and "[" in acc["MAP"]
     same = {m: {"status": "ok", "accuracy": 0.9} for m in ("map", "diag")}
     row = dict(zip(*[summary_table(same)[i] for i in (0,)], summary_table(same)[1][0]))
-    assert row["Best"] == "MAP = Diag (tie)"
+    assert row["Best"] == "all tied"
+    three = {**same, "inf": {"status": "ok", "accuracy": 0.8}}
+    assert dict(zip(summary_table(three)[0], summary_table(three)[1][0]))["Best"] == "MAP = Diag (tie)"
 
 
 def test_bootstrap_is_seeded_and_checks_its_input():
