@@ -28,7 +28,7 @@ from .ood import ranking_metrics
 from .perimage import PerImage
 from .selective import RankedConfidence
 
-__all__ = ["BOOT_METRICS", "LEVEL", "RankedScores", "ood_summary", "weighted_metrics", "bootstrap"]
+__all__ = ["BOOT_METRICS", "LEVEL", "RankedScores", "ood_summary", "weighted_metrics", "bootstrap", "bootstrap_means"]
 
 LEVEL = 0.95
 BOOT_METRICS = ("accuracy", "nll", "brier", "ece", "aurc", "acc_at_90", "acc_at_95",
@@ -159,3 +159,49 @@ def bootstrap(per_method: Mapping[str, PerImage], resamples: int = 1000, seed: i
                                          "significant": bool(lo > 0 or hi < 0) and math.isfinite(diff)}
         out[m] = res
     return out
+
+
+def bootstrap_means(cells: list[Mapping[str, PerImage]], resamples: int = 1000, seed: int = 0,
+                    refs: tuple[str, ...] = ("map", "temperature"), keys: tuple[str, ...] = ("accuracy", "nll", "ece"),
+                    *, ece_bins: int = 15, ece_mode: str = "equal_width", level: float = LEVEL,
+                    prefix: str = "shift_") -> dict[str, dict[str, Any]]:
+    """Intervals of the unweighted mean over ``cells`` (e.g. corruption x severity) of ``keys``,
+    paired across methods inside each cell. Each cell is resampled on its own (its images are
+    aligned across methods, not across cells), so the interval treats the cells as independent
+    samples. Returns ``method -> {"ci": {prefix + key: [lo, hi]}, "paired": {ref: {prefix + key:
+    {"diff", "lo", "hi", "significant"}}}}`` for the methods present in every cell."""
+    names = [m for m in (cells[0] if cells else {}) if all(m in c and c[m].n for c in cells)]
+    if not names:
+        return {}
+    prep = [{m: _Method(c[m], ece_bins, ece_mode) for m in names} for c in cells]
+    ns = [next(iter(c.values())).correct.numel() for c in prep]
+
+    def means(ws: list[torch.Tensor]) -> dict[str, dict[str, float]]:
+        out = {m: {k: 0.0 for k in keys} for m in names}
+        for c, w in zip(prep, ws):
+            for m, p in c.items():
+                n = float(w.sum())
+                vals = {"accuracy": float((w * p.correct).sum()) / n, "nll": float((w * p.nll).sum()) / n,
+                        "brier": float((w * p.brier).sum()) / n}
+                for k in keys:
+                    out[m][k] += (vals[k] if k in vals else p.ece(w)) / len(prep)
+        return out
+
+    point = means([torch.ones(n, dtype=torch.float64) for n in ns])
+    gen = torch.Generator().manual_seed(int(seed))
+    draws = [means([_counts(n, gen) for n in ns]) for _ in range(resamples)]
+    vals = {m: {k: torch.tensor([d[m][k] for d in draws], dtype=torch.float64) for k in keys} for m in names}
+    res: dict[str, dict[str, Any]] = {}
+    for m in names:
+        paired = {}
+        for ref in refs:
+            if ref == m or ref not in vals:
+                continue
+            paired[ref] = {}
+            for k in keys:
+                lo, hi = _interval(vals[m][k] - vals[ref][k], level)
+                paired[ref][prefix + k] = {"diff": point[m][k] - point[ref][k], "lo": lo, "hi": hi,
+                                           "significant": bool(lo > 0 or hi < 0)}
+        res[m] = {"point": {prefix + k: point[m][k] for k in keys},
+                  "ci": {prefix + k: _interval(vals[m][k], level) for k in keys}, "paired": paired}
+    return res

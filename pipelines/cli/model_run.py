@@ -272,6 +272,7 @@ class ModelRun:
             for m, d in docs.items():  # the means over corruptions and severities join the headline numbers
                 if m in out["methods"]:
                     out["methods"][m].update(shift_headline(d))
+                    _join_intervals(out["methods"][m], d.get("intervals"))
         return out
 
     # ------------------------------------------------------------------ report
@@ -300,6 +301,17 @@ class ModelRun:
         self.search()
         self.evaluate()
         self.seconds = time.perf_counter() - t0
+
+
+def _join_intervals(head: dict[str, Any], shift_iv: dict[str, Any] | None) -> None:
+    """The shift means' intervals (:func:`laplace_core.metrics.bootstrap.bootstrap_means`) join the
+    headline's ``intervals`` (``ci`` and ``paired`` per reference)."""
+    iv = head.get("intervals")
+    if not shift_iv or not isinstance(iv, dict):
+        return
+    iv.setdefault("ci", {}).update(shift_iv.get("ci") or {})
+    for ref, p in (shift_iv.get("paired") or {}).items():
+        iv.setdefault("paired", {}).setdefault(ref, {}).update(p)
 
 
 def headline(r: dict[str, Any]) -> dict[str, Any]:

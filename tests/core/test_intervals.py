@@ -170,3 +170,23 @@ def test_confident_mistake_nll_is_the_exact_log_softmax_value():
         assert -float(lpm[0, 1]) == pytest.approx(direct, rel=1e-13)
         p = torch.softmax(draws, -1)
         assert float(ent[0]) == pytest.approx(float(-(p * torch.log(p)).sum(-1).mean()), rel=1e-12)
+
+
+def test_shift_mean_intervals_average_the_cells_and_pair_the_methods():
+    from laplace_core.metrics.bootstrap import bootstrap_means
+
+    rng = np.random.default_rng(5)
+    cells = []
+    for n in (120, 150):  # two corrupted test sets (cells) of their own sizes
+        y = torch.tensor(rng.integers(0, 3, n))
+        lp = torch.log_softmax(torch.tensor(rng.normal(size=(n, 3))), -1)
+        good = lp.clone()
+        good[torch.arange(n), y] += 5.0
+        cells.append({"map": _per(lp, y), "diag": _per(lp.clone(), y), "inf": _per(torch.log_softmax(good, -1), y)})
+    res = bootstrap_means(cells, 200, seed=0)
+    acc = [float(c["map"].inp["correct"].mean()) for c in cells]
+    assert res["map"]["point"]["shift_accuracy"] == pytest.approx(sum(acc) / 2, abs=TOL)
+    lo, hi = res["map"]["ci"]["shift_accuracy"]
+    assert lo < sum(acc) / 2 < hi
+    assert not any(p["significant"] for p in res["diag"]["paired"]["map"].values())
+    assert res["inf"]["paired"]["map"]["shift_nll"]["significant"] and res["inf"]["paired"]["map"]["shift_nll"]["hi"] < 0
