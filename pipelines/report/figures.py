@@ -90,8 +90,8 @@ def render_reliability(metrics_by_method: Mapping[str, Mapping[str, Any]], varia
             ax.set_ylabel("accuracy", fontsize=9)
         ax.set_xlabel("confidence", fontsize=9)
     handles = [Patch(color="#4c72b0", label="accuracy per bin"),
-               Line2D([0], [0], color="black", lw=1, marker="_", label="95% interval (Wilson) of the bin's accuracy"),
-               Patch(color="0.55", alpha=0.5, label="images per bin (right axis, number on top)"),
+               Line2D([0], [0], color="black", lw=1, marker="_", label="95% interval (Wilson)"),
+               Patch(color="0.55", alpha=0.5, label="images per bin"),
                Patch(facecolor=(0.87, 0.52, 0.32, 0.3), hatch="///", edgecolor="#c44e52", label="gap to diagonal"),
                Line2D([0], [0], ls="--", color="0.5", label="perfect calibration")]
     ax = fig.add_subplot(gs[nrows, :])
