@@ -15,8 +15,20 @@ from pipelines.cli.model_run import headline
 from pipelines.evaluation.evaluate import EvalAccumulator, paired_intervals
 from pipelines.evaluation.runtime import EvalConfig
 from pipelines.report import write
-from tests.jobs import browser
-from tests.pipelines.test_report import make_search_table, make_summary
+
+def _load(name: str, path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_HERE = Path(__file__).resolve().parent
+browser = _load("infoform_test_browser_verdict", _HERE.parent / "jobs" / "browser.py")
+_report_tests = _load("infoform_test_report_helpers", _HERE / "test_report.py")
+make_search_table, make_summary = _report_tests.make_search_table, _report_tests.make_summary
 
 N_IN, N_OUT, C = 600, 300, 10
 #: Methods as temperatures of the same logits: the paired bootstrap sees the same images.
