@@ -47,7 +47,7 @@ from torch.func import functional_call, jvp, vmap
 
 from .hooks import capture, layer_inputs, layer_output_grads, norm_grads, reference_attention
 from .layers import LayerKind, find_layers, get_matrix, layer_kind, owner_params, perturbed
-from .predictive import SampleCache, eval_mode, check_layers, sample_seed
+from .predictive import SampleCache, check_layers, draw_stats, eval_mode, sample_seed
 from .structures.base import LayerPosterior, Posterior
 from .structures.diag import DiagLayer
 from .structures.efb import EigenDiagLayer
@@ -478,3 +478,15 @@ class GLMPredictor:
         if iter(batches) is batches:
             raise ValueError("predict_batches needs a re-iterable sequence of batches, not a one-shot iterator")
         return [self.predict(x) for x in batches]
+
+    def predict_batches_stats(self, batches: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """MC-GLM: one ``(log p̄ [B_j, C], E_t H(p_t) [B_j])`` per batch, float64, exact
+        log-mean-exp of the draws (:func:`laplace_core.predictive.draw_stats`); None for the
+        probit links and regression (no draws: probabilities are all there is)."""
+        if self.link != "mc" or self.likelihood != "classification":
+            return None
+        out = []
+        for x in batches:
+            f0, jv = self.logit_directions(x)
+            out.append(draw_stats(f0[None] + jv))
+        return out

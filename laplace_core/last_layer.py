@@ -41,7 +41,7 @@ from torch import nn
 
 from .glm import probit_pairwise, probit_pi8
 from .layers import LayerKind, find_layers, is_tapped, layer_kind
-from .predictive import check_layers, eval_mode, sample_generator, sample_seed
+from .predictive import check_layers, draw_stats, eval_mode, sample_generator, sample_seed
 from .structures.base import LayerPosterior, Posterior
 from .structures.diag import DiagLayer
 from .structures.efb import EigenDiagLayer
@@ -287,11 +287,33 @@ class LastLayerGLMPredictor:
         elif self.link == "probit":
             p = probit_pairwise(f, cov)
         else:
-            Lf = _factor(cov)
-            z = self._normals(f.shape[1], f.device)  # (K, C)
-            logits = f[None] + torch.einsum("bcd,kd->kbc", Lf, z)
-            p = torch.softmax(logits, dim=-1).mean(0)
+            p = torch.softmax(self._draws(f, cov), dim=-1).mean(0)
         return p.to(f0.dtype)
+
+    def _draws(self, f: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+        """The Gaussian logits ``f + L_f z_t`` ``[K, B, C]``."""
+        z = self._normals(f.shape[1], f.device)  # (K, C)
+        return f[None] + torch.einsum("bcd,kd->kbc", _factor(cov), z)
+
+    def predict_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(log p̄ [B, C], E_t H(p_t) [B])`` of the ``"mc"`` link, float64 (exact
+        log-mean-exp, :func:`laplace_core.predictive.draw_stats`); None for the probit links."""
+        if self.link != "mc":
+            return None
+        parts = self._rows(x)
+        if len(parts) > 1:
+            got = [self.predict_stats(p) for p in parts]
+            return torch.cat([g[0] for g in got]), torch.cat([g[1] for g in got])
+        moments = self.logit_moments(x)
+        if moments is None:
+            fb = self.fallback.predict_batches_stats([x])
+            return None if fb is None else fb[0]
+        return draw_stats(self._draws(moments[0].to(F64), moments[1]))
+
+    def predict_batches_stats(self, batches: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """:meth:`predict_stats` per batch; None for the probit links."""
+        out = [self.predict_stats(x) for x in batches]
+        return None if any(o is None for o in out) else out
 
     def predict_mean_var(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(f(x, θ*) [B, C], diag Σ_f [B, C])``."""

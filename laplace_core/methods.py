@@ -190,9 +190,9 @@ def method_color(name: str) -> str | None:
 
 
 def order_methods(names) -> list[str]:
-    """``names`` (duplicates dropped) in report order: MAP, the registry's order, then any
-    others alphabetically."""
+    """``names`` (duplicates dropped) in report order: MAP, temperature scaling (the baseline
+    every Laplace row is read against), the registry's order, then any others alphabetically."""
     names = list(dict.fromkeys(names))
-    order = (MAP, *REGISTRY)
+    order = (MAP, TEMPERATURE, *(n for n in REGISTRY if n != TEMPERATURE))
     known = [n for n in order if n in names]
     return known + sorted(n for n in names if n not in order)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -52,6 +53,8 @@ __all__ = [
     "mc_predict",
     "MCPredictor",
     "eval_mode",
+    "DrawStats",
+    "draw_stats",
 ]
 
 LIKELIHOODS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -63,6 +66,41 @@ def _link(likelihood: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if likelihood not in LIKELIHOODS:
         raise ValueError(f"unknown likelihood {likelihood!r}; valid: {', '.join(LIKELIHOODS)}")
     return LIKELIHOODS[likelihood]
+
+
+class DrawStats:
+    """Exact log-predictive of an average of softmaxes, one draw at a time (float64).
+
+    ``add(logits)`` folds in one draw's logits ``[B, C]``; :meth:`result` returns
+    ``(log p̄ [B, C], E_t H(p_t) [B])`` with ``log p̄ = logsumexp_t log_softmax(z_t) − log K``
+    (log-mean-exp: no probability is floored, a confident mistake keeps its exact
+    ``−log p̄_y``) and the mean entropy of the draws in nats (the aleatoric part: the mutual
+    information is ``H(p̄) − E_t H(p_t)``)."""
+
+    def __init__(self) -> None:
+        self.lse: torch.Tensor | None = None
+        self.ent: torch.Tensor | None = None
+        self.k = 0
+
+    def add(self, logits: torch.Tensor) -> "DrawStats":
+        ls = torch.log_softmax(logits.to(torch.float64), dim=-1)
+        ent = -(torch.exp(ls) * ls).sum(-1)
+        self.lse = ls if self.lse is None else torch.logaddexp(self.lse, ls)
+        self.ent = ent if self.ent is None else self.ent + ent
+        self.k += 1
+        return self
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k == 0:
+            raise ValueError("DrawStats: no draw added")
+        return self.lse - math.log(self.k), self.ent / self.k
+
+
+def draw_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`DrawStats` of ``K`` draws at once: ``logits`` ``[K, B, C]``."""
+    ls = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    ent = -(torch.exp(ls) * ls).sum(-1).mean(0)
+    return torch.logsumexp(ls, dim=0) - math.log(logits.shape[0]), ent
 
 
 def sample_seed(seed: int, t: int) -> int:
@@ -225,26 +263,42 @@ class MCPredictor:
         """Samples outer, batches inner: each ``δ_t`` is drawn once. ``batches`` must be
         re-iterable (a list, or a DataLoader yielding input tensors in a fixed order);
         returns one ``[B_j, C]`` tensor per batch, equal to ``predict`` on that batch."""
+        dtypes: list[torch.dtype] = []
+
+        def start(x: torch.Tensor) -> torch.Tensor:
+            p = self._forward(x)
+            dtypes.append(p.dtype)
+            return p.to(torch.float64)
+
+        totals = self._over_samples(batches, start, lambda s, x: s + self._forward(x).to(torch.float64))
+        return [(s / self.n_samples).to(dt) for s, dt in zip(totals, dtypes)]
+
+    def predict_batches_stats(self, batches: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Like :meth:`predict_batches`, one ``(log p̄ [B_j, C], E_t H(p_t) [B_j])`` per batch
+        (:class:`DrawStats`: exact log-mean-exp of the draws' log-softmax, float64)."""
+        states = self._over_samples(batches, lambda x: DrawStats().add(self.model(x)),
+                                    lambda s, x: s.add(self.model(x)))
+        return [s.result() for s in states]
+
+    def _over_samples(self, batches: Sequence[torch.Tensor], start: Callable, add: Callable) -> list:
+        """Fold every batch's outputs over the samples ``t = 0..K-1`` (samples outer)."""
         if iter(batches) is batches:
             raise ValueError("predict_batches needs a re-iterable sequence of batches, not a one-shot iterator")
-        totals: list[torch.Tensor] = []
-        dtypes: list[torch.dtype] = []
+        states: list = []
         with torch.no_grad(), eval_mode(self.model):
             for t in range(self.n_samples):
                 with self._applied(t):
                     j = -1
                     for j, x in enumerate(batches):
-                        p = self._forward(x)
                         if t == 0:
-                            totals.append(p.to(torch.float64))
-                            dtypes.append(p.dtype)
-                        elif j >= len(totals):
+                            states.append(start(x))
+                        elif j >= len(states):
                             raise ValueError("batches yielded more batches on a later pass")
                         else:
-                            totals[j] = totals[j] + p.to(torch.float64)
-                    if j + 1 != len(totals):
-                        raise ValueError(f"batches yielded {j + 1} batches on pass {t}, {len(totals)} on the first")
-        return [(s / self.n_samples).to(dt) for s, dt in zip(totals, dtypes)]
+                            states[j] = add(states[j], x)
+                    if j + 1 != len(states):
+                        raise ValueError(f"batches yielded {j + 1} batches on pass {t}, {len(states)} on the first")
+        return states
 
 
 def mc_predict(

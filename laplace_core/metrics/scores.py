@@ -3,7 +3,7 @@
 term (conventions in :mod:`laplace_core.metrics.base`):
 
 * accuracy: ``1[argmax_c p_c = y]`` (ties -> lowest class index);
-* NLL: ``-log max(p_y, NLL_EPS)``;
+* NLL: ``-log max(p_y, NLL_EPS)`` from probabilities, exact ``-log p_y`` from log-probabilities;
 * Brier: ``Σ_c (p_c - 1[c = y])²`` (range ``[0, 2]``, not divided by ``C`` or 2).
 """
 from __future__ import annotations
@@ -43,9 +43,15 @@ class FloatMean(MeanAccumulator):
 
 
 class NLL(FloatMean):
-    """Mean negative log-likelihood ``mean(-log max(p_y, NLL_EPS))``."""
+    """Mean negative log-likelihood: from probabilities ``mean(-log max(p_y, NLL_EPS))``
+    (:meth:`update`), exactly from log-probabilities with :meth:`add_log` (no floor)."""
 
     kind: ClassVar[str] = "nll"
+
+    def add_log(self, logp_true: torch.Tensor, num_classes: int) -> "NLL":
+        """Add ``-log p_y`` given as log-probabilities ``[B]`` of the true classes (exact)."""
+        lp = logp_true.detach().to(device="cpu", dtype=torch.float64)
+        return self._with(self.count + lp.shape[0], self.total - float(lp.sum()), num_classes)
 
     def terms(self, p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return -torch.log(p.gather(1, y[:, None])[:, 0].clamp_min(NLL_EPS))

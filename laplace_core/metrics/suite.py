@@ -69,11 +69,19 @@ class MetricSuite:
     def count(self) -> int:
         return self.accuracy.count
 
-    def update(self, probs: torch.Tensor, labels: torch.Tensor) -> "MetricSuite":
+    def update(self, probs: torch.Tensor, labels: torch.Tensor,
+               log_probs: torch.Tensor | None = None) -> "MetricSuite":
+        """``log_probs`` (``[B, C]``, natural log, optional): the NLL is then the exact
+        ``-log p_y`` from them; without, ``-log max(p_y, NLL_EPS)`` from ``probs``."""
         p, y = check_probs(probs, labels, num_classes=self.num_classes)
+        if log_probs is None:
+            nll = self.nll.add_checked(p, y)
+        else:
+            lp = log_probs.detach().to(device="cpu", dtype=torch.float64)
+            nll = self.nll.add_log(lp.gather(1, y[:, None])[:, 0], p.shape[1])
         return MetricSuite(
             accuracy=self.accuracy.add_checked(p, y),
-            nll=self.nll.add_checked(p, y),
+            nll=nll,
             brier=self.brier.add_checked(p, y),
             ece=self.ece.add_checked(p, y),
             ece_mass=self.ece_mass.add_checked(p, y),
@@ -107,7 +115,8 @@ class MetricSuite:
             out["ood"] = self.ood.compute()
         out["conventions"] = {
             "prediction": "argmax (ties -> lowest index); confidence = max prob",
-            "nll": f"mean of -log(max(p_y, {NLL_EPS:g}))",
+            "nll": f"mean of -log p_y: exact from log-probabilities (log-softmax; log-mean-exp over MC draws) "
+                   f"where the predictor gives them, else -log(max(p_y, {NLL_EPS:g})) from probabilities",
             "brier": "mean over examples of sum over classes of (p - onehot)^2, range [0, 2]",
             "ece_bins": "right-closed (lo, hi], confidence 0 in the first bin; float64 edges i/n_bins",
             "ece_equal_mass": f"groups of fine bins ({self.ece_mass.fine_bins}) by rank of the first example",

@@ -279,11 +279,13 @@ class ModelRun:
         if summary is None:
             return SearchResult(fp, None)
         write_search_table(self.output, self.post_methods, self.store)
+        from pipelines.evaluation.temperature import with_fallback
+
         fitted = summary.get("temperature")
         return SearchResult(fp, summary,
                             hyper={m: (c["n_data"], c["prior_precision"])
                                    for m, c in summary["chosen"].items() if c is not None},
-                            temperature=None if fitted is None else float(fitted["temperature"]))
+                            temperature=None if fitted is None else float(with_fallback(fitted)["temperature"]))
 
     def _do_search(self, fp: dict[str, Any]) -> dict[str, Any]:
         from pipelines.evaluation.runtime import search_config
@@ -300,6 +302,10 @@ class ModelRun:
             # a re-submitted job resumes the Tune experiment of this key
             res = search(self.spec, self.uris, build_dataset(splits.search, splits.search_config), search_cfg,
                          output=self.output, endpoint_url=self.store, key=fingerprint(fp)[:12])
+            from pipelines.report.edges import edge_notes
+
+            for line in edge_notes(res.chosen, to_dict(self.cfg.search)):
+                log(f"search: {line}")
             out.update(chosen=res.chosen, notes=res.notes, map=res.map,
                        info={**res.info, "device": search_cfg.resolved_device},
                        failed=sum(1 for r in res.rows if r["status"] != "ok"),
@@ -309,8 +315,11 @@ class ModelRun:
 
             fit = fit_temperature_run(self.spec, build_dataset(splits.search, splits.search_config), search_cfg,
                                       output=self.output, endpoint_url=self.store)
-            log(f"temperature: T = {fit['temperature']:.4g} (search-split NLL {fit['nll_before']:.4f} -> "
-                f"{fit['nll_after']:.4f}){'; ' + fit['note'] if fit.get('note') else ''}")
+            if fit.get("fallback"):
+                log(fit["fallback"])
+            else:
+                log(f"temperature: T = {fit['temperature']:.4g} (search-split NLL {fit['nll_before']:.4f} -> "
+                    f"{fit['nll_after']:.4f}){'; ' + fit['note'] if fit.get('note') else ''}")
             out["temperature"] = fit
         return out
 
@@ -351,6 +360,7 @@ class ModelRun:
             for m, d in docs.items():  # the means over corruptions and severities join the headline numbers
                 if m in out["methods"]:
                     out["methods"][m].update(shift_headline(d))
+                    _join_intervals(out["methods"][m], d.get("intervals"))
         return out
 
     # ------------------------------------------------------------------ report
@@ -385,6 +395,17 @@ class ModelRun:
         return RunResult(curvature, posterior, searched, evaluated, time.perf_counter() - t0)
 
 
+def _join_intervals(head: dict[str, Any], shift_iv: dict[str, Any] | None) -> None:
+    """The shift means' intervals (:func:`laplace_core.metrics.bootstrap.bootstrap_means`) join the
+    headline's ``intervals`` (``ci`` and ``paired`` per reference)."""
+    iv = head.get("intervals")
+    if not shift_iv or not isinstance(iv, dict):
+        return
+    iv.setdefault("ci", {}).update(shift_iv.get("ci") or {})
+    for ref, p in (shift_iv.get("paired") or {}).items():
+        iv.setdefault("paired", {}).setdefault(ref, {}).update(p)
+
+
 def headline(r: dict[str, Any]) -> dict[str, Any]:
     """The evaluation numbers kept in the stage marker and run.json."""
     keys = ("status", "reason", "accuracy", "nll", "brier", "ece", "ece_variant", "entropy_mean", "n_data",
@@ -393,6 +414,16 @@ def headline(r: dict[str, Any]) -> dict[str, Any]:
     if isinstance(r.get("ood"), dict):
         out["ood_auroc"] = r["ood"].get("auroc")
         out["ood_entropy_mean"] = r.get("ood_entropy_mean")
+    ent = (r.get("ood_scores") or {}).get("entropy")
+    if isinstance(ent, dict):  # exact, from the per-image scores
+        out.update(ood_auroc=ent["auroc"], ood_fpr95=ent["fpr_at_95_tpr"], ood_aupr=ent["aupr"],
+                   ood_scores=r["ood_scores"])
+    sel = r.get("selective")
+    if isinstance(sel, dict):
+        out.update({k: sel[k] for k in ("aurc", "acc_at_90", "acc_at_95")})
+    for k in ("intervals", "nll_from", "count", "temperature"):
+        if k in r:
+            out[k] = r[k]
     return out
 
 

@@ -86,6 +86,16 @@ def _inf_clipping(posteriors: dict[str, Any], chosen: dict[str, Any], ep: storag
         return None
 
 
+def _temperature(fit: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The temperature fit the report shows: ``T`` used, the fit's ``T`` and the fallback line."""
+    if not fit:
+        return None
+    from pipelines.evaluation.temperature import with_fallback
+
+    fit = with_fallback(fit) if "fallback" not in fit else fit
+    return {k: fit.get(k) for k in ("temperature", "temperature_fit", "fallback", "count")}
+
+
 def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: dict[str, Any], output: str):
     curv = results.get("curvature") or {}
     post = results.get("posterior") or {}
@@ -126,6 +136,7 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
                    "device": (srch.get("info") or {}).get("device")}
         | {k: (srch.get("info") or {}).get(k) for k in ("scheduler", "algorithm", "image_samples",
                                                           "image_samples_full", "wall_s")},
+        "temperature": _temperature(srch.get("temperature")),
         "evaluate": {"device": evl.get("device")},
         "results": evl.get("methods"),
         "output": output,

@@ -361,6 +361,8 @@ class EvalSpec(ActorSpec):
     entropy_bins: int = setting(ENTROPY_BINS, "histogram bins of the predictive entropies", range=COUNT)
     ood_exact_limit: int = setting(0, "keep raw OOD scores (exact AUROC) while in + out examples <= this",
                                    range=NON_NEGATIVE)
+    bootstrap: int = setting(1000, "paired bootstrap resamples over test images behind every interval (seeded by "
+                                   "seed)", range="[2, inf)")
     shift: ShiftSpec | None = setting(None, "e.g. {corruptions: [gaussian_noise, contrast], severities: [1, 3, 5]}")
 
 

@@ -13,8 +13,11 @@ explicit Ray actors (:class:`EvalWorker`, on the actor engine of
 (``laplace_core.load_posterior``) **once**, then consumes one iterator of
 ``in_ds.streaming_split(num_actors, equal=False)`` (and of the OOD dataset's split),
 and returns, per method (``"map"`` plus every posterior), a mergeable
-:class:`EvalAccumulator` as JSON — sums, counts and fixed-edge histograms, never
-per-image lists. The driver merges them in actor order and computes the metrics.
+:class:`EvalAccumulator` as JSON — sums, counts and fixed-edge histograms, plus a few
+float64 numbers per image (:class:`laplace_core.metrics.perimage.PerImage`). The driver merges
+them in actor order (every method's per-image vectors in the same image order), computes the
+metrics and the paired bootstrap intervals (:mod:`laplace_core.metrics.bootstrap`,
+``cfg.bootstrap`` resamples seeded by ``cfg.seed``; ``metrics.json["intervals"]``).
 
 Why 1 actor and 2 actors give the same predictions (the sample ``θ_t`` depends only
 on ``(seed, t)``, :func:`laplace_core.predictive.sample_seed`):
@@ -61,12 +64,16 @@ import torch
 from torch import nn
 
 from laplace_core.methods import TEMPERATURE
+from laplace_core.metrics.base import NLL_EPS
+from laplace_core.metrics.bootstrap import bootstrap, ood_summary
 from laplace_core.metrics.calibration import Entropy
+from laplace_core.metrics.perimage import PerImage, per_image_terms
+from laplace_core.metrics.selective import selective_summary
 from laplace_core.metrics.suite import MetricSuite
 
 from pipelines.evaluation.actors import ActorProgress, ModelActor, inject_fault, run_actors
 from pipelines.evaluation.chunks import iter_chunks, valid_batches
-from pipelines.evaluation.predictors import MAP, finite_or_reason, make_predictor, model_ref, predict_chunk
+from pipelines.evaluation.predictors import MAP, finite_or_reason, make_predictor, model_ref, predict_chunk_stats
 from pipelines.evaluation.runtime import EvalConfig, eval_uri
 from pipelines.evaluation.temperature import TemperaturePredictor
 from pipelines.storage import uris as storage
@@ -76,6 +83,7 @@ __all__ = [
     "evaluate_shard",
     "EvalWorker",
     "merge_worker_results",
+    "paired_intervals",
     "evaluate",
 ]
 
@@ -83,12 +91,16 @@ __all__ = [
 # --------------------------------------------------------------------------- accumulator
 @dataclass(frozen=True, eq=False)
 class EvalAccumulator:
-    """One method's mergeable evaluation state: a :class:`MetricSuite` (in-distribution
-    metrics + OOD detection) and an :class:`Entropy` over the OOD set (exact mean OOD
-    entropy, which the suite's OOD histograms only approximate)."""
+    """One method's evaluation state: a mergeable :class:`MetricSuite` (in-distribution
+    metrics + OOD detection), an :class:`Entropy` over the OOD set (exact mean OOD entropy,
+    which the suite's OOD histograms only approximate) and the per-image quantities
+    (:class:`laplace_core.metrics.perimage.PerImage`: a few float64 numbers per image, merged by
+    concatenation in actor order) behind the bootstrap intervals, selective prediction and the
+    exact OOD metrics of every score."""
 
     suite: MetricSuite
     ood_entropy: Entropy
+    per_image: PerImage = dataclasses.field(default_factory=PerImage)
 
     @classmethod
     def create(cls, cfg: EvalConfig) -> "EvalAccumulator":
@@ -97,35 +109,55 @@ class EvalAccumulator:
             Entropy(cfg.entropy_bins),
         )
 
-    def update(self, probs: torch.Tensor, labels: torch.Tensor) -> "EvalAccumulator":
-        return dataclasses.replace(self, suite=self.suite.update(probs, labels))
+    def update(self, probs: torch.Tensor, labels: torch.Tensor, log_probs: torch.Tensor | None = None,
+               expected_entropy: torch.Tensor | None = None, exact: bool = True) -> "EvalAccumulator":
+        """``log_probs``: exact log-probabilities (NLL from them when ``exact``); without them
+        ``log probs`` stand in (floored NLL)."""
+        lp = torch.log(probs.to(torch.float64).clamp_min(NLL_EPS)) if log_probs is None else log_probs
+        exact = exact and log_probs is not None
+        terms = per_image_terms(lp, labels, expected_entropy)
+        return dataclasses.replace(self, suite=self.suite.update(probs, labels, lp if exact else None),
+                                   per_image=self.per_image.add(terms, ood=False, exact_nll=exact))
 
-    def update_ood(self, probs: torch.Tensor) -> "EvalAccumulator":
-        return EvalAccumulator(self.suite.update_ood(probs), self.ood_entropy.update(probs))
+    def update_ood(self, probs: torch.Tensor, log_probs: torch.Tensor | None = None,
+                   expected_entropy: torch.Tensor | None = None) -> "EvalAccumulator":
+        lp = torch.log(probs.to(torch.float64).clamp_min(NLL_EPS)) if log_probs is None else log_probs
+        return EvalAccumulator(self.suite.update_ood(probs), self.ood_entropy.update(probs),
+                               self.per_image.add(per_image_terms(lp, None, expected_entropy), ood=True))
 
     def merge(self, other: "EvalAccumulator") -> "EvalAccumulator":
-        return EvalAccumulator(self.suite.merge(other.suite), self.ood_entropy.merge(other.ood_entropy))
+        return EvalAccumulator(self.suite.merge(other.suite), self.ood_entropy.merge(other.ood_entropy),
+                               self.per_image.merge(other.per_image))
 
     def compute(self, ece_mode: str = "equal_width") -> dict[str, Any]:
         out = self.suite.compute()
         key = f"ece_{ece_mode}_{self.suite.ece.n_bins}"
         out["ece"] = out[key]
         out["ece_variant"] = key
+        out["nll_from"] = ("log-probabilities (exact)" if self.per_image.exact_nll
+                           else f"probabilities, floored at {NLL_EPS:g}")
         if self.ood_entropy.count:
             e = self.ood_entropy.compute()
             out["ood_entropy_mean"] = e["entropy_mean"]
             out["ood_entropy_hist"] = e["entropy_hist"]
+        per = self.per_image
+        if per.n:
+            out["selective"] = selective_summary(per.inp["conf"], per.inp["correct"])
+            if per.n_ood:
+                out["ood_scores"] = ood_summary(per)
         return out
 
     def to_json(self) -> dict[str, Any]:
         return {"format": "infoform.eval_accumulator", "version": 1,
-                "suite": self.suite.to_json(), "ood_entropy": self.ood_entropy.to_json()}
+                "suite": self.suite.to_json(), "ood_entropy": self.ood_entropy.to_json(),
+                "per_image": self.per_image.to_json()}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> "EvalAccumulator":
         if d.get("format") != "infoform.eval_accumulator":
             raise ValueError("not an EvalAccumulator JSON (format tag missing)")
-        return cls(MetricSuite.from_json(d["suite"]), Entropy.from_json(d["ood_entropy"]))
+        per = PerImage.from_json(d["per_image"]) if "per_image" in d else PerImage()
+        return cls(MetricSuite.from_json(d["suite"]), Entropy.from_json(d["ood_entropy"]), per)
 
 
 # --------------------------------------------------------------------------- one shard
@@ -167,18 +199,16 @@ def evaluate_shard(
                 if m in failed:
                     continue
                 t0 = time.perf_counter()
-                probs = predict_chunk(model, pred, chunk)
-                p_all = torch.cat(probs)
+                lp, ent, exact = predict_chunk_stats(model, pred, chunk)
+                p_all = torch.exp(lp)
                 reason = finite_or_reason(p_all)
                 if reason:
                     failed[m] = reason
                     continue
-                a = acc[m]
                 if ood:
-                    a = a.update_ood(p_all)
+                    acc[m] = acc[m].update_ood(p_all, lp, ent)
                 else:
-                    a = a.update(p_all, torch.cat(chunk.ys))
-                acc[m] = a
+                    acc[m] = acc[m].update(p_all, torch.cat(chunk.ys), lp, ent, exact)
                 seconds[m] += time.perf_counter() - t0
             if progress is not None:
                 progress(int(ood), chunk.count)
@@ -266,6 +296,16 @@ def merge_worker_results(results: Sequence[Mapping[str, Any]], methods: Sequence
     return out
 
 
+def paired_intervals(merged: Mapping[str, Mapping[str, Any]], cfg: EvalConfig) -> dict[str, dict[str, Any]]:
+    """The paired bootstrap (:func:`laplace_core.metrics.bootstrap.bootstrap`) over the methods
+    that finished, against MAP and temperature scaling: ``method -> intervals``."""
+    per = {m: e["accumulator"].per_image for m, e in merged.items() if e["accumulator"] is not None}
+    per = {m: p for m, p in per.items() if p.n}
+    if not per:
+        return {}
+    return bootstrap(per, cfg.bootstrap, cfg.seed, (MAP, TEMPERATURE), ece_bins=cfg.ece_bins, ece_mode=cfg.ece_mode)
+
+
 def evaluate(
     model_spec: Any,
     posterior_uris: Mapping[str, str],
@@ -314,6 +354,7 @@ def evaluate(
     skipped = _merge_skips([r["skipped"] for r in results])
     ood_skipped = _merge_skips([r["ood_skipped"] for r in results])
     hyper_used = _hyper_of(uris, hyper, endpoint_url)
+    intervals = paired_intervals(merged, cfg)
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
         e = merged[m]
@@ -325,6 +366,8 @@ def evaluate(
         if e["failed"] is None:
             res.update(e["accumulator"].compute(cfg.ece_mode))
             res["status"], res["reason"] = "ok", ""
+            if m in intervals:
+                res["intervals"] = intervals[m]
         else:
             res["status"], res["reason"] = "failed", e["failed"]
         res["timing"] = {"seconds_sum": e["seconds_sum"], "seconds_max": e["seconds_max"], "wall_s": wall,

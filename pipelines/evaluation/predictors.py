@@ -30,6 +30,7 @@ __all__ = [
     "load_posteriors",
     "finite_or_reason",
     "predict_chunk",
+    "predict_chunk_stats",
 ]
 
 #: Predictive types: "nn" = MC over weight samples through the network; "glm" = MC-GLM, the
@@ -140,3 +141,27 @@ def predict_chunk(model: nn.Module, predictor: Any, chunk: Any) -> list[torch.Te
     else:
         probs = predictor.predict_batches(chunk.xs)
     return [p[:n].detach().cpu() for p, n in zip(probs, chunk.sizes)]
+
+
+def predict_chunk_stats(model: nn.Module, predictor: Any, chunk: Any) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """``(log p [n, C] float64, E_t H(p_t) [n] or None, exact)`` of the real rows of ``chunk``.
+
+    Log-probabilities come exactly from the logits: ``log_softmax`` for MAP (and
+    ``predictor.predict_batches_stats`` of a temperature predictor), log-mean-exp over the
+    draws for MC / MC-GLM predictors (:class:`laplace_core.predictive.DrawStats`). A predictor
+    that gives only probabilities: ``log max(p, NLL_EPS)`` and ``exact = False``."""
+    from laplace_core.metrics.base import NLL_EPS
+
+    if predictor is None:
+        with torch.no_grad():
+            stats = [(torch.log_softmax(model(x).to(torch.float64), dim=-1), None) for x in chunk.xs]
+    else:
+        fn = getattr(predictor, "predict_batches_stats", None)
+        stats = fn(chunk.xs) if fn is not None else None
+    if stats is None:
+        probs = torch.cat(predict_chunk(model, predictor, chunk)).to(torch.float64)
+        return torch.log(probs.clamp_min(NLL_EPS)), None, False
+    lps = [lp[:n].detach().cpu() for (lp, _), n in zip(stats, chunk.sizes)]
+    ents = [None if e is None else e[:n].detach().cpu() for (_, e), n in zip(stats, chunk.sizes)]
+    ent = None if any(e is None for e in ents) else torch.cat(ents)
+    return torch.cat(lps), ent, True

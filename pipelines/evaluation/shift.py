@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 
 from pipelines.evaluation.actors import ActorProgress, run_actors
 from pipelines.evaluation.chunks import valid_batches
+from laplace_core.metrics.bootstrap import bootstrap_means
 from pipelines.evaluation.evaluate import EvalWorker, evaluate_shard, merge_worker_results
 from pipelines.evaluation.predictors import MAP, model_ref
 from pipelines.evaluation.runtime import EvalConfig, eval_uri
@@ -110,8 +111,10 @@ def evaluate_shift(
     results = run_actors(ShiftWorker, (model_ref(model_spec), uris, dict(hyper) if hyper else None, cfg,
                                        endpoint_url, temperature), datasets, cfg)
     per: dict[str, dict[str, dict[str, Any]]] = {}
+    cells = []
     for j, (c, s) in enumerate(pairs):
         merged = merge_worker_results([r["datasets"][j] for r in results], methods, cfg)
+        cells.append({m: e["accumulator"].per_image for m, e in merged.items() if e["failed"] is None})
         for m, e in merged.items():
             if e["failed"] is None:
                 r = e["accumulator"].compute(cfg.ece_mode)
@@ -122,11 +125,13 @@ def evaluate_shift(
         acc = per[MAP][c][str(s)].get("accuracy")
         print(f"[shift] {c} severity {s}: MAP accuracy {'failed' if acc is None else f'{acc:.3f}'}", flush=True)
     print(f"[shift] {len(pairs)} corrupted test sets evaluated in {time.perf_counter() - t0:.0f} s", flush=True)
+    intervals = bootstrap_means(cells, cfg.bootstrap, cfg.seed, (MAP, TEMPERATURE), ece_bins=cfg.ece_bins,
+                                ece_mode=cfg.ece_mode)
     out: dict[str, dict[str, Any]] = {}
     for m, metrics in per.items():
         doc = {"method": m, "corruptions": corruptions, "severities": severities,
                "ece_variant": f"ece_{cfg.ece_mode}_{cfg.ece_bins}", "seed": cfg.seed,
-               "metrics": metrics, "mean": shift_means(metrics, severities)}
+               "metrics": metrics, "mean": shift_means(metrics, severities), "intervals": intervals.get(m)}
         out[m] = doc
         if output is not None:
             storage.write_json_atomic(shift_file(output, m), doc, endpoint_url)

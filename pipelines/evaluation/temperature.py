@@ -20,7 +20,8 @@ says so.
 computed on the actor engine (:mod:`pipelines.evaluation.actors`, :class:`LogitsWorker`,
 the same fixed-size batches as the search and the evaluation), gathered on the driver
 (``n x C`` numbers: 80 MB in float64 for a 10,000-image ImageNet search split) and fitted
-there; with ``output`` the fit is written to ``<output>/eval/temperature/temperature.json``.
+there (:func:`with_fallback`: ``T = 1`` on a separable split); with ``output`` the fit is written to
+``<output>/eval/temperature/temperature.json``.
 :class:`TemperaturePredictor` is what the evaluation actors predict with.
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ from pipelines.evaluation.predictors import model_ref
 from pipelines.evaluation.runtime import RuntimeFields, eval_uri
 from pipelines.storage import uris as storage
 
-__all__ = ["T_BOUNDS", "temperature_nll", "fit_temperature", "TemperaturePredictor", "LogitsWorker",
+__all__ = ["T_BOUNDS", "temperature_nll", "fit_temperature", "with_fallback", "TemperaturePredictor", "LogitsWorker",
            "map_logits", "fit_temperature_run", "temperature_file", "load_temperature"]
 
 #: The bracket of ``T`` (``β = 1/T`` is searched in ``[1/T_max, 1/T_min]``).
@@ -129,6 +130,28 @@ def fit_temperature(logits: Any, labels: Any, bounds: tuple[float, float] = T_BO
     return out
 
 
+def with_fallback(fit: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``T`` the evaluation uses (``docs/design.md``, "Temperature scaling on a separable split").
+
+    When the search split's NLL has no minimiser inside the bracket because it keeps falling as
+    ``T -> 0`` (every search image right with a margin: a *separable* split), the fit's
+    ``T = T_min`` would turn the row into hard 0/1 predictions whose test NLL is huge on the
+    first mistake. The row then falls back to ``T = 1`` (the MAP probabilities unchanged);
+    a held-out part of the split would not help: every part of a separable split is separable.
+    Returns the fit with ``temperature`` (used), ``temperature_fit`` (the fit's ``T``) and
+    ``fallback`` (one line saying why, ``""`` when none)."""
+    out = dict(fit)
+    out["temperature_fit"] = fit["temperature"]
+    out["fallback"] = ""
+    if fit.get("at_bound") and fit["temperature"] < 1.0:
+        out["temperature"], out["log_temperature"] = 1.0, 0.0
+        out["nll_after"] = out["nll_before"]
+        out["fallback"] = (f"temperature scaling: the search split is separable (its NLL keeps falling as T -> 0, "
+                           f"the fit stops at T = {fit['temperature']:g}), so the temperature row uses T = 1 "
+                           f"(MAP's probabilities) instead of hard 0/1 predictions")
+    return out
+
+
 class TemperaturePredictor:
     """``softmax(f(x; θ*) / T)`` per batch (the evaluation's ``temperature`` row)."""
 
@@ -140,6 +163,12 @@ class TemperaturePredictor:
     def predict_batches(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         with torch.no_grad():
             return [torch.softmax(self.model(x) / self.temperature, dim=-1) for x in xs]
+
+    def predict_batches_stats(self, xs: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, None]]:
+        """``(log_softmax(f(x; θ*) / T)`` float64, no draws) per batch: the exact log-probabilities."""
+        with torch.no_grad():
+            return [(torch.log_softmax(self.model(x).to(torch.float64) / self.temperature, dim=-1), None)
+                    for x in xs]
 
 
 def map_logits(model: nn.Module, batches: Any, cfg: RuntimeFields, progress=None) -> tuple[np.ndarray, np.ndarray]:
@@ -193,7 +222,7 @@ def fit_temperature_run(model_spec: Any, val_ds: Any, cfg: RuntimeFields, *, out
         raise ValueError("temperature scaling: the search split has no valid image to fit T on")
     z = np.concatenate([r["logits"] for r in parts]).astype(np.float64)
     y = np.concatenate([r["labels"] for r in parts])
-    fit = fit_temperature(z, y)
+    fit = with_fallback(fit_temperature(z, y))
     fit.update(method=TEMPERATURE, split="search", num_stored=method_info(TEMPERATURE).num_stored,
                skipped=sum(r["skipped"] for r in results), wall_s=time.perf_counter() - t0)
     if output is not None:

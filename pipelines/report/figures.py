@@ -8,6 +8,7 @@ matplotlib ``Figure`` objects rendered with the Agg canvas (no pyplot state, no 
   confidence − accuracy against confidence per bin, one line per method.
 - ``entropy.png``: in-distribution vs OOD normalised-entropy histograms, one panel per method,
   AUROC in each title (Lee et al. Figure 7).
+- ``risk_coverage.png``: selective prediction (:mod:`pipelines.report.practice`);
 - ``hyper.png``: the search landscape per method over (log10 N, log10 τ), coloured by each
   objective, failed configurations as red crosses, the chosen point starred (Lee et al. Figure 9).
 - ``comparison.png`` (audit page): NLL, ECE, OOD AUROC and posterior size per model and method.
@@ -31,7 +32,7 @@ from pipelines.storage import uris as storage
 __all__ = ["FIGURE_NAMES", "render_reliability", "render_entropy", "render_hyper", "render_comparison",
            "render_standard", "plot_reliability", "plot_entropy", "plot_hyper"]
 
-FIGURE_NAMES: tuple[str, ...] = ("reliability", "entropy", "hyper")
+FIGURE_NAMES: tuple[str, ...] = ("reliability", "entropy", "risk_coverage", "hyper")
 
 _DPI = 100
 
@@ -77,6 +78,7 @@ def render_reliability(metrics_by_method: Mapping[str, Mapping[str, Any]], varia
             ax.bar(p["lo"], p["accuracy"], width=bw, align="edge", color="#4c72b0", edgecolor="white", lw=0.5)
             ax.bar(p["lo"], abs(p["gap"]), bottom=min(p["accuracy"], p["confidence"]), width=bw, align="edge",
                    facecolor=(0.87, 0.52, 0.32, 0.3), hatch="///", edgecolor="#c44e52", lw=0.6)
+        _bin_counts_and_intervals(ax, pts)
         ece = mbm[name].get(f"ece_{suffix}")
         ttl = method_label(name) + (f" — ECE {100 * ece:.2f}%" if is_finite(ece) else "")
         ax.set_title(ttl, fontsize=10)
@@ -88,6 +90,8 @@ def render_reliability(metrics_by_method: Mapping[str, Mapping[str, Any]], varia
             ax.set_ylabel("accuracy", fontsize=9)
         ax.set_xlabel("confidence", fontsize=9)
     handles = [Patch(color="#4c72b0", label="accuracy per bin"),
+               Line2D([0], [0], color="black", lw=1, marker="_", label="95% interval (Wilson)"),
+               Patch(color="0.55", alpha=0.5, label="images per bin"),
                Patch(facecolor=(0.87, 0.52, 0.32, 0.3), hatch="///", edgecolor="#c44e52", label="gap to diagonal"),
                Line2D([0], [0], ls="--", color="0.5", label="perfect calibration")]
     ax = fig.add_subplot(gs[nrows, :])
@@ -107,6 +111,43 @@ def render_reliability(metrics_by_method: Mapping[str, Mapping[str, Any]], varia
     return _png(fig)
 
 
+def wilson(k: float, n: float, z: float = 1.959963984540054) -> tuple[float, float]:
+    """Wilson score 95% interval of a proportion ``k / n``."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = k / n
+    c = (p + z * z / (2 * n)) / (1 + z * z / n)
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def _bin_counts_and_intervals(ax: Any, pts: list[dict[str, float]]) -> None:
+    """Per bin of a reliability panel: the Wilson interval of its accuracy (error bar) and its
+    image count (grey bars in the panel's lower quarter, right axis, the number on top)."""
+    if not pts:
+        return
+    for p in pts:
+        lo, hi = wilson(p["accuracy"] * p["count"], p["count"])
+        mid = (p["lo"] + p["hi"]) / 2
+        ax.plot([mid, mid], [lo, hi], color="black", lw=0.9)
+    axc = ax.inset_axes([0.0, 0.0, 1.0, 0.24])  # the panel's lower quarter
+    axc.patch.set_alpha(0.0)
+    axc.set_xlim(0, 1)
+    axc.set_xticks([])
+    for side in ("top", "left", "bottom"):
+        axc.spines[side].set_visible(False)
+    axc.yaxis.tick_right()
+    top = max(p["count"] for p in pts)
+    for p in pts:
+        bw = max(p["hi"] - p["lo"], 1e-3)
+        axc.bar(p["lo"], p["count"], width=bw, align="edge", color="0.55", alpha=0.5, edgecolor="none")
+        axc.text(p["lo"] + bw / 2, p["count"], str(p["count"]), ha="center", va="bottom", fontsize=5.5,
+                 color="0.25")
+    axc.set_ylim(0, 1.3 * top)
+    axc.set_yticks([top])
+    axc.tick_params(labelsize=6, colors="0.4")
+
+
 def render_entropy(metrics_by_method: Mapping[str, Mapping[str, Any]]) -> bytes:
     """PNG bytes of the in-distribution vs OOD normalised-entropy histograms (Lee et al. Fig. 7)."""
     mbm = check_metrics(metrics_by_method)
@@ -114,7 +155,7 @@ def render_entropy(metrics_by_method: Mapping[str, Mapping[str, Any]]) -> bytes:
     nrows, ncols = _grid(len(methods))
     width, height = max(3.4 * ncols + 0.6, 8.0), 2.9 * nrows + 1.1
     fig = Figure(figsize=(width, height))
-    fig.suptitle("Normalised predictive entropy H(p)/log C: in-distribution vs OOD", fontsize=12,
+    fig.suptitle("Normalised predictive entropy H(p)/log C: in-distribution vs OOD, cumulative (ECDF)", fontsize=12,
                  y=1 - 0.1 / height)
     axes = fig.subplots(nrows, ncols, squeeze=False, gridspec_kw=_margins(width, height, 0.65, 0.2, 0.95, 0.55,
                                                                           wspace=0.28, hspace=0.5))
@@ -130,22 +171,28 @@ def render_entropy(metrics_by_method: Mapping[str, Mapping[str, Any]]) -> bytes:
             total = sum(counts)
             if total == 0:
                 continue
-            dens = [c / total / (edges[k + 1] - edges[k]) for k, c in enumerate(counts)]
-            ax.stairs(dens, edges, fill=True, alpha=0.45, color=color)
-            ax.stairs(dens, edges, color=color, lw=1.2)
-        if ood and is_finite(ood.get("auroc")):
-            ax.set_title(f"{method_label(name)} — AUROC {ood['auroc']:.3f}", fontsize=10)
+            cum, run = [0.0], 0
+            for c in counts:
+                run += c
+                cum.append(run / total)
+            ax.plot(edges, cum, color=color, lw=1.6, drawstyle="default")
+        exact = (m.get("ood_scores") or {}).get("entropy") if isinstance(m.get("ood_scores"), Mapping) else None
+        auroc = exact.get("auroc") if isinstance(exact, Mapping) else (ood or {}).get("auroc")
+        if ood and is_finite(auroc):
+            ax.set_title(f"{method_label(name)} — AUROC {auroc:.3f}", fontsize=10)
         else:
             ax.set_title(f"{method_label(name)} — no OOD data", fontsize=10)
         ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
         ax.set_xlabel("normalised entropy", fontsize=9)
         if i % ncols == 0:
-            ax.set_ylabel("density", fontsize=9)
+            ax.set_ylabel("share of images ≤ x (ECDF)", fontsize=9)
         ax.tick_params(labelsize=8)
     for j in range(len(methods), nrows * ncols):
         axes[j // ncols][j % ncols].set_visible(False)
-    fig.legend(handles=[Patch(color="#4c72b0", alpha=0.6, label="in-distribution (test set)"),
-                        Patch(color="#c44e52", alpha=0.6, label="out-of-distribution")],
+    fig.legend(handles=[Line2D([0], [0], color="#4c72b0", lw=1.6, label="in-distribution (test set)"),
+                        Line2D([0], [0], color="#c44e52", lw=1.6, label="out-of-distribution")],
                loc="lower center", bbox_to_anchor=(0.5, 0.0), ncols=2, fontsize=9, frameon=False)
     return _png(fig)
 
@@ -185,6 +232,7 @@ def render_hyper(search_table: Any, chosen: Mapping[str, Any] | None = None,
     axes = fig.subplots(nr, nc, squeeze=False, gridspec_kw=dict(
         left=0.75 / width, right=1 - 0.6 / width, bottom=0.95 / height, top=1 - 0.65 / height,
         wspace=0.6, hspace=0.62))
+    happened: set[str] = set()
     for i, meth in enumerate(methods):
         mrows = [r for r in rows if r["method"] == meth and r["log10_n"] is not None and r["log10_tau"] is not None]
         star = chosen_point(chosen, meth)
@@ -194,16 +242,22 @@ def render_hyper(search_table: Any, chosen: Mapping[str, Any] | None = None,
             ok = [r for r in mrows if not failed_row(r) and r.get(obj) is not None]
             bad = [r for r in mrows if failed_row(r) or r.get(obj) is None]
             if ok:
-                sc = ax.scatter([r["log10_n"] for r in ok], [r["log10_tau"] for r in ok], c=[r[obj] for r in ok],
+                vals = [float(r[obj]) for r in ok]
+                lo, hi = _clip_range(vals)
+                sc = ax.scatter([r["log10_n"] for r in ok], [r["log10_tau"] for r in ok], c=vals,
                                 cmap="viridis" if higher_better else "viridis_r", s=46, marker="s",
-                                edgecolors="none")
-                cb = fig.colorbar(sc, ax=ax, fraction=0.07, pad=0.03)
-                cb.set_label(f"{label} ({'higher' if higher_better else 'lower'} is better)", fontsize=8)
+                                edgecolors="none", vmin=lo, vmax=hi)
+                clipped = min(vals) < lo or max(vals) > hi
+                cb = fig.colorbar(sc, ax=ax, fraction=0.07, pad=0.03, extend="both" if clipped else "neither")
+                cb.set_label(f"{label} ({'higher' if higher_better else 'lower'} is better)"
+                             + (", clipped to 10–90%" if clipped else ""), fontsize=8)
                 cb.ax.tick_params(labelsize=7)
             if bad:
+                happened.add("failed")
                 ax.scatter([r["log10_n"] for r in bad], [r["log10_tau"] for r in bad], marker="x", color="red",
                            s=40, lw=1.5)
             if star is not None:
+                happened.add("chosen")
                 ax.scatter([star[0]], [star[1]], marker="*", s=260, color="gold", edgecolors="black", lw=1.0,
                            zorder=5)
             ax.set_title(f"{method_label(meth)} — {label}", fontsize=10)
@@ -211,11 +265,23 @@ def render_hyper(search_table: Any, chosen: Mapping[str, Any] | None = None,
             ax.set_ylabel("log10 τ", fontsize=9)
             ax.tick_params(labelsize=8)
             ax.margins(0.08)
-    fig.legend(handles=[Line2D([0], [0], marker="s", ls="", color="#3b528b", label="evaluated configuration"),
-                        Line2D([0], [0], marker="x", ls="", color="red", mew=1.5, label="failed configuration"),
-                        Line2D([0], [0], marker="*", ls="", color="gold", mec="black", ms=13, label="chosen (N, τ)")],
-               loc="lower center", bbox_to_anchor=(0.5, 0.0), ncols=3, fontsize=9, frameon=False)
+    handles = [Line2D([0], [0], marker="s", ls="", color="#3b528b", label="evaluated configuration")]
+    if "failed" in happened:
+        handles.append(Line2D([0], [0], marker="x", ls="", color="red", mew=1.5, label="failed configuration"))
+    if "chosen" in happened:
+        handles.append(Line2D([0], [0], marker="*", ls="", color="gold", mec="black", ms=13, label="chosen (N, τ)"))
+    fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncols=len(handles), fontsize=9,
+               frameon=False)
     return _png(fig)
+
+
+def _clip_range(vals: Sequence[float]) -> tuple[float, float]:
+    """The colour range of a search panel: the 10th to 90th percentile of its values (a few bad
+    configurations do not stretch the scale); the full range when that is degenerate."""
+    v = sorted(vals)
+    q = lambda f: v[min(len(v) - 1, max(0, round(f * (len(v) - 1))))]  # noqa: E731
+    lo, hi = q(0.1), q(0.9)
+    return (lo, hi) if hi > lo else (v[0], v[-1])
 
 
 def plot_reliability(metrics_by_method: Mapping[str, Mapping[str, Any]], path: str, variant: str | None = None,
@@ -237,14 +303,21 @@ def plot_hyper(search_table: Any, chosen: Mapping[str, Any] | None, path: str,
 
 def render_standard(mbm: Mapping[str, Mapping[str, Any]], summary: Mapping[str, Any], rows: list[dict],
                     skip: Iterable[str] = ()) -> dict[str, bytes]:
-    """``{name: PNG bytes}`` of the standard figures not in ``skip`` (``hyper`` only when a search
-    row was scored), in :data:`FIGURE_NAMES` order."""
+    """``{name: PNG bytes}`` of the standard figures not in ``skip`` (``risk_coverage`` only when the
+    metrics have the selective-prediction curve, ``hyper`` only when a search row was scored), in
+    :data:`FIGURE_NAMES` order."""
     out: dict[str, bytes] = {}
     skip = set(skip)
     if "reliability" not in skip:
         out["reliability"] = render_reliability(mbm)
     if "entropy" not in skip:
         out["entropy"] = render_entropy(mbm)
+    if "risk_coverage" not in skip:
+        from pipelines.report.practice import render_risk_coverage
+
+        png = render_risk_coverage(mbm)
+        if png is not None:
+            out["risk_coverage"] = png
     if "hyper" not in skip and rows and scored(rows):
         chosen = summary.get("chosen") if isinstance(summary.get("chosen"), Mapping) else None
         out["hyper"] = render_hyper(rows, chosen)

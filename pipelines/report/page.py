@@ -18,23 +18,30 @@ from pipelines.report.inputs import (BYTES_PER_NUMBER, chosen_point, count_with_
                                      is_finite, model_name, ood_entropy_means, opt_mapping, order_stages,
                                      posterior_sizes, scored, skipped_images, variant_label)
 from pipelines.report.methods import CORRELATIONS, method_label, order_methods
-from pipelines.report.verdict import summary_table, verdict_sentences
+from pipelines.report.edges import edge_notes
+from pipelines.report.practice import OOD_NOTE, SELECTIVE_NOTE, ood_table, selective_table
+from pipelines.report.verdict import paired_table, sample_line, summary_table, verdict_sentences
 
-__all__ = ["CAPTIONS", "Table", "FigureRef", "Count", "ReportPage", "ModelSection", "AuditPage", "figure_ref",
+__all__ = ["CAPTIONS", "Table", "FigureRef", "Count", "ReportPage", "Section", "ModelSection", "AuditPage", "figure_ref",
            "build_report_page", "model_section", "build_audit_page"]
 
 _EXAMPLES_SHOWN = 5
 #: Caption per figure name (a figure without one is captioned with its name).
 CAPTIONS = {
-    "reliability": "Reliability: accuracy against confidence per bin with the gap to the diagonal shaded, "
-                   "and the Maddox et al. (2019) variant (confidence − accuracy per bin, one line per method) "
-                   "as in Lee et al. (2020), Figure 6.",
-    "entropy": "Normalised predictive entropy of the in-distribution test set and the OOD set per method, "
-               "OOD AUROC (entropy as the score) in each title; as in Lee et al. (2020), Figure 7.",
+    "reliability": "Reliability: accuracy against confidence per bin with the gap to the diagonal shaded, the "
+                   "95% (Wilson) interval of each bin's accuracy, and the per-bin counts (grey bars, right axis, "
+                   "the number of images on top); below, the Maddox et al. (2019) variant (confidence − accuracy "
+                   "per bin, one line per method) as in Lee et al. (2020), Figure 6.",
+    "entropy": "Normalised predictive entropy of the in-distribution test set and the OOD set per method as "
+               "overlaid empirical CDFs (both sets visible whatever their spread), OOD AUROC (entropy as the "
+               "score) in each title; the data of Lee et al. (2020), Figure 7.",
+    "risk_coverage": "Selective prediction: the error rate of the most confident images kept, against the share "
+                     "kept (coverage), one line per method, AURC in the legend.",
     "shift": "Distribution shift (ImageNet-C-style corruptions of the test split, Hendrycks & Dietterich 2019): "
              "accuracy, NLL and ECE averaged over the corruptions, against severity, one line per method.",
-    "hyper": "Hyper-parameter search over (log10 N, log10 τ) per method and objective; red crosses: failed "
-             "configurations, star: the chosen (N, τ); as in Lee et al. (2020), Figure 9.",
+    "hyper": "Hyper-parameter search over (log10 N, log10 τ) per method and objective, the colour scale "
+             "clipped to the 10–90% range of each panel (arrows on the colour bar when clipped); red crosses: "
+             "failed configurations (when any), star: the chosen (N, τ); as in Lee et al. (2020), Figure 9.",
 }
 KeyValues = list[tuple[str, str]]
 
@@ -81,8 +88,19 @@ class ReportPage:
     stages: Table | None
     figures: list[FigureRef]
     counts: list[Count]
-    summary: Table | None = None  # the verdict first: best method per headline metric
+    summary: Table | None = None  # the verdict first: headline metrics with intervals
     verdict: list[str] = field(default_factory=list)
+    sample: str = ""  # n, resamples, what "significant" means
+    paired: Table | None = None  # paired differences against MAP and temperature scaling
+    practice: list["Section"] = field(default_factory=list)  # OOD per score, selective prediction
+
+
+@dataclass
+class Section:
+    """A titled table with a note (the OOD and selective-prediction tables)."""
+    title: str
+    table: Table
+    note: str
 
 
 @dataclass
@@ -174,15 +192,39 @@ def _kv(obj: Any, prefix: str = "") -> KeyValues:
 
 
 def _summary(run_summary: Mapping[str, Any], model: str | None = None) -> tuple[Table | None, list[str]]:
-    """The verdict-first summary table and sentences (:mod:`pipelines.report.verdict`)."""
+    """The verdict-first summary table and sentences (:mod:`pipelines.report.verdict`), the
+    temperature fallback line (when the row fell back to ``T = 1``) last."""
     results = run_summary.get("results")
     if not isinstance(results, Mapping) or not results:
         return None, []
     header, rows, marked, keys = summary_table(results)
     if not rows:
         return None, []
-    sentences = verdict_sentences(results, run_summary.get("posterior_sizes") or {})
+    temp = run_summary.get("temperature")
+    notes = [temp["fallback"]] if isinstance(temp, Mapping) and temp.get("fallback") else []
+    sentences = verdict_sentences(results, run_summary.get("posterior_sizes") or {}, notes)
     return Table(header, rows, "summary-table", keys, marked), sentences
+
+
+def _paired(run_summary: Mapping[str, Any]) -> tuple[Table | None, str]:
+    """The paired-differences table and the line saying what the intervals rest on."""
+    results = run_summary.get("results")
+    if not isinstance(results, Mapping) or not results:
+        return None, ""
+    got = paired_table(results)
+    table = None if got is None or not got[1] else Table(got[0], got[1], "paired-table", got[2])
+    return table, sample_line(results)
+
+
+def _practice(mbm: Mapping[str, Mapping[str, Any]]) -> list[Section]:
+    """The OOD-per-score and selective-prediction tables (:mod:`pipelines.report.practice`)."""
+    out = []
+    for title, fn, note, tid in (("OOD detection per score", ood_table, OOD_NOTE, "ood-table"),
+                                 ("Selective prediction", selective_table, SELECTIVE_NOTE, "selective-table")):
+        got = fn(mbm)
+        if got is not None:
+            out.append(Section(title, Table(got[0], got[1], tid, got[2]), note))
+    return out
 
 
 def _title(summary: Mapping[str, Any]) -> str:
@@ -330,9 +372,13 @@ def build_report_page(run_summary: Mapping[str, Any], mbm: Mapping[str, Mapping[
         raise ValueError(f"run_summary must be a mapping, got {type(run_summary).__name__}")
     header, trows, notes, methods = _method_rows(mbm, run_summary)
     notes += [f"Evaluation failed, not in the table: {f}" for f in failed] + _search_notes(rows)
+    cfg = run_summary.get("config") if isinstance(run_summary.get("config"), Mapping) else {}
+    chosen = run_summary.get("chosen") if isinstance(run_summary.get("chosen"), Mapping) else {}
+    notes += [f"Search: {line}" for line in edge_notes(chosen, cfg.get("search"))]
     srows = _stage_rows(run_summary)
     summary, verdict = _summary(run_summary)
-    return ReportPage(summary=summary, verdict=verdict,
+    paired, sample = _paired(run_summary)
+    return ReportPage(summary=summary, verdict=verdict, paired=paired, sample=sample, practice=_practice(mbm),
         title=_title(run_summary), meta=_meta_line(run_summary), model=_kv(run_summary.get("model")),
         data=_kv(run_summary.get("data")) if run_summary.get("data") is not None else None,
         config=_dump_config(run_summary.get("config")),

@@ -1,12 +1,16 @@
-"""The verdict a report opens with: per headline metric the best method and its change
-against MAP, in one table with the best value marked, and a few sentences generated from
-the numbers (is the model calibrated, does a cheap fix already do it, what the posterior
-costs).
+"""The verdict a report opens with: the headline metrics with their 95% intervals, the paired
+differences against MAP and against temperature scaling, and sentences that claim a difference
+only where the paired interval excludes 0.
 
 Input: the run summary's ``results`` (``{method: headline}``, as ``run.json`` stores them:
-``accuracy``, ``nll``, ``ece``, ``brier``, ``ood_auroc``, and under a shift sweep
-``shift_accuracy``, ``shift_nll``, ``shift_ece``: means over corruptions and severities) and
-its ``posterior_sizes`` (numbers stored per method).
+``accuracy``, ``nll``, ``ece``, ``brier``, ``aurc``, ``ood_auroc``, ``ood_fpr95``, ``ood_aupr``,
+under a shift sweep ``shift_accuracy``, ``shift_nll``, ``shift_ece``; and ``intervals``, the
+paired bootstrap of :func:`laplace_core.metrics.bootstrap.bootstrap`: ``n``, ``ci`` per metric,
+``paired[ref][metric]`` with ``diff``, ``lo``, ``hi``, ``significant``).
+
+"Significant" (``docs/design.md``, "Intervals"): the 95% percentile interval of the paired
+bootstrap difference over the same test images excludes 0. Otherwise the sentence says
+"no significant difference at n = ...". Equal values are ties, never a "best".
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from typing import Any, Mapping
 
 from pipelines.report.methods import method_label, order_methods
 
-__all__ = ["METRICS", "Metric", "summary_table", "verdict_sentences"]
+__all__ = ["METRICS", "Metric", "summary_table", "paired_table", "sample_line", "verdict_sentences"]
 
 MAP, TEMPERATURE = "map", "temperature"
 
@@ -29,12 +33,37 @@ class Metric:
     percent: bool = False  # shown as a percentage
     digits: int = 3
 
+    @property
+    def direction(self) -> str:
+        return "↑ higher" if self.higher_is_better else "↓ lower"
+
     def fmt(self, v: float) -> str:
         return f"{100 * v:.1f}%" if self.percent else f"{v:.{self.digits}f}"
+
+    def fmt_ci(self, v: float, ci: Any) -> str:
+        if not (isinstance(ci, (list, tuple)) and len(ci) == 2 and all(_finite(x) for x in ci)):
+            return self.fmt(v)
+        # no-break spaces inside the bracket: a narrow cell breaks only between value and interval
+        if self.percent:
+            return f"{100 * v:.1f}% [{100 * ci[0]:.1f},\u00a0{100 * ci[1]:.1f}]"
+        return f"{v:.{self.digits}f} [{ci[0]:.{self.digits}f},\u00a0{ci[1]:.{self.digits}f}]"
 
     def delta(self, v: float, ref: float) -> str:
         d = v - ref
         return f"{100 * d:+.1f} pts" if self.percent else f"{d:+.{self.digits}f}"
+
+    def fmt_diff(self, p: Mapping[str, Any]) -> str:
+        """A paired difference with its interval, e.g. ``-2.3 pts [-3.1, -1.5]``."""
+        s = 100.0 if self.percent else 1.0
+        d = self.digits if not self.percent else 1
+        unit = " pts" if self.percent else ""
+        return f"{s * p['diff']:+.{d}f}{unit} [{s * p['lo']:+.{d}f}, {s * p['hi']:+.{d}f}]"
+
+    def better(self, p: Mapping[str, Any]) -> bool | None:
+        """True / False when the paired interval excludes 0 (better / worse), None otherwise."""
+        if not p.get("significant"):
+            return None
+        return (p["lo"] > 0) == self.higher_is_better
 
 
 #: The headline metrics, in the order the summary shows them.
@@ -43,89 +72,176 @@ METRICS: tuple[Metric, ...] = (
     Metric("nll", "NLL", False),
     Metric("ece", "ECE", False, percent=True),
     Metric("brier", "Brier", False, digits=4),
+    Metric("aurc", "AURC", False, digits=4),
     Metric("ood_auroc", "OOD AUROC", True),
+    Metric("ood_fpr95", "OOD FPR at 95% TPR", False, percent=True),
+    Metric("ood_aupr", "OOD AUPR", True),
     Metric("shift_accuracy", "Accuracy under shift (mean)", True, percent=True),
     Metric("shift_nll", "NLL under shift (mean)", False),
     Metric("shift_ece", "ECE under shift (mean)", False, percent=True),
 )
 
 
-def _value(results: Mapping[str, Any], method: str, key: str) -> float | None:
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _ok(results: Mapping[str, Any], method: str) -> Mapping[str, Any] | None:
     r = results.get(method)
-    if not isinstance(r, Mapping) or r.get("status", "ok") != "ok":
-        return None
-    v = r.get(key)
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+    return r if isinstance(r, Mapping) and r.get("status", "ok") == "ok" else None
 
 
-def _best(results: Mapping[str, Any], methods: list[str], m: Metric, exclude=()) -> tuple[str, float] | None:
-    vals = [(meth, v) for meth in methods if meth not in exclude and (v := _value(results, meth, m.key)) is not None]
+def _value(results: Mapping[str, Any], method: str, key: str) -> float | None:
+    r = _ok(results, method)
+    v = None if r is None else r.get(key)
+    return float(v) if _finite(v) else None
+
+
+def _intervals(results: Mapping[str, Any], method: str) -> Mapping[str, Any]:
+    r = _ok(results, method)
+    iv = None if r is None else r.get("intervals")
+    return iv if isinstance(iv, Mapping) else {}
+
+
+def _paired(results: Mapping[str, Any], method: str, ref: str, key: str) -> Mapping[str, Any] | None:
+    p = (_intervals(results, method).get("paired") or {}).get(ref, {}).get(key)
+    return p if isinstance(p, Mapping) and all(_finite(p.get(k)) for k in ("diff", "lo", "hi")) else None
+
+
+def _methods(results: Mapping[str, Any]) -> list[str]:
+    return order_methods(k for k, r in results.items() if isinstance(r, Mapping))
+
+
+def _best(results: Mapping[str, Any], methods: list[str], m: Metric) -> list[str]:
+    """The methods with the best value as shown (equal shown values are a tie)."""
+    vals = {meth: v for meth in methods if (v := _value(results, meth, m.key)) is not None}
     if not vals:
-        return None
-    return (max if m.higher_is_better else min)(vals, key=lambda x: x[1])
+        return []
+    top = (max if m.higher_is_better else min)(vals.values())
+    return [meth for meth, v in vals.items() if m.fmt(v) == m.fmt(top)]
 
 
 def summary_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]], list[tuple[int, int]], list[str]]:
     """``(header, rows, marked cells (row, column), row keys)``: one row per headline metric that
-    some method has, one column per method (MAP first), then the best method and its change
-    against MAP. The best value of each row is marked."""
-    methods = order_methods(k for k, r in results.items() if isinstance(r, Mapping))
-    header = ["Metric", *(method_label(m) for m in methods), "Best", "Change vs MAP"]
+    some method has, its better direction, one column per method (MAP first, then temperature
+    scaling) with the value and its 95% interval, then the best method(s): tied values are a tie,
+    all marked. The paired differences are :func:`paired_table`'s."""
+    methods = _methods(results)
+    header = ["Metric", "Better", *(method_label(m) for m in methods), "Best"]
     rows, marked, keys = [], [], []
     for m in METRICS:
         if all(_value(results, meth, m.key) is None for meth in methods):
             continue
         best = _best(results, methods, m)
-        ref = _value(results, MAP, m.key)
-        cells = [m.label]
+        cells = [m.label, m.direction]
         for j, meth in enumerate(methods):
             v = _value(results, meth, m.key)
-            cells.append("—" if v is None else m.fmt(v))
-            if best is not None and meth == best[0]:
-                marked.append((len(rows), j + 1))
-        cells.append(method_label(best[0]) if best else "—")
-        cells.append("—" if best is None or ref is None else m.delta(best[1], ref))
+            ci = (_intervals(results, meth).get("ci") or {}).get(m.key)
+            cells.append("—" if v is None else m.fmt_ci(v, ci))
+            if meth in best:
+                marked.append((len(rows), j + 2))
+        if len(best) > 1:
+            have = [meth for meth in methods if _value(results, meth, m.key) is not None]
+            cells.append("all tied" if len(best) == len(have) else " = ".join(method_label(b) for b in best) + " (tie)")
+        else:
+            cells.append(method_label(best[0]) if best else "—")
         rows.append(cells)
         keys.append(m.key)
     return header, rows, marked, keys
 
 
-def _numbers(sizes: Mapping[str, Any], method: str) -> float | None:
-    s = sizes.get(method) if isinstance(sizes, Mapping) else None
-    n = s.get("numbers") if isinstance(s, Mapping) else None
-    return float(n) if isinstance(n, (int, float)) and n > 0 else None
+def paired_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]], list[str]] | None:
+    """``(header, rows, keys)``: one row per (method, reference) pair, MAP and temperature scaling
+    the references, one column per metric: the paired difference (method − reference) with its
+    95% interval and "better" / "worse" where the interval excludes 0, "n.s." otherwise. None
+    when the run has no paired intervals."""
+    methods = _methods(results)
+    keys_m = [m for m in METRICS if any(_paired(results, a, b, m.key) for a in methods for b in (MAP, TEMPERATURE))]
+    if not keys_m:
+        return None
+    header = ["Difference", *(f"{m.label} ({m.direction.split()[0]})" for m in keys_m)]
+    rows, keys = [], []
+    for ref in (MAP, TEMPERATURE):
+        for meth in methods:
+            if meth in (MAP, ref) or (ref == TEMPERATURE and meth == MAP):
+                continue
+            cells = [f"{method_label(meth)} − {method_label(ref)}"]
+            for m in keys_m:
+                p = _paired(results, meth, ref, m.key)
+                if p is None:
+                    cells.append("—")
+                    continue
+                b = m.better(p)
+                cells.append(f"{m.fmt_diff(p)} " + {True: "better", False: "worse", None: "n.s."}[b])
+            if any(c != "—" for c in cells[1:]):
+                rows.append(cells)
+                keys.append(f"{meth}-{ref}")
+    return header, rows, keys
 
 
-def verdict_sentences(results: Mapping[str, Any], sizes: Mapping[str, Any] | None = None) -> list[str]:
-    """Two to four sentences from the numbers: what the best posterior does to ECE (and at what
-    size against the diagonal), what temperature scaling alone reaches, NLL, OOD and shift."""
-    sizes = sizes or {}
-    methods = order_methods(k for k, r in results.items() if isinstance(r, Mapping))
-    laplace = [m for m in methods if m not in (MAP, TEMPERATURE)]
-    out = []
-    by_key = {m.key: m for m in METRICS}
-    ece = by_key["ece"]
-    map_ece, best = _value(results, MAP, "ece"), _best(results, laplace, ece)
-    if best is not None and map_ece is not None:
-        if best[1] < map_ece:
-            s = f"{method_label(best[0])} lowers ECE from {ece.fmt(map_ece)} (MAP) to {ece.fmt(best[1])}"
-        else:
-            s = (f"No posterior lowers ECE below MAP's {ece.fmt(map_ece)}; the closest, "
-                 f"{method_label(best[0])}, reaches {ece.fmt(best[1])}")
-        nb, nd = _numbers(sizes, best[0]), _numbers(sizes, "diag")
-        if nb is not None and nd is not None and best[0] != "diag":
-            s += f" at {nb / nd:.2f}x the diagonal's size"
-        t = _value(results, TEMPERATURE, "ece")
-        s += f"; temperature scaling alone reaches {ece.fmt(t)}." if t is not None else "."
-        out.append(s)
-    for key in ("nll", "ood_auroc", "shift_ece"):
-        m = by_key[key]
-        ref, b = _value(results, MAP, key), _best(results, [x for x in methods if x != MAP], m)
-        if b is None or ref is None:
+def sample_line(results: Mapping[str, Any]) -> str:
+    """What the intervals rest on: n, the OOD n, resamples and seed (one line)."""
+    iv = next((_intervals(results, m) for m in _methods(results) if _intervals(results, m)), None)
+    if not iv:
+        return "No intervals in this run (re-run the evaluation to get them): differences are not tested."
+    ood = f" and {iv['n_ood']:,} OOD images" if iv.get("n_ood") else ""
+    return (f"n = {iv['n']:,} test images{ood}. Brackets: 95% intervals from {iv['resamples']:,} paired bootstrap "
+            f"resamples over the same images (seed {iv['seed']}); a difference is significant only where its "
+            f"paired interval excludes 0.")
+
+
+def _against(results: Mapping[str, Any], meth: str, ref: str, n: int) -> str | None:
+    """``"vs MAP: better NLL, ECE; worse Accuracy; no significant difference at n = ... in ..."`` (the
+    differences with their intervals are :func:`paired_table`'s)."""
+    better, worse, same = [], [], []
+    for m in METRICS:
+        p = _paired(results, meth, ref, m.key)
+        if p is None:
             continue
-        better = b[1] > ref if m.higher_is_better else b[1] < ref
-        if better:
-            out.append(f"Best {m.label}: {method_label(b[0])}, {m.fmt(b[1])} against MAP's {m.fmt(ref)}.")
-        else:
-            out.append(f"No method improves on MAP's {m.label} ({m.fmt(ref)}).")
+        b = m.better(p)
+        (better if b else worse if b is False else same).append(m.label)
+    if not (better or worse or same):
+        return None
+    parts = []
+    if better:
+        parts.append("better " + ", ".join(better))
+    if worse:
+        parts.append("worse " + ", ".join(worse))
+    if same and not (better or worse):
+        parts.append(f"no significant difference at n = {n:,} on any metric")
+    elif same:
+        parts.append(f"no significant difference at n = {n:,} in " + ", ".join(same))
+    return f"vs {method_label(ref)}: " + "; ".join(parts)
+
+
+def _point_sentences(results: Mapping[str, Any]) -> list[str]:
+    """Without intervals: the point values only, and that no difference is claimed."""
+    out = []
+    methods = _methods(results)
+    for key in ("ece", "nll"):
+        m = next(x for x in METRICS if x.key == key)
+        best, ref = _best(results, methods, m), _value(results, MAP, key)
+        if best and ref is not None:
+            out.append(f"Lowest {m.label}: {' = '.join(method_label(b) for b in best)}, "
+                       f"{m.fmt(_value(results, best[0], key))} against MAP's {m.fmt(ref)} "
+                       "(no interval: no difference is claimed).")
     return out
+
+
+def verdict_sentences(results: Mapping[str, Any], sizes: Mapping[str, Any] | None = None,
+                      notes: list[str] | None = None) -> list[str]:
+    """One sentence per method against MAP (and each Laplace row against temperature scaling),
+    claiming "better" / "worse" only where the paired interval excludes 0; then ``notes`` (e.g.
+    the temperature fallback line). Without intervals: the point values and no claim."""
+    methods = _methods(results)
+    out = []
+    for meth in methods:
+        if meth == MAP:
+            continue
+        n = int(_intervals(results, meth).get("n") or 0)
+        parts = [s for ref in (MAP, TEMPERATURE) if ref != meth and (s := _against(results, meth, ref, n))]
+        if parts:
+            out.append(f"{method_label(meth)} " + "; ".join(parts) + ".")
+    if not out:
+        out = _point_sentences(results)
+    return out + list(notes or [])

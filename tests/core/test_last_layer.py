@@ -244,3 +244,21 @@ def test_resnet18_last_layer_posterior_is_fc_only_with_the_size_sizes_reports(ca
     post = build_posterior(stats, "kfac", n_data=10.0, prior_precision=1.0)
     out, cov = last_layer_glm_covariance(model, post, x[:2])
     assert _rel(cov, glm_covariance(model, post, x[:2], closed_form=False)) < EXACT_TOL
+
+
+def test_predictors_give_exact_log_probabilities_of_their_probabilities():
+    """Issue 27: every MC predictive's ``predict_batches_stats`` is the log of its probabilities
+    (log-mean-exp of the draws, float64) plus the draws' mean entropy; the probit links have none."""
+    from laplace_core.predictive import MCPredictor
+
+    model, post = _last_layer_posterior("kfac")
+    x, _ = _data(model, 7, 99)
+    for pred in (MCPredictor(model, post, 5, 3), GLMPredictor(model, post, 5, 3),
+                 LastLayerGLMPredictor(model, post, n_samples=5, seed=3, max_elements=40)):
+        p = torch.cat(pred.predict_batches([x[:3], x[3:]]))
+        stats = pred.predict_batches_stats([x[:3], x[3:]])
+        lp, ent = torch.cat([s[0] for s in stats]), torch.cat([s[1] for s in stats])
+        assert float((torch.exp(lp) - p).abs().max()) < 1e-14, type(pred).__name__
+        h = -(p * torch.log(p)).sum(-1)
+        assert bool((ent <= h + 1e-12).all()) and bool((ent > 0).all())  # E H(p_t) <= H(E p_t)
+    assert LastLayerGLMPredictor(model, post, link="probit").predict_batches_stats([x]) is None

@@ -151,10 +151,12 @@ def test_one_and_two_actors_and_a_killed_actor_agree_and_match_a_direct_computat
         if m == MAP:
             with torch.no_grad():
                 p, p_ood = torch.softmax(model(x), -1), torch.softmax(model(x_ood), -1)
+                lp = torch.log_softmax(model(x), -1)
         else:
             pred = MCPredictor(model, lc.load_posterior(digits["uris"][m]), n_samples=3, seed=11)
             p, p_ood = pred.predict(x), pred.predict(x_ood)
-        suite = MetricSuite.create().update(p, y).update_ood(p_ood)
+            lp = pred.predict_batches_stats([x])[0][0]  # exact log-mean-exp (issue 27), no 1e-12 floor
+        suite = MetricSuite.create().update(p, y, lp).update_ood(p_ood)
         direct = suite.compute()
         got = {k: r2[m][k] for k in direct}
         _assert_close(direct, got, m)
@@ -185,11 +187,13 @@ def test_actors_sharing_a_gpu_match_a_direct_cuda_computation(ray_session, digit
         if m == MAP:
             with torch.no_grad():
                 p, p_ood = torch.softmax(model(x), -1), torch.softmax(model(x_ood), -1)
+                lp = torch.log_softmax(model(x), -1)
         else:
             pred = MCPredictor(model, lc.load_posterior(digits["uris"][m]).to("cuda"), n_samples=3, seed=11)
             p, p_ood = pred.predict(x), pred.predict(x_ood)
+            lp = pred.predict_batches_stats([x])[0][0]  # exact NLL (issue 27)
         assert p.is_cuda
-        direct = MetricSuite.create().update(p, y).update_ood(p_ood).compute()
+        direct = MetricSuite.create().update(p, y, lp).update_ood(p_ood).compute()
         _assert_close(direct, {k: r[m][k] for k in direct}, m, gpu_tol)
 
     scfg = SearchConfig(configs=[(2.0, 3.0), (4.0, 3.5)], mc_samples=2, seed=0, batch_size=64, num_actors=2,
@@ -214,8 +218,11 @@ def test_glm_predictive_in_evaluation_matches_glm_predictor(digits):
     acc, info = evaluate_shard(model, posts, [(x[:20], y[:20]), (x[20:], y[20:])], None, cfg)
     assert not info["failed"]
     for m, post in posts.items():
-        p = GLMPredictor(model, post, 4, 5, link="mc", variance="mc").predict(x)
-        direct = MetricSuite.create().update(p, y).compute()
+        pred = GLMPredictor(model, post, 4, 5, link="mc", variance="mc")
+        p = pred.predict(x)
+        f0, jv = pred.logit_directions(x)  # the exact NLL (issue 27): log-mean-exp over the 4 MC-GLM draws
+        lp = torch.logsumexp(torch.log_softmax((f0[None] + jv).to(torch.float64), -1), 0) - math.log(4)
+        direct = MetricSuite.create().update(p, y, lp).compute()
         got = acc[m].compute()
         _assert_close({k: direct[k] for k in ("accuracy", "nll", "brier")}, {k: got[k] for k in ("accuracy", "nll", "brier")}, m)
     with pytest.raises(ValueError, match="pred_type"):

@@ -273,10 +273,12 @@ def test_html_and_markdown_show_the_same_sections(built):
     md = Path(built["paths"]["md"]).read_text(encoding="utf-8")
     html_heads = re.findall(r"<h([23])>([^<]*)</h\1>", text)
     md_heads = [(str(len(h)), t) for h, t in re.findall(r"^(##+) (.*)$", md, re.M)]
-    # the HTML shows the versions in a <details> instead of an h3
-    assert [h for h in html_heads] == [h for h in md_heads if h != ("3", "Versions")]
-    assert [t for _, t in html_heads] == ["Run", "Model", "Data", "Results per method", "Time per stage (whole run)",
-                                          "Figures", "Data and numerical issues"]
+    # the run's metadata (model, data, configuration, versions) folds away in <details> below the results (issue 27)
+    assert [h for h in html_heads] == [h for h in md_heads]
+    assert [t for _, t in html_heads] == ["Results per method", "Time per stage (whole run)",
+                                          "Figures", "Data and numerical issues", "Run"]
+    for part in ("Model", "Data", "Configuration (YAML)", "Versions"):
+        assert f"<details><summary>{part}</summary>" in text and f"<details><summary>{part}</summary>" in md
     html_notes = re.search(r'<ul class="notes">(.*?)</ul>', text).group(1)
     assert html_notes.count("<li>") == len(re.findall(r"^- ", md.split("## Results per method")[1].split("###")[0], re.M))
 
@@ -501,35 +503,77 @@ def test_report_renders_in_headless_chromium(built, tmp_path):
     print(f"chromium check: {time.perf_counter() - t0:.1f} s ({path})")
 
 
+def _with_intervals(results: dict, n: int = 269) -> dict:
+    """``results`` with planted paired intervals: INF better than MAP on ECE and NLL, the rest n.s."""
+    out = {}
+    for m, r in results.items():
+        ci = {k: [v - 0.01, v + 0.01] for k, v in r.items() if isinstance(v, float)}
+        paired = {}
+        for ref in ("map", "temperature"):
+            if ref == m or ref not in results:
+                continue
+            paired[ref] = {}
+            for k, v in ci.items():
+                if k not in results[ref]:
+                    continue
+                d = r[k] - results[ref][k]
+                sig = m == "inf" and ref == "map" and k in ("ece", "nll")
+                lo, hi = (d - abs(d) / 2, d + abs(d) / 2) if sig else (d - 0.05, d + 0.05)
+                paired[ref][k] = {"diff": d, "lo": lo, "hi": hi, "significant": sig}
+        out[m] = {**r, "intervals": {"n": n, "n_ood": 100, "resamples": 1000, "seed": 0, "level": 0.95,
+                                     "ci": ci, "paired": paired}}
+    return out
+
+
 def test_the_report_opens_with_the_verdict(tmp_path):
-    """Summary first (HTML and Markdown): one row per headline metric, the best value marked,
-    its change against MAP, and sentences generated from the numbers."""
+    """Summary first (HTML and Markdown): one row per headline metric with its better direction,
+    every value with its interval, the best value(s) marked (ties are ties), the paired differences
+    against MAP and temperature scaling, and sentences that claim a difference only where the paired
+    interval excludes 0 (issue 27)."""
     from pipelines.report.verdict import summary_table, verdict_sentences
 
     results = {"map": {"status": "ok", "accuracy": 0.90, "nll": 0.40, "ece": 0.034, "brier": 0.15, "ood_auroc": 0.80},
-               "diag": {"status": "ok", "accuracy": 0.90, "nll": 0.35, "ece": 0.020, "brier": 0.14, "ood_auroc": 0.82},
+               "diag": {"status": "ok", "accuracy": 0.90, "nll": 0.35, "ece": 0.020, "brier": 0.14, "ood_auroc": 0.80},
                "inf": {"status": "ok", "accuracy": 0.91, "nll": 0.30, "ece": 0.011, "brier": 0.13, "ood_auroc": 0.85},
                "temperature": {"status": "ok", "accuracy": 0.90, "nll": 0.33, "ece": 0.013, "brier": 0.14}}
+    results = _with_intervals(results)
     sizes = {"diag": {"numbers": 1000}, "inf": {"numbers": 1050}, "temperature": {"numbers": 1}}
     header, rows, marked, keys = summary_table(results)
     t_label = method_label("temperature")
-    assert header[0] == "Metric" and header[-2:] == ["Best", "Change vs MAP"]
-    assert sorted(header[1:-2]) == sorted(["MAP", "Diag", "INF", t_label]) and header[1] == "MAP"
+    assert header[:2] == ["Metric", "Better"] and header[-1] == "Best"
+    assert header[2:-1] == ["MAP", t_label, "Diag", "INF"]  # temperature scaling the first row after MAP
     assert keys == ["accuracy", "nll", "ece", "brier", "ood_auroc"]
     ece = dict(zip(header, rows[2]))
-    assert ece == {"Metric": "ECE", "MAP": "3.4%", "Diag": "2.0%", "INF": "1.1%", t_label: "1.3%", "Best": "INF",
-                   "Change vs MAP": "-2.3 pts"}
+    nb = "\u00a0"  # no-break space inside an interval
+    assert ece == {"Metric": "ECE", "Better": "↓ lower", "MAP": f"3.4% [2.4,{nb}4.4]", "Diag": f"2.0% [1.0,{nb}3.0]",
+                   "INF": f"1.1% [0.1,{nb}2.1]", t_label: f"1.3% [0.3,{nb}2.3]", "Best": "INF"}
+    auroc = dict(zip(header, rows[4]))
+    assert auroc["Best"] == "INF" and auroc[t_label] == "—"
+    acc = dict(zip(header, rows[0]))
+    assert acc["Best"] == "INF"
     inf = header.index("INF")
     assert (2, inf) in marked and (0, inf) in marked and (4, inf) in marked and len(marked) == 5
     said = verdict_sentences(results, sizes)
-    assert said[0] == "INF lowers ECE from 3.4% (MAP) to 1.1% at 1.05x the diagonal's size; temperature scaling alone reaches 1.3%."
-    worse = {"map": results["map"], "diag": {**results["diag"], "ece": 0.05}}
-    assert verdict_sentences(worse)[0].startswith("No posterior lowers ECE below MAP's 3.4%")
-    summary = {"title": "t", "results": results, "posterior_sizes": sizes}
+    assert said[0].startswith("Temperature vs MAP: no significant difference at n = 269")
+    inf_s = next(s for s in said if s.startswith("INF"))
+    assert inf_s.startswith("INF vs MAP: better NLL, ECE; "
+                            "no significant difference at n = 269 in Accuracy, Brier, OOD AUROC; "
+                            f"vs {t_label}: no significant difference at n = 269 on any metric")
+    tie = _with_intervals({"map": {"status": "ok", "ood_auroc": 1.0}, "diag": {"status": "ok", "ood_auroc": 1.0}})
+    h, r, mk, _ = summary_table(tie)
+    assert dict(zip(h, r[0]))["Best"] == "all tied" and len(mk) == 2
+    no_iv = {m: {k: v for k, v in d.items() if k != "intervals"} for m, d in results.items()}
+    assert all("no difference is claimed" in s for s in verdict_sentences(no_iv))
+    summary = {"title": "t", "results": results, "posterior_sizes": sizes,
+               "temperature": {"temperature": 1.0, "fallback": "temperature scaling: the search split is separable"}}
     page = build_report_page(summary, {}, [])
     html, md = render_html(page), render_markdown(page)
-    assert html.index('id="summary-table"') < html.index("<table", html.index("<h2>Run")) and html.index("<table") == html.index('<table id="summary-table"')
-    assert '<td class="best"><strong>1.1%</strong></td>' in html
+    assert html.index('id="summary-table"') < html.index("<h2>Run") and html.index("<table") == html.index('<table id="summary-table"')
+    assert f'<td class="best"><strong>1.1% [0.1,{nb}2.1]</strong></td>' in html
+    assert "n = 269 test images and 100 OOD images" in html and "n = 269 test images" in md
+    assert html.index('id="summary-table"') < html.index('id="paired-table"') < html.index("<h2>Run")
+    assert "temperature scaling: the search split is separable" in html and "search split is separable" in md
+    assert "INF − MAP" in html and "better" in html and "n.s." in md
     first_table = next(ln for ln in md.splitlines() if ln.startswith("|"))
-    assert first_table.startswith("| Metric | MAP |") and "| **1.1%** |" in md
-    assert md.index("## Summary") < md.index("## Run")
+    assert first_table.startswith("| Metric | Better | MAP |") and f"| **1.1% \\[0.1,{nb}2.1\\]** |" in md
+    assert md.index("## Summary") < md.index("## Paired differences") < md.index("## Run")

@@ -152,3 +152,30 @@ def test_the_smoke_search_runs_under_asha(shift_run):
         assert sorted(r["images"] for r in rows) == [25, 25, 25, 100], rows
         assert info["stopped"][m] == 3
     assert info["image_samples"] * 16 == info["image_samples_full"] * 7
+
+
+def test_the_report_shows_intervals_and_paired_differences(shift_run):
+    """Issue 27 on the smoke preset: every headline metric with its 95% interval, the paired
+    differences of each Laplace row against MAP and temperature scaling, n printed, the exact NLL;
+    a separable search split would say so in one line (T = 1, not 1e-3)."""
+    ev = shift_run / "eval"
+    diag = _json(ev / "diag" / "metrics.json")
+    iv = diag["intervals"]
+    assert iv["n"] == 100 and iv["resamples"] == 1000 and set(iv["paired"]) == {"map", "temperature"}
+    for k in ("accuracy", "nll", "ece", "brier", "aurc", "ood_auroc", "ood_fpr95", "ood_aupr"):
+        lo, hi = iv["ci"][k]
+        assert lo <= iv["point"][k] <= hi, k
+        assert {"diff", "lo", "hi", "significant"} <= set(iv["paired"]["temperature"][k])
+    assert diag["nll_from"] == "log-probabilities (exact)" and "mutual_information" in diag["ood_scores"]
+    shift = _json(ev / "diag" / "shift.json")["intervals"]
+    assert set(shift["ci"]) == {"shift_accuracy", "shift_nll", "shift_ece"}
+    run = _json(shift_run / "run.json")
+    assert "shift_nll" in run["results"]["inf"]["intervals"]["paired"]["temperature"]
+    html = (shift_run / "report.html").read_text(encoding="utf-8")
+    md = (shift_run / "report.md").read_text(encoding="utf-8")
+    assert "n = 100 test images and 100 OOD images" in html and 'id="paired-table"' in html
+    assert "Diag − Temperature" in html and "INF − MAP" in md and "## Paired differences" in md
+    fit = _json(ev / "temperature" / "temperature.json")
+    assert fit["temperature"] != 1e-3
+    if fit["fallback"]:
+        assert fit["temperature"] == 1.0 and fit["fallback"] in html

@@ -114,3 +114,36 @@ def test_temperature_scaling_fixes_an_overconfident_model():
     assert ece_ts < 0.5 * ece_map  # not a marginal change
     assert torch.equal(p_map.argmax(1), p_ts.argmax(1))
     print(f"T={T:.3f} NLL {nll_map:.4f} -> {nll_ts:.4f}, ECE {ece_map:.4f} -> {ece_ts:.4f}")  # T > 0 never changes the predicted class
+
+
+def test_a_separable_search_split_falls_back_to_T_1_and_says_why():
+    """Issue 27: every search image right with a margin -> the fit runs to T_min; the row is
+    evaluated at T = 1 (MAP's probabilities), not at T = 1e-3, with one line saying why."""
+    from pipelines.evaluation.temperature import with_fallback
+
+    z = np.array([[10.0, 0.0], [0.0, 10.0], [7.0, 1.0]])
+    fit = with_fallback(fit_temperature(z, np.array([0, 1, 0])))
+    assert fit["temperature"] == 1.0 and fit["temperature_fit"] == pytest.approx(T_BOUNDS[0])
+    assert "separable" in fit["fallback"] and "T = 1" in fit["fallback"] and "\n" not in fit["fallback"]
+    assert fit["nll_after"] == fit["nll_before"]
+    ok = with_fallback(fit_temperature(np.array([[2.0, 0.0], [2.0, 0.0]]), np.array([0, 1])))
+    assert ok["fallback"] == "" and ok["temperature"] == ok["temperature_fit"] != 1.0
+
+
+def test_evaluation_nll_of_a_confident_mistake_is_exact():
+    """MAP and temperature rows through the evaluation path: logits (60, 0) on an image of class 1
+    give NLL 60 + log(1 + e^-60) (log-softmax), not the 27.6 of a 1e-12 probability floor."""
+    from pipelines.evaluation.evaluate import evaluate_shard
+    from pipelines.evaluation.runtime import EvalConfig
+
+    lin = nn.Linear(2, 2, bias=False).double()
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[60.0, 0.0], [0.0, 0.0]]))
+    x = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    cfg = EvalConfig(batch_size=4, dtype="float64", torch_threads=1)
+    acc, info = evaluate_shard(lin.eval(), {}, [(x, torch.tensor([1]))], None, cfg, temperature=2.0)
+    assert not info["failed"]
+    got = {m: a.compute() for m, a in acc.items()}
+    assert got["map"]["nll"] == pytest.approx(60.0 + math.log1p(math.exp(-60.0)), rel=1e-14)
+    assert got["temperature"]["nll"] == pytest.approx(30.0 + math.log1p(math.exp(-30.0)), rel=1e-14)
+    assert got["map"]["nll_from"] == "log-probabilities (exact)"
