@@ -185,14 +185,7 @@ def load_tensors(uri: str, storage_options: Mapping[str, Any] | None = None) -> 
     """``(tensors, meta)`` of the artifact at ``uri``, after checking format, version,
     byte size and sha256 (and those of an artifact it shares tensors with). Tensors are on the CPU."""
     fs, base = _fs(uri, storage_options)
-    raw = _read(fs, _join(fs, base, MANIFEST_FILE), uri, MANIFEST_FILE)
-    try:
-        manifest = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{uri}: {MANIFEST_FILE} is not valid JSON ({e.__class__.__name__})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else None
-        raise ValueError(f"{uri}: not an infoform artifact (format tag {got!r}, expected {FORMAT!r})")
+    manifest = _manifest(uri, storage_options)
     if manifest.get("version") != VERSION:
         raise ValueError(f"{uri}: unsupported artifact version {manifest.get('version')!r} (this code reads {VERSION})")
     for key in ("file", "sha256", "bytes", "tensors", "meta"):
