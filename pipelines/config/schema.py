@@ -128,7 +128,7 @@ class CurvatureSpec:
     model_dtype: str = "float32"  # the model's dtype in the passes (float64 for dense checks)
     stats_dtype: str = "float64"  # the dtype of the summed statistics
     bucket_mb: float = 64.0  # all-reduce bucket size (MiB)
-    log_every_s: float = 10.0  # progress line interval (seconds)
+    log_every_s: float = 30.0  # progress line interval (seconds), as evaluate.log_every_s
 
 
 @dataclass(frozen=True)

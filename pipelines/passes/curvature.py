@@ -146,7 +146,7 @@ class CurvatureConfig:
     model_dtype: str = "float32"
     stats_dtype: str = "float64"
     bucket_mb: float = 64.0
-    log_every_s: float = 10.0
+    log_every_s: float = 30.0
     fault_injection: FaultInjection | None = None
     norm_layers: str = "map"  # laplace_core.layers.NORM_LAYER_MODES: "diag" adds normalisation layers (diagonal)
     layers: str | tuple[str, ...] = "all"  # laplace_core.layer_selection: the layers under the posterior
