@@ -224,6 +224,8 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
         started.append(True)
         import ray
 
+        if not ray.is_initialized():  # a local instance takes 10-40 s to start on a small machine
+            log("cluster: connecting to Ray (starting a local instance when no address is given)")
         if init_ray is not None:
             init_ray()
         elif not ray.is_initialized():

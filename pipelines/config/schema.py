@@ -191,7 +191,8 @@ class CurvatureSpec(Checked):
                                choices=DTYPES)
     stats_dtype: str = setting("float64", "the dtype of the summed statistics", choices=DTYPES)
     bucket_mb: float = setting(64.0, "all-reduce bucket size (MiB)", range=POSITIVE, fingerprint=False)
-    log_every_s: float = setting(10.0, "progress line interval (seconds)", range=POSITIVE, fingerprint=False)
+    log_every_s: float = setting(30.0, "progress line interval (seconds), as evaluate.log_every_s", range=POSITIVE,
+                                 fingerprint=False)
 
 
 @dataclass(frozen=True)

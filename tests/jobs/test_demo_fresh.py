@@ -21,8 +21,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-#: what `make demo` may print (issue: a clean log): the job's own stage and progress lines
-DEMO_MAX_LINES = 40
+#: what `make demo` may print (issue: a clean log): the job's own stage and progress lines. 60, was
+#: 40 before issue 32 asked for more: progress with images/s at least every log_every_s in each pass
+#: and the search, the disk announcement and what was kept, the eigendecomposition, the verdict
+#: lines (about 47 lines on a loaded 2-core machine)
+DEMO_MAX_LINES = 60
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
