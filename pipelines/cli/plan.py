@@ -35,7 +35,8 @@ def custom_preset(model: str | None, weights: str | None, data: str | None) -> t
     eval transforms where known, else 224 and ImageNet's statistics; output
     ``runs/<model>-<data folder name>``) and the line that says so. Flags and ``--set`` given
     by the user come after these and win."""
-    from pipelines.ingest.models import RANDOM_WEIGHTS, default_transforms
+    from pipelines.ingest.models import RANDOM_WEIGHTS
+    from pipelines.ingest.transforms import default_transforms
 
     name = model or "resnet50"
     t = default_transforms(name, weights)

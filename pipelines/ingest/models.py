@@ -53,7 +53,6 @@ __all__ = [
     "check_state_dict",
     "state_dict_mismatch",
     "check_weights",
-    "default_transforms",
     "RANDOM_WEIGHTS",
     "load_model",
     "model_coverage",
@@ -435,30 +434,6 @@ def check_weights(name: str, weights: str, num_classes: int | None = None, *,
     model = _fit_state_dict(name, sd, num_classes, _build_meta)
     head = _last_linear(model)
     return {"head": head, "num_classes": None if head is None else int(model.get_submodule(head).out_features)}
-
-
-def default_transforms(name: str, weights: str | None = None) -> dict[str, object] | None:
-    """Image size, resize size and normalisation of the torchvision weights' own eval transforms
-    (``weights`` when it is an enum name, else the architecture's ``DEFAULT`` weights): a dict with
-    ``image_size``, ``resize_size``, ``mean``, ``std`` and ``source`` (the enum), or None when the
-    model has no torchvision weights (a factory, an extra model). Reads metadata only: no download."""
-    import torchvision.models as tvm
-
-    try:
-        if weights is not None and is_enum_name(weights):
-            enum = resolve_weights_enum(weights)
-        elif is_factory(name) or name in EXTRA_MODELS:
-            return None
-        else:
-            enum = tvm.get_model_weights(name).DEFAULT
-        t = enum.transforms()
-    except Exception:  # no weights registered for the name, or transforms that are not a classification preset
-        return None
-    crop, resize = getattr(t, "crop_size", None), getattr(t, "resize_size", None)
-    if not crop or not resize:
-        return None
-    return {"image_size": int(crop[0]), "resize_size": int(resize[0]), "mean": tuple(float(v) for v in t.mean),
-            "std": tuple(float(v) for v in t.std), "source": f"{type(enum).__name__}.{enum.name}"}
 
 
 def _few(names: list[str], k: int = 6) -> str:
