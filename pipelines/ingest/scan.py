@@ -52,12 +52,14 @@ def _hidden(rel: str) -> bool:
     return any(part.startswith(".") for part in rel.split("/"))
 
 
-def _walk(uri: str, endpoint_url: str | None) -> tuple[set[str], list[str]]:
-    """(relative dirs, relative files) under ``uri``, recursively, hidden entries dropped."""
+def _walk(uri: str, endpoint_url: str | None, lister=None) -> tuple[set[str], list[str]]:
+    """(relative dirs, relative files) under ``uri``, recursively, hidden entries dropped.
+    ``lister(uri)``: the listing's records (:mod:`pipelines.ingest.index_store`); S3 without one
+    is listed in parallel (:func:`pipelines.ingest.listing.list_records`)."""
     fs, base = storage.get_fs(uri, endpoint_url)
     dirs: set[str] = set()
     files: list[str] = []
-    if not storage.is_remote(uri):
+    if lister is None and not storage.is_remote(uri):
         for cur, dnames, fnames in os.walk(base, followlinks=True):
             rel_dir = os.path.relpath(cur, base).replace(os.sep, "/")
             rel_dir = "" if rel_dir == "." else rel_dir
@@ -68,13 +70,12 @@ def _walk(uri: str, endpoint_url: str | None) -> tuple[set[str], list[str]]:
                 if not f.startswith("."):
                     files.append(posixpath.join(rel_dir, f) if rel_dir else f)
         return dirs, files
-    # object store: one recursive listing of keys (no per-entry detail dicts: 1.28M keys stay cheap);
-    # folders are the key prefixes, plus "dir/" marker objects (how empty folders exist on S3)
-    prefix = base.rstrip("/") + "/"
-    for name in fs.find(base, withdirs=False, detail=False):
-        if not name.startswith(prefix):
-            continue
-        rel = name[len(prefix):]
+    # listing records (paths relative to uri); folders are the key prefixes, plus "dir/" marker
+    # objects (how empty folders exist on S3)
+    from pipelines.ingest.listing import list_records
+
+    table = lister(uri) if lister is not None else list_records(uri, endpoint_url)
+    for rel in (r for b in table.select(["path"]).to_batches(max_chunksize=65536) for r in b.column(0).to_pylist()):
         is_marker = rel.endswith("/")
         rel = rel.rstrip("/")
         if not rel or _hidden(rel):
@@ -201,9 +202,9 @@ def _examples(items: Iterable[str], k: int = 3) -> str:
     return ", ".join(items[:k]) + (", ..." if len(items) > k else "")
 
 
-def _scan_folders(split_uri: str, cfg: DataConfig):
+def _scan_folders(split_uri: str, cfg: DataConfig, lister=None):
     """(classes, rel files, labels, num ignored, num unmatched CSV rows) for folder / flat layouts."""
-    dirs, files = _walk(split_uri, cfg.endpoint_url)
+    dirs, files = _walk(split_uri, cfg.endpoint_url, lister)
     top_dirs = sorted(d for d in dirs if "/" not in d)
     nested = [f for f in files if "/" in f]
     top_files = [f for f in files if "/" not in f]
@@ -324,8 +325,10 @@ def _subset_order(path: str) -> str:
     return hashlib.sha1(path.encode()).hexdigest()
 
 
-def scan(cfg: DataConfig) -> DatasetIndex:
+def scan(cfg: DataConfig, lister=None) -> DatasetIndex:
     """List the dataset on the driver and return its frozen DatasetIndex (see module doc).
+    ``lister(split_uri)``: the split's listing table (path, size, etag; e.g. a persisted one,
+    :class:`pipelines.ingest.index_store.IndexedListing`); default: list it now.
 
     Raises DataError (one line) for: a missing root or split, no files, a labels
     CSV that misses files or names unknown wnids, class folders outside an
@@ -343,7 +346,7 @@ def scan(cfg: DataConfig) -> DatasetIndex:
         split_uri, classes, paths, labels, shards, locations = _scan_parquet(split_uri, cfg)
         ignored = unmatched = 0
     else:
-        classes, paths, labels, ignored, unmatched = _scan_folders(split_uri, cfg)
+        classes, paths, labels, ignored, unmatched = _scan_folders(split_uri, cfg, lister)
         locations = []
     if not paths:
         raise DataError(f"no image files found under {split_uri}")
