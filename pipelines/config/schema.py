@@ -81,6 +81,7 @@ class DataSpec:
     std: tuple[float, float, float] | None = None
     decode_batch_size: int = 128  # images per Ray Data decode task batch
     decode_num_cpus: float = 1.0  # CPUs per Ray Data decode task
+    relist: bool = False  # list the splits again instead of reusing the index under <output>/index/ (--relist)
 
 
 @dataclass(frozen=True)
