@@ -40,6 +40,7 @@ import posixpath
 from typing import Iterable
 
 from pipelines.ingest.index import DataConfig, DataError, DatasetIndex, fingerprint
+from pipelines.ingest.pathlist import PathList
 from pipelines.ingest.parquet import PARQUET_CLASSES_KEY, PARQUET_META_FILE
 from pipelines.storage import uris as storage
 
@@ -365,7 +366,7 @@ def scan(cfg: DataConfig, lister=None) -> DatasetIndex:
     if cfg.limit is not None and len(order) > cfg.limit:
         order = sorted(order, key=lambda j: _subset_order(paths[j]))[: cfg.limit]
     order.sort(key=lambda j: paths[j])
-    sel_paths = tuple(paths[i] for i in order)
+    sel_paths = PathList.of(paths[i] for i in order)  # one buffer, not a str object per file
     sel_labels = tuple(int(labels[i]) for i in order)
     counts = [0] * len(classes)
     for y in sel_labels:
