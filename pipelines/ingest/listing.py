@@ -6,9 +6,9 @@ file's ``mtime_ns`` as text): one Arrow row per object, no Python object per key
 
 On S3 the top level is listed first with a delimiter (the class prefixes and the top-level
 keys), then the class prefixes are listed in parallel on a bounded thread pool
-(``workers``, default :data:`LIST_WORKERS`), each with botocore's ListObjectsV2 paginator; every
-page becomes an Arrow record batch as it arrives (the page's parsed response is dropped right
-after), so the driver holds ~``len(path) + len(etag) + 16`` bytes per key plus a constant per
+(``workers``, default :data:`LIST_WORKERS`), each a chain of ListObjectsV2 pages signed by a botocore client; every
+page is a presigned GET whose XML body is parsed as it streams in (``iterparse``, each
+element dropped once read; every 128 keys become an Arrow record batch), so the driver holds ~``len(path) + len(etag) + 16`` bytes per key plus a constant per
 thread (measured in benchmarks/RESULTS.md). Keys ending in ``/`` (folder markers) are kept:
 :mod:`pipelines.ingest.scan` reads them as folders. Which files count as images is the
 caller's decision (the scan's layout and suffix filters apply to these records).
@@ -78,29 +78,99 @@ def _batch(paths: list, sizes: list, etags: list):
                            schema=_schema())
 
 
-def _pages(client, bucket: str, prefix: str, delimiter: str | None = None) -> Iterator[dict]:
-    kw = {"Bucket": bucket, "Prefix": prefix, "PaginationConfig": {"PageSize": 1000}}
-    if delimiter:
-        kw["Delimiter"] = delimiter
-    yield from client.get_paginator("list_objects_v2").paginate(**kw)
+_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
+_FLUSH = 128  # keys per Arrow batch while a page streams in
 
 
-def _page_batch(page: dict, strip: int):
-    contents = page.get("Contents") or ()
-    if not contents:
-        return None
-    return _batch([c["Key"][strip:] for c in contents], [int(c["Size"]) for c in contents],
-                  [str(c.get("ETag", "")).strip('"') for c in contents])
+class _Page:
+    """One ListObjectsV2 page, parsed as it streams in: Arrow batches of its keys (relative,
+    ``strip`` characters cut), its common prefixes, and where the next page starts."""
+
+    def __init__(self):
+        self.batches: list = []
+        self.prefixes: list[str] = []
+        self.keys = 0
+        self.truncated = False
+        self.token: str | None = None
 
 
-def _list_prefix(client, bucket: str, prefix: str, strip: int) -> list:
-    out = []
-    for page in _pages(client, bucket, prefix):
-        b = _page_batch(page, strip)
-        del page
-        if b is not None:
-            out.append(b)
-    return out
+def _parse_page(stream, strip: int, keep: bool) -> _Page:
+    """Parse a ListObjectsV2 response body from ``stream`` with ``iterparse``, dropping each
+    ``Contents`` element once read (no tree or dict per key is kept); ``keep=False`` only counts."""
+    import xml.etree.ElementTree as ET
+
+    page, root = _Page(), None
+    paths: list[str] = []
+    sizes: list[int] = []
+    etags: list[str] = []
+    for event, el in ET.iterparse(stream, events=("start", "end")):
+        if root is None:
+            root = el
+        if event != "end":
+            continue
+        tag = el.tag[len(_NS):] if el.tag.startswith(_NS) else el.tag
+        if tag == "Contents":
+            page.keys += 1
+            if keep:
+                paths.append(el.findtext(_NS + "Key")[strip:])
+                sizes.append(int(el.findtext(_NS + "Size") or 0))
+                etags.append((el.findtext(_NS + "ETag") or "").strip('"'))
+                if len(paths) >= _FLUSH:
+                    page.batches.append(_batch(paths, sizes, etags))
+                    paths, sizes, etags = [], [], []
+            root.clear()
+        elif tag == "CommonPrefixes":
+            page.prefixes.append(el.findtext(_NS + "Prefix"))
+            root.clear()
+        elif tag == "IsTruncated":
+            page.truncated = (el.text or "").strip().lower() == "true"
+        elif tag == "NextContinuationToken":
+            page.token = el.text
+    if paths:
+        page.batches.append(_batch(paths, sizes, etags))
+    return page
+
+
+_HTTP: dict[int, Any] = {}
+
+
+def _http(pool: int):
+    import urllib3
+
+    with _CLIENTS_LOCK:
+        if pool not in _HTTP:
+            _HTTP[pool] = urllib3.PoolManager(maxsize=pool, retries=urllib3.Retry(total=5, backoff_factor=0.2))
+        return _HTTP[pool]
+
+
+def _pages(client, bucket: str, prefix: str, strip: int = 0, delimiter: str | None = None,
+           keep: bool = True, pool: int = LIST_WORKERS) -> Iterator[_Page]:
+    """The ListObjectsV2 pages of ``prefix``, one after another, each streamed and parsed as it
+    arrives (a presigned GET of the botocore client: its endpoint, credentials and signing)."""
+    token = None
+    while True:
+        params: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix, "MaxKeys": 1000}
+        if delimiter:
+            params["Delimiter"] = delimiter
+        if token:
+            params["ContinuationToken"] = token
+        url = client.generate_presigned_url("list_objects_v2", Params=params, ExpiresIn=900)
+        resp = _http(pool).request("GET", url, preload_content=False)
+        try:
+            if resp.status != 200:
+                body = resp.read(2000).decode("utf-8", "replace")
+                raise OSError(f"listing s3://{bucket}/{prefix} failed: HTTP {resp.status} {body[:300]}")
+            page = _parse_page(resp, strip, keep)
+        finally:
+            resp.release_conn()
+        yield page
+        if not page.truncated or not page.token:
+            return
+        token = page.token
+
+
+def _list_prefix(client, bucket: str, prefix: str, strip: int, pool: int) -> list:
+    return [b for page in _pages(client, bucket, prefix, strip, pool=pool) for b in page.batches]
 
 
 def _list_s3(uri: str, store, workers: int):
@@ -109,13 +179,11 @@ def _list_s3(uri: str, store, workers: int):
     bucket, base = split_s3(uri)
     client = s3_client(store, workers)
     batches, prefixes = [], []
-    for page in _pages(client, bucket, base, "/"):  # the top level: class prefixes and loose keys
-        prefixes.extend(p["Prefix"] for p in page.get("CommonPrefixes") or ())
-        b = _page_batch(page, len(base))
-        if b is not None:
-            batches.append(b)
+    for page in _pages(client, bucket, base, len(base), "/", pool=workers):  # the top level: prefixes, loose keys
+        prefixes.extend(page.prefixes)
+        batches.extend(page.batches)
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="s3-list") as pool:
-        for part in pool.map(lambda p: _list_prefix(client, bucket, p, len(base)), prefixes):
+        for part in pool.map(lambda p: _list_prefix(client, bucket, p, len(base), workers), prefixes):
             batches.extend(part)
     return pa.Table.from_batches(batches, schema=_schema())
 
@@ -161,8 +229,8 @@ def list_records(uri: str, store: storage.Store = None, workers: int = LIST_WORK
     return table.combine_chunks()
 
 
-def _count_prefix(client, bucket: str, prefix: str) -> int:
-    return sum(int(page.get("KeyCount", len(page.get("Contents") or ()))) for page in _pages(client, bucket, prefix))
+def _count_prefix(client, bucket: str, prefix: str, pool: int) -> int:
+    return sum(page.keys for page in _pages(client, bucket, prefix, keep=False, pool=pool))
 
 
 def count_objects(uri: str, prefixes: Sequence[str], store: storage.Store = None,
@@ -173,7 +241,7 @@ def count_objects(uri: str, prefixes: Sequence[str], store: storage.Store = None
         bucket, base = split_s3(uri)
         client = s3_client(store, workers)
         with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="s3-count") as pool:
-            counts = pool.map(lambda p: _count_prefix(client, bucket, base + p), prefixes)
+            counts = pool.map(lambda p: _count_prefix(client, bucket, base + p, workers), prefixes)
             return dict(zip(prefixes, counts))
     root = storage.get_fs(uri)[1]
     out = {}
@@ -191,9 +259,9 @@ def top_level(uri: str, store: storage.Store = None) -> tuple[list[str], int]:
     if storage.is_remote(uri):
         bucket, base = split_s3(uri)
         prefixes, n = [], 0
-        for page in _pages(s3_client(store), bucket, base, "/"):
-            prefixes.extend(p["Prefix"][len(base):] for p in page.get("CommonPrefixes") or ())
-            n += len(page.get("Contents") or ())
+        for page in _pages(s3_client(store), bucket, base, delimiter="/", keep=False):
+            prefixes.extend(p[len(base):] for p in page.prefixes)
+            n += page.keys
         return sorted(prefixes), n
     root = storage.get_fs(uri)[1]
     prefixes, n = [], 0
