@@ -115,8 +115,10 @@ class IndexedListing:
     def _write(self, table, split_uri: str, pq_uri: str, fp_uri: str) -> None:
         import pyarrow.parquet as pq
 
-        buf = io.BytesIO()
-        pq.write_table(table, buf)
+        from pipelines.ingest.index_file import ROOT_KEY
+
+        buf = io.BytesIO()  # the listed prefix travels in the file: --data <this file> reads the same images
+        pq.write_table(table.replace_schema_metadata({ROOT_KEY: split_uri.encode()}), buf)
         storage.write_bytes_atomic(pq_uri, buf.getvalue(), self.store)
         tops, loose = _top(table)
         storage.write_json_atomic(fp_uri, {

@@ -335,20 +335,25 @@ def scan(cfg: DataConfig, lister=None) -> DatasetIndex:
     CSV that misses files or names unknown wnids, class folders outside an
     explicit class list, parquet shards without the needed columns / classes.
     """
-    split_uri = _split_dir(cfg)
-    if not storage.is_remote(split_uri):
-        split_uri = storage.get_fs(split_uri)[1]  # absolute local path: Ray workers may run elsewhere
-    fmt = cfg.format
-    if fmt == "auto":
-        _, pq_files = _parquet_files(split_uri, cfg.endpoint_url)
-        fmt = "parquet" if pq_files else "imagefolder"
-    shards: tuple[str, ...] = ()
-    if fmt == "parquet":
-        split_uri, classes, paths, labels, shards, locations = _scan_parquet(split_uri, cfg)
-        ignored = unmatched = 0
+    from pipelines.ingest.index_file import is_index_file, read_index_file
+
+    fmt, shards = cfg.format, ()
+    if fmt != "parquet" and is_index_file(cfg):  # --data index.parquet: a file of paths and labels
+        split_uri, classes, paths, labels, ignored = read_index_file(cfg)
+        fmt, locations, unmatched = "imagefolder", [], 0
     else:
-        classes, paths, labels, ignored, unmatched = _scan_folders(split_uri, cfg, lister)
-        locations = []
+        split_uri = _split_dir(cfg)
+        if not storage.is_remote(split_uri):
+            split_uri = storage.get_fs(split_uri)[1]  # absolute local path: Ray workers may run elsewhere
+        if fmt == "auto":
+            _, pq_files = _parquet_files(split_uri, cfg.endpoint_url)
+            fmt = "parquet" if pq_files else "imagefolder"
+        if fmt == "parquet":
+            split_uri, classes, paths, labels, shards, locations = _scan_parquet(split_uri, cfg)
+            ignored = unmatched = 0
+        else:
+            classes, paths, labels, ignored, unmatched = _scan_folders(split_uri, cfg, lister)
+            locations = []
     if not paths:
         raise DataError(f"no image files found under {split_uri}")
     scanned_counts = [0] * len(classes)

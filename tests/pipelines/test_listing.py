@@ -177,3 +177,36 @@ def test_index_reuse_local_detects_a_changed_file(tmp_path):
     c_list = IndexedListing(out, check_keys=100)
     scan(dc, c_list.lister("train"))
     assert "listed" in c_list.lines[0] and "n0001/img2.JPEG changed" in c_list.lines[0]
+
+
+def test_data_index_parquet_gives_the_folder_scan(tmp_path):
+    """--data index.parquet: a Parquet of paths (absolute here) with class names and a split
+    column gives each split exactly what scanning its folder gives; the run's own persisted
+    listing is such a file too (its paths relative to the listed prefix)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipelines.ingest.index import DataConfig, DataError
+    from pipelines.ingest.index_store import IndexedListing, index_uris
+    from pipelines.ingest.scan import scan
+
+    root = _tree(tmp_path, classes=3, per_class=4)
+    val = tmp_path / "data" / "val"
+    for c in range(3):
+        (val / f"n{c:04d}").mkdir(parents=True)
+        (val / f"n{c:04d}" / "v.JPEG").write_bytes((root / f"n{c:04d}" / "img0.JPEG").read_bytes())
+    want = {s: scan(DataConfig(root=str(tmp_path / "data"), split=s)) for s in ("train", "val")}
+    rows = [(str(tmp_path / "data" / s / p), want[s].classes[y], s) for s in want for p, y in
+            zip(want[s].paths, want[s].labels)]
+    idx = tmp_path / "index.parquet"
+    pq.write_table(pa.table({"path": [r[0] for r in rows], "class": [r[1] for r in rows],
+                             "split": [r[2] for r in rows]}), idx)
+    for s, w in want.items():
+        got = scan(DataConfig(root=str(idx), split=s))
+        assert (got.root, got.classes, got.fingerprint) == (w.root, w.classes, w.fingerprint)
+    with pytest.raises(DataError, match="no rows of split 'test'"):
+        scan(DataConfig(root=str(idx), split="test"))
+    out = str(tmp_path / "out")
+    IndexedListing(out).records("train", str(root))
+    again = scan(DataConfig(root=index_uris(out, "train")[0], split="train"))
+    assert (again.root, again.fingerprint) == (want["train"].root, want["train"].fingerprint)
