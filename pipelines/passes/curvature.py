@@ -447,7 +447,7 @@ def run_curvature(
 
 
 PASS_RECORD_KEYS = ("reduces", "allreduce_calls", "allreduce_bytes", "bytes_written", "checkpoints", "compute_s",
-                    "data_wait_s", "reduce_s", "write_s", "wall_s", "computed", "reused")
+                    "data_wait_s", "reduce_s", "write_s", "wall_s", "computed", "reused", "source_bytes")
 
 
 def pass_records(report: Mapping[str, Any], names: Sequence[str] = ("pass1", "pass2", "subnet")) -> dict[str, Any]:
