@@ -189,6 +189,15 @@ def rehearse(args) -> dict:
     if args.moto:
         out["reuse_requests"] = lb.counts(store, reset=True)
     out["index_bytes"] = len(storage.read_bytes(index_uris(output, "train")[0], store))
+    if storage.is_remote(args.root):  # the listing's heap, in a fresh process (tracemalloc + Arrow's pool)
+        import subprocess
+
+        res = subprocess.run([sys.executable, os.path.join(_REPO, "benchmarks", "listing_bench.py"), "measure",
+                              split_uri, "--endpoint", store], capture_output=True, text=True, check=True)
+        m = json.loads(res.stdout.strip().splitlines()[-1])
+        out["listing_heap"] = {k: m[k] for k in ("keys", "unique_keys", "python_heap_peak", "arrow_peak",
+                                                  "heap_per_key", "seconds")}
+        out["listing_heap"]["max_in_flight"] = m["server"]["max_in_flight"]
     t0 = time.perf_counter()
     dc = DataConfig(root=args.root, split="train", image_size=16, resize_size=16, endpoint_url=store)
     index = scan(dc, lambda _uri: table)
