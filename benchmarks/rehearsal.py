@@ -95,10 +95,10 @@ class WorkerWatch(threading.Thread):
 
     def __init__(self, every_s: float = 0.5):
         super().__init__(daemon=True)
-        self.every_s, self.peak, self.pids, self._stop = every_s, 0, set(), threading.Event()
+        self.every_s, self.peak, self.pids, self._halt = every_s, 0, set(), threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             for pid in os.listdir("/proc"):
                 if not pid.isdigit():
                     continue
@@ -110,10 +110,10 @@ class WorkerWatch(threading.Thread):
                     continue
                 self.pids.add(int(pid))
                 self.peak = max(self.peak, vm_hwm(pid))
-            self._stop.wait(self.every_s)
+            self._halt.wait(self.every_s)
 
     def stop(self) -> int:
-        self._stop.set()
+        self._halt.set()
         self.join()
         return self.peak
 
