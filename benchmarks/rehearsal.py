@@ -90,8 +90,21 @@ def vm_hwm(pid: int | str = "self") -> int:
     return 0
 
 
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
 class WorkerWatch(threading.Thread):
-    """Polls ``/proc`` for Ray Train worker processes and keeps the highest ``VmHWM`` seen."""
+    """Polls ``/proc`` for this driver's Ray Train worker processes (descendants of this process,
+    whose local Ray instance started them) and keeps the highest ``VmHWM`` seen."""
 
     def __init__(self, every_s: float = 0.5):
         super().__init__(daemon=True)
@@ -107,6 +120,8 @@ class WorkerWatch(threading.Thread):
                         if b"RayTrainWorker" not in f.read(200):
                             continue
                 except OSError:
+                    continue
+                if not _descends_from(int(pid), os.getpid()):
                     continue
                 self.pids.add(int(pid))
                 self.peak = max(self.peak, vm_hwm(pid))
