@@ -63,6 +63,8 @@ def get_args_parser(add_help: bool = False) -> argparse.ArgumentParser:
                         "its default and range: infoform config --list)")
     p.add_argument("--output", help="output URI (local path or s3://bucket/prefix)")
     p.add_argument("--data", help="dataset root (ImageNet/ImageFolder layout or Parquet shards), local or s3://")
+    p.add_argument("--relist", action="store_true",
+                   help="list the data again instead of reusing the index stored under <output>/index/")
     p.add_argument("--ood", help="out-of-distribution image folder")
     p.add_argument("--labels-csv", help="LOC_val_solution.csv-style labels for a flat val/ folder")
     p.add_argument("--model", help="torchvision name (e.g. resnet50) or package.module:callable returning an nn.Module")
@@ -97,6 +99,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     put("data.limit", args.limit)
     if args.data is not None:
         flags.append("data.demo=false")
+    if getattr(args, "relist", False):
+        flags.append("data.relist=true")
     put("model.name", args.model)
     put("model.weights", args.weights)
     if args.methods is not None:

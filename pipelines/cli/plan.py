@@ -240,7 +240,13 @@ def scan_splits(cfg: RunConfig, plan: DataPlan) -> Splits:
     """Scan every split on the driver. With no ``data.test_split``, the one labelled held-out
     split gives disjoint halves to the search and the evaluation."""
     from pipelines.ingest.index import partition
-    from pipelines.ingest.scan import scan
+    from pipelines.ingest.index_store import IndexedListing
+    from pipelines.ingest.scan import scan as scan_split
+
+    listing = IndexedListing(cfg.output, cfg.storage_options(), relist=cfg.data.relist, log=log)
+
+    def scan(dc, name=None):  # each split's listing persisted under <output>/index/ and reused
+        return scan_split(dc, listing.lister(name or dc.split or "data"))
 
     train_cfg = data_config(cfg, plan, cfg.data.train_split, limit=cfg.data.limit, per_class=cfg.data.per_class)
     train = scan(train_cfg)
@@ -261,7 +267,7 @@ def scan_splits(cfg: RunConfig, plan: DataPlan) -> Splits:
     if plan.ood:
         ood_cfg = data_config(cfg, plan, None, root=plan.ood, unlabeled=True,
                               extensions=(".jpg",) if plan.demo is not None else None)
-        ood_full = scan(ood_cfg)
+        ood_full = scan(ood_cfg, "ood")
         if plan.demo is None:  # the demo's letters folder also holds its own infoform-letters.json
             scanned["ood"] = ood_full
         ood = limit_index(ood_full, cfg.data.ood_limit)

@@ -266,7 +266,7 @@ def preflight(cfg: RunConfig, *, dry_run: bool = False) -> dict[str, Any]:
     if not cfg.data.demo:
         root = cfg.data.root
         check_uri(root, "data root", opts)
-        if "curvature" in cfg.stages and cfg.data.train_split:
+        if "curvature" in cfg.stages and cfg.data.train_split and not root.rstrip("/").lower().endswith(".parquet"):
             check_uri(storage.join(root, cfg.data.train_split), "train split", opts)
         if cfg.data.ood:
             check_uri(cfg.data.ood, "OOD folder", opts)

@@ -122,6 +122,8 @@ class DataSpec(Checked):
     decode_num_cpus: float = setting(1.0, "CPUs per Ray Data decode task", range=POSITIVE)
     extensions: tuple[str, ...] = setting((), "file suffixes indexed as images besides .jpg .jpeg .png .bmp .gif "
                                           ".webp .tif .tiff (e.g. [.jpe])")
+    relist: bool = setting(False, "list the splits again instead of reusing the index under <output>/index/ "
+                                  "(--relist)", fingerprint=False)
 
     def _check(self) -> None:
         bad = [e for e in self.extensions if not (isinstance(e, str) and e.startswith(".")

@@ -96,7 +96,8 @@ class PassKind:
 def new_pass_record() -> dict[str, Any]:
     return {**new_comm_record(), "reduces": 0, "control_allreduce_calls": 0, "bytes_written": 0, "checkpoints": 0,
             "compute_s": 0.0, "data_wait_s": 0.0, "data_start_s": 0.0, "reduce_s": 0.0, "write_s": 0.0,
-            "wall_s": 0.0, "images": 0, "invalid": 0, "computed": [], "reused": [], "resumed_from": None}
+            "wall_s": 0.0, "images": 0, "invalid": 0, "computed": [], "reused": [], "resumed_from": None,
+            "source_bytes": 0}
 
 
 class _Counter:
@@ -228,7 +229,7 @@ class PassRun:
             import ray
             import ray.data
 
-            self._src = ray.get(self.job.sources) if self.job.sources is not None else {"partitions": {}}
+            self._src = ray.get(self.job.sources) if self.job.sources is not None else {"shares": {}}
             ray.data.DataContext.get_current().enable_progress_bars = False  # the engine logs progress
         return self._src
 
@@ -236,11 +237,12 @@ class PassRun:
         import ray.train
 
         from pipelines.ingest.batches import build_dataset
-        from pipelines.ingest.index import rank_share
+        from .workers import fetch_share
 
         src = self._sources()
-        if pid in src["partitions"]:  # this rank's share, as a dataset made now (nothing before)
-            share = rank_share(src["partitions"][pid], self.rank, self.world)
+        if pid in src["shares"]:  # this rank's share only, fetched and made a dataset now (nothing before)
+            share, nbytes = fetch_share(src, pid, self.rank, self.world)
+            self.rec["source_bytes"] += nbytes
             shard = iter(()) if share is None else build_dataset(share, src["data_config"])
             counter = _Counter()
             self.opened[pid] = (counter, _FirstBatch(self._batches(shard, pid, counter)))

@@ -24,7 +24,7 @@ from pipelines.storage import uris as storage
 
 __all__ = ["DTYPES", "FaultInjection", "ModelRef", "Job", "model_ref", "make_trainer", "lossless_data_config",
            "gpu_shortfall", "worker_setup", "index_partitions", "partition_dataset", "path_keys", "fingerprint",
-           "put_sources"]
+           "put_sources", "fetch_share"]
 
 DTYPES = schema.DTYPES  # the config's dtype names -> torch dtypes
 
@@ -74,8 +74,8 @@ class Job:
     ``passes``: pass name -> the partition ids it covers, in order. ``rows``: expected rows
     per partition (``None``: unknown). ``store``: the store settings for every artifact.
     ``extra``: what a pass kind needs beyond that (picklable). ``sources``: an object ref of
-    ``{"partitions": {pid: Partition}, "data_config": DataConfig}`` from
-    :func:`put_sources`; each rank then builds the dataset of its share of a partition when
+    the small dict of :func:`put_sources` (the data config and one object ref per partition and
+    rank); each rank then fetches and builds the dataset of its own share of a partition when
     the pass reaches it (no dataset, split coordinator or decode pipeline exists before)."""
 
     model: ModelRef
@@ -91,18 +91,54 @@ class Job:
     sources: Any = None
 
 
-def put_sources(by_id: dict, pids, data_config) -> tuple[Any, dict]:
-    """``(object ref of the index partitions among pids, Ray Datasets among them by pid)``:
-    partitions given as indexes (``pipelines.ingest.index`` Partition / DatasetIndex) are read lazily by
-    the ranks (:class:`pipelines.distributed.engine.PassRun`); ready-made Ray Datasets go to the
-    trainer as they are."""
+def put_sources(by_id: dict, pids, data_config, world: int = 1) -> tuple[Any, dict]:
+    """``(object ref of the sources of the index partitions among pids, Ray Datasets among them by
+    pid)``. Each index partition (``pipelines.ingest.index`` Partition / DatasetIndex) is put in the
+    object store as ``world`` objects, one per rank's share (:func:`~pipelines.ingest.index.rank_share`,
+    pickled), so that a worker fetches only its own files (:func:`fetch_share`); the ref is to a small
+    dict ``{"data_config", "world", "shares": {pid: [ref per rank]}, "bytes": [bytes per rank]}``.
+    Ready-made Ray Datasets go to the trainer as they are."""
+    import pickle
+
     import ray
     import ray.data
 
+    from pipelines.ingest.index import rank_share
+
     lazy = {pid: by_id[pid] for pid in pids if not isinstance(by_id[pid], ray.data.Dataset)}
     ready = {pid: by_id[pid] for pid in pids if isinstance(by_id[pid], ray.data.Dataset)}
-    ref = ray.put({"partitions": lazy, "data_config": data_config}) if lazy else None
-    return ref, ready
+    if not lazy:
+        return None, ready
+    world = max(1, int(world))
+    shares: dict[int, list] = {}
+    nbytes = [0] * world
+    for pid, part in lazy.items():
+        refs = []
+        for rank in range(world):
+            blob = pickle.dumps(rank_share(part, rank, world), protocol=pickle.HIGHEST_PROTOCOL)
+            nbytes[rank] += len(blob)
+            refs.append(ray.put(blob))
+        shares[pid] = refs
+    return ray.put({"data_config": data_config, "world": world, "shares": shares, "bytes": nbytes}), ready
+
+
+def fetch_share(src: dict, pid: int, rank: int, world: int) -> tuple[Any, int]:
+    """``(this rank's share of partition pid or None, bytes fetched)`` from :func:`put_sources`'s
+    dict: the rank's own object when the job runs with the planned number of workers; otherwise
+    every share of the partition, put back together and split for ``world`` ranks."""
+    import pickle
+
+    import ray
+
+    from pipelines.ingest.index import merge_shares, rank_share
+
+    refs = src["shares"][pid]
+    if src["world"] == world:
+        blob = ray.get(refs[rank])
+        return pickle.loads(blob), len(blob)
+    blobs = ray.get(list(refs))
+    whole = merge_shares([pickle.loads(b) for b in blobs])
+    return rank_share(whole, rank, world), sum(len(b) for b in blobs)
 
 
 def fingerprint(obj: Any) -> str:

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 from pipelines.config.schema import DataSpec
 from pipelines.config.settings import same_as
+from pipelines.ingest.pathlist import PathList
 from pipelines.storage import uris as storage
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     "fingerprint",
     "partition",
     "rank_share",
+    "merge_shares",
+    "PathList",
 ]
 
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
@@ -259,6 +262,23 @@ def rank_share(source: "DatasetIndex | Partition", rank: int, world: int):
     if source.locations:
         kw["locations"] = tuple(source.locations[rank::world])
     return replace(source, **kw)
+
+
+def merge_shares(shares: Sequence[Any]):
+    """The source whose :func:`rank_share` for ``len(shares)`` ranks gave ``shares`` (in rank
+    order; ``None`` for a rank without entries): entry ``i`` of rank ``r``'s share is entry
+    ``r + i * world`` of the source."""
+    world = len(shares)
+    first = next((s for s in shares if s is not None), None)
+    if first is None:
+        raise ValueError("merge_shares: every share is empty")
+    n = sum(len(s) for s in shares if s is not None)
+    order = [(r, i) for j in range(n) for r, i in [(j % world, j // world)]]
+    paths = [shares[r].paths[i] for r, i in order]
+    kw: dict[str, Any] = {"paths": PathList.of(paths), "labels": tuple(shares[r].labels[i] for r, i in order)}
+    if first.locations:
+        kw["locations"] = tuple(shares[r].locations[i] for r, i in order)
+    return replace(first, **kw)
 
 
 def partition(

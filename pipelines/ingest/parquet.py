@@ -71,7 +71,7 @@ def convert_to_parquet(
                 {
                     "image": pa.array(data, pa.binary()),
                     "label": pa.array(index.labels[a:b], pa.int64()),
-                    "path": pa.array(index.paths[a:b], pa.string()),
+                    "path": pa.array(list(index.paths[a:b]), pa.string()),
                 },
                 schema=schema,
             )

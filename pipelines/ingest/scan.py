@@ -41,6 +41,7 @@ import posixpath
 from typing import Iterable
 
 from pipelines.ingest.index import DataConfig, DataError, DatasetIndex, fingerprint
+from pipelines.ingest.pathlist import PathList
 from pipelines.ingest.parquet import PARQUET_CLASSES_KEY, PARQUET_META_FILE
 from pipelines.storage import uris as storage
 
@@ -53,12 +54,14 @@ def _hidden(rel: str) -> bool:
     return any(part.startswith(".") for part in rel.split("/"))
 
 
-def _walk(uri: str, endpoint_url: str | None) -> tuple[set[str], list[str]]:
-    """(relative dirs, relative files) under ``uri``, recursively, hidden entries dropped."""
+def _walk(uri: str, endpoint_url: str | None, lister=None) -> tuple[set[str], list[str]]:
+    """(relative dirs, relative files) under ``uri``, recursively, hidden entries dropped.
+    ``lister(uri)``: the listing's records (:mod:`pipelines.ingest.index_store`); S3 without one
+    is listed in parallel (:func:`pipelines.ingest.listing.list_records`)."""
     fs, base = storage.get_fs(uri, endpoint_url)
     dirs: set[str] = set()
     files: list[str] = []
-    if not storage.is_remote(uri):
+    if lister is None and not storage.is_remote(uri):
         for cur, dnames, fnames in os.walk(base, followlinks=True):
             rel_dir = os.path.relpath(cur, base).replace(os.sep, "/")
             rel_dir = "" if rel_dir == "." else rel_dir
@@ -69,13 +72,12 @@ def _walk(uri: str, endpoint_url: str | None) -> tuple[set[str], list[str]]:
                 if not f.startswith("."):
                     files.append(posixpath.join(rel_dir, f) if rel_dir else f)
         return dirs, files
-    # object store: one recursive listing of keys (no per-entry detail dicts: 1.28M keys stay cheap);
-    # folders are the key prefixes, plus "dir/" marker objects (how empty folders exist on S3)
-    prefix = base.rstrip("/") + "/"
-    for name in fs.find(base, withdirs=False, detail=False):
-        if not name.startswith(prefix):
-            continue
-        rel = name[len(prefix):]
+    # listing records (paths relative to uri); folders are the key prefixes, plus "dir/" marker
+    # objects (how empty folders exist on S3)
+    from pipelines.ingest.listing import list_records
+
+    table = lister(uri) if lister is not None else list_records(uri, endpoint_url)
+    for rel in (r for b in table.select(["path"]).to_batches(max_chunksize=65536) for r in b.column(0).to_pylist()):
         is_marker = rel.endswith("/")
         rel = rel.rstrip("/")
         if not rel or _hidden(rel):
@@ -208,9 +210,9 @@ def _examples(items: Iterable[str], k: int = 3) -> str:
     return ", ".join(items[:k]) + (", ..." if len(items) > k else "")
 
 
-def _scan_folders(split_uri: str, cfg: DataConfig):
+def _scan_folders(split_uri: str, cfg: DataConfig, lister=None):
     """(classes, rel files, labels, ignored rel files, num unmatched CSV rows) for folder / flat layouts."""
-    dirs, files = _walk(split_uri, cfg.endpoint_url)
+    dirs, files = _walk(split_uri, cfg.endpoint_url, lister)
     top_dirs = sorted(d for d in dirs if "/" not in d)
     nested = [f for f in files if "/" in f]
     top_files = [f for f in files if "/" not in f]
@@ -330,27 +332,34 @@ def _subset_order(path: str) -> str:
     return hashlib.sha1(path.encode()).hexdigest()
 
 
-def scan(cfg: DataConfig) -> DatasetIndex:
+def scan(cfg: DataConfig, lister=None) -> DatasetIndex:
     """List the dataset on the driver and return its frozen DatasetIndex (see module doc).
+    ``lister(split_uri)``: the split's listing table (path, size, etag; e.g. a persisted one,
+    :class:`pipelines.ingest.index_store.IndexedListing`); default: list it now.
 
     Raises DataError (one line) for: a missing root or split, no files, a labels
     CSV that misses files or names unknown wnids, class folders outside an
     explicit class list, parquet shards without the needed columns / classes.
     """
-    split_uri = _split_dir(cfg)
-    if not storage.is_remote(split_uri):
-        split_uri = storage.get_fs(split_uri)[1]  # absolute local path: Ray workers may run elsewhere
-    fmt = cfg.format
-    if fmt == "auto":
-        _, pq_files = _parquet_files(split_uri, cfg.endpoint_url)
-        fmt = "parquet" if pq_files else "imagefolder"
-    shards: tuple[str, ...] = ()
-    if fmt == "parquet":
-        split_uri, classes, paths, labels, shards, locations = _scan_parquet(split_uri, cfg)
-        ignored, unmatched = [], 0
+    from pipelines.ingest.index_file import is_index_file, read_index_file
+
+    fmt, shards = cfg.format, ()
+    if fmt != "parquet" and is_index_file(cfg):  # --data index.parquet: a file of paths and labels
+        split_uri, classes, paths, labels, ignored = read_index_file(cfg)
+        fmt, locations, unmatched = "imagefolder", [], 0
     else:
-        classes, paths, labels, ignored, unmatched = _scan_folders(split_uri, cfg)
-        locations = []
+        split_uri = _split_dir(cfg)
+        if not storage.is_remote(split_uri):
+            split_uri = storage.get_fs(split_uri)[1]  # absolute local path: Ray workers may run elsewhere
+        if fmt == "auto":
+            _, pq_files = _parquet_files(split_uri, cfg.endpoint_url)
+            fmt = "parquet" if pq_files else "imagefolder"
+        if fmt == "parquet":
+            split_uri, classes, paths, labels, shards, locations = _scan_parquet(split_uri, cfg)
+            ignored, unmatched = [], 0
+        else:
+            classes, paths, labels, ignored, unmatched = _scan_folders(split_uri, cfg, lister)
+            locations = []
     if not paths:
         other = f" ({len(ignored)} other file(s), e.g. {_examples(ignored)}; data.extensions adds suffixes)" if ignored else ""
         raise DataError(f"no image files found under {split_uri}{other}")
@@ -369,7 +378,7 @@ def scan(cfg: DataConfig) -> DatasetIndex:
     if cfg.limit is not None and len(order) > cfg.limit:
         order = sorted(order, key=lambda j: _subset_order(paths[j]))[: cfg.limit]
     order.sort(key=lambda j: paths[j])
-    sel_paths = tuple(paths[i] for i in order)
+    sel_paths = PathList.of(paths[i] for i in order)  # one buffer, not a str object per file
     sel_labels = tuple(int(labels[i]) for i in order)
     counts = [0] * len(classes)
     for y in sel_labels:

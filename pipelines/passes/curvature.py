@@ -366,7 +366,7 @@ def run_curvature(
     # index partitions: each rank builds the dataset of its share when its pass reaches the
     # partition (every partition is there, should a rank resume from an older checkpoint);
     # ready-made Ray Datasets go to the trainer as they are
-    sources, ready = put_sources(by_id, ids, data_config)
+    sources, ready = put_sources(by_id, ids, data_config, cfg.num_workers)
     datasets = {dataset_name(name, pid): ready[pid] for name, pids in passes.items() for pid in pids
                 if pid in ready and pid not in done[name]}
 
@@ -419,7 +419,7 @@ def run_curvature(
 
 
 PASS_RECORD_KEYS = ("reduces", "allreduce_calls", "allreduce_bytes", "bytes_written", "checkpoints", "compute_s",
-                    "data_wait_s", "reduce_s", "write_s", "wall_s", "computed", "reused")
+                    "data_wait_s", "reduce_s", "write_s", "wall_s", "computed", "reused", "source_bytes")
 
 
 def pass_records(report: Mapping[str, Any], names: Sequence[str] = ("pass1", "pass2", "subnet")) -> dict[str, Any]:

@@ -394,7 +394,7 @@ def run_subnet_pass(
     found = ckpt.load_checkpoint(partial, fp, endpoint_url, PARTIAL_FORMAT, tag="subnet")
     done = set(found[1]["done"]) if found is not None else set()
     del found
-    sources, ready = put_sources(by_id, ids, data_config)  # index partitions: read by the ranks when reached
+    sources, ready = put_sources(by_id, ids, data_config, cfg.num_workers)  # index partitions: read by the ranks when reached
     datasets = {dataset_name(SubnetFisherKind.name, pid): ready[pid] for pid in ids if pid in ready and pid not in done}
     job = Job(model=model, cfg=cfg, output_uri=output_uri, store=endpoint_url, passes={SubnetFisherKind.name: tuple(ids)},
               rows=rows, run_id=run_id, use_gpu=bool(use_gpu), fingerprint=fp, sources=sources)

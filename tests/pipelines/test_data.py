@@ -207,20 +207,33 @@ def test_rank_shares_are_disjoint_and_cover_the_partition(bad_tree):
 
 def test_index_partitions_reach_the_workers_as_indexes_not_datasets(bad_tree, ray_session):
     """The curvature and subnet passes give the trainer no dataset for index partitions (no
-    split coordinator per partition up front): one object ref with every partition and the
-    decode settings; only ready-made Ray Datasets go to the trainer."""
+    split coordinator per partition up front): one small object with the decode settings and
+    one object ref per partition and rank, each holding only that rank's share (a worker never
+    fetches the whole index); only ready-made Ray Datasets go to the trainer."""
+    import pickle
+
     from pipelines.distributed import put_sources
+    from pipelines.distributed.workers import fetch_share
+    from pipelines.ingest.index import rank_share
 
     cfg = DataConfig(root=str(bad_tree.root))
     parts = partition(scan(cfg), num_partitions=3)
     by_id = {p.id: p for p in parts}
-    ref, ready = put_sources(by_id, list(by_id), cfg)
+    ref, ready = put_sources(by_id, list(by_id), cfg, world=2)
     assert ready == {}
     got = ray_session.get(ref)
-    assert got["data_config"] == cfg and [p.paths for p in got["partitions"].values()] == [p.paths for p in parts]
+    assert got["data_config"] == cfg and got["world"] == 2 and list(got["shares"]) == [p.id for p in parts]
+    for p in parts:
+        mine = [pickle.loads(ray_session.get(r)) for r in got["shares"][p.id]]
+        assert [s.paths for s in mine] == [rank_share(p, r, 2).paths for r in range(2)]
+        assert [fetch_share(got, p.id, r, 2)[0].paths for r in range(2)] == [s.paths for s in mine]
+        # a job that runs with another number of workers still gets the right shares
+        assert [fetch_share(got, p.id, r, 3)[0].paths for r in range(3)] == [rank_share(p, r, 3).paths for r in range(3)]
+    assert sum(got["bytes"]) == sum(len(pickle.dumps(rank_share(p, r, 2), protocol=pickle.HIGHEST_PROTOCOL))
+                                    for p in parts for r in range(2))
     ds = build_dataset(parts[0], cfg)
     ref, ready = put_sources({0: ds, 1: parts[1]}, [0, 1], cfg)
-    assert list(ready) == [0] and ready[0] is ds and list(ray_session.get(ref)["partitions"]) == [1]
+    assert list(ready) == [0] and ready[0] is ds and list(ray_session.get(ref)["shares"]) == [1]
 
 
 # ----------------------------------------------------------------------------- decoding (no Ray)
