@@ -293,6 +293,21 @@ class LastLayerGLMPredictor:
             p = torch.softmax(logits, dim=-1).mean(0)
         return p.to(f0.dtype)
 
+    def sample_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """``[K, B, C]`` float64: ``softmax(f + L_f z_t)`` per sample (``link="mc"``); their
+        mean is :meth:`predict`."""
+        if self.link != "mc":
+            raise ValueError("per-sample probabilities need link='mc'")
+        parts = self._rows(x)
+        if len(parts) > 1:
+            return torch.cat([self.sample_probs(p) for p in parts], dim=1)
+        got = self.logit_moments(x)
+        if got is None:
+            return self.fallback.sample_probs(x)
+        f = got[0].to(F64)
+        z = self._normals(f.shape[1], f.device)
+        return torch.softmax(f[None] + torch.einsum("bcd,kd->kbc", _factor(got[1]), z), dim=-1)
+
     def predict_mean_var(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(f(x, θ*) [B, C], diag Σ_f [B, C])``."""
         got = self.logit_moments(x)
