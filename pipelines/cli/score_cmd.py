@@ -98,12 +98,19 @@ def cmd_score(args: argparse.Namespace, init_ray: Callable[[str | None], None], 
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    import os
+
     import ray
 
+    from pipelines.distributed.cluster import quiet_env
     from pipelines.serve.score import flag_threshold, score_index
 
+    for k, v in quiet_env().items():  # this process's Ray Data: our own progress lines
+        os.environ.setdefault(k, v)
     if not ray.is_initialized():
         init_ray(args.address)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = ctx.print_on_execution_start = False
     try:
         threshold = args.flag_at
         if threshold is None:

@@ -143,6 +143,9 @@ def read_run(uri: str, endpoint_url: storage.Store = None, model_name: str | Non
         cfg = from_dict(RunConfig, _read_json(layout.config_uri(uri), ep, "the run's config.json is missing"))
     except ConfigError as e:
         raise RunError(f"{layout.config_uri(uri)}: {e}") from None
+    endpoint = ep.endpoint_url if isinstance(ep, storage.StorageOptions) else ep
+    if endpoint:  # the store as reached from here (the run's own config may name none)
+        cfg = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, endpoint_url=endpoint))
     model = dict(run_json.get("model") or {})
     if model_name is not None and model.get("name") != model_name:
         raise RunError(f"run {uri} holds model {model.get('name')!r}, not {model_name!r}")

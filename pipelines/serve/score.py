@@ -191,7 +191,8 @@ class _Blocks:
 def _manifest(info: RunInfo, index: Any, s: ScoreSettings, n_blocks: int, threshold: float | None) -> dict:
     return {"format": "infoform.score", "version": 1, "run": info.uri, "model": info.model["name"],
             "method": s.method, "pred_type": s.pred_type, "n_samples": s.n_samples, "seed": s.seed,
-            "hyper": info.hyper.get(s.method), "top_k": s.top_k, "keep_probs": s.keep_probs,
+            "hyper": list(info.hyper[s.method]) if s.method in info.hyper else None,
+            "top_k": s.top_k, "keep_probs": s.keep_probs,
             "block_size": s.block_size, "num_blocks": n_blocks, "data_root": index.root,
             "data_fingerprint": index.fingerprint, "num_images": len(index), "flag_threshold": threshold}
 
