@@ -180,7 +180,9 @@ def test_scoring_on_s3_gives_the_same_rows(smoke_run, scored, s3_bucket, capsys)
 
     bucket, endpoint = s3_bucket
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, use_listings_cache=False)
-    fs.put(smoke_run.rstrip("/") + "/", f"{bucket[5:]}/run/", recursive=True)
+    for name in ("config.json", "run.json", "stages", "posterior", "score"):  # what scoring reads
+        src = os.path.join(smoke_run, name)
+        fs.put(src, f"{bucket[5:]}/run/{name}", recursive=os.path.isdir(src))
     out = f"{bucket}/scores"
     code, log, err = _score(capsys, "--run", f"{bucket}/run", "--data", "run:test", "--output", out,
                             "--method", "inf", "--keep-probs", "--block-size", "30", "--endpoint-url", endpoint)
