@@ -97,6 +97,38 @@ def scored(info, index, dcfg, settings, out: str) -> float:
     return time.perf_counter() - t
 
 
+def compute_ratios(runs, index, data: str, batch_size: int, repeats: int) -> list[dict]:
+    """The actors' own work per batch, in this process, one thread: ``predict_columns`` (the
+    score actor's call) against softmax of one forward pass (the plain actor's), interleaved on
+    the same decoded batch, medians over ``repeats``."""
+    import torch
+
+    from pipelines.ingest.batches import iter_local_batches
+    from pipelines.serve.run_loader import LoadedRun
+    from pipelines.serve.uncertainty import predict_columns
+
+    torch.set_num_threads(1)
+    out = []
+    for label, run_name, pred_type, k in CASES:
+        run = LoadedRun(runs[run_name])
+        x = torch.from_numpy(next(iter_local_batches(index, run.data_config, batch_size=batch_size))["image"])
+        pred = run.predictor("inf", pred_type, k)
+        predict_columns(run.model, pred, x)  # warm: sample cache, closed-form factors
+        tp, ts = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            with torch.no_grad():
+                torch.softmax(run.model(x), dim=-1).argmax(1)
+            tp.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            predict_columns(run.model, pred, x)
+            ts.append(time.perf_counter() - t)
+        out.append({"case": label, "K": k or run.ev.mc_samples, "plain_ms": 1e3 * statistics.median(tp),
+                    "score_ms": 1e3 * statistics.median(ts), "ratio": statistics.median(s / p for s, p in zip(ts, tp))})
+        _log(f"compute, {label}: {out[-1]}")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workdir", default=None, help="where the two smoke runs are built / found")
@@ -106,6 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=100)
     ap.add_argument("--cpus", type=int, default=None)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--compute-only", action="store_true", help="only the in-process per-batch compute ratios")
     a = ap.parse_args(argv)
 
     import ray
@@ -124,8 +157,9 @@ def main(argv=None) -> int:
     data = a.data or str(Path(runs["all"].uri) / "demo-data" / "digits")
     index = scan(runs["all"].data_config(data))
     _log(f"{len(index)} images from {data}")
+    compute = compute_ratios(runs, index, data, a.batch_size, 5)
     rows = []
-    for rep in range(a.repeats):
+    for rep in range(0 if a.compute_only else a.repeats):
         for label, run_name, pred_type, k in CASES:
             info = runs[run_name]
             dcfg = info.data_config(data)
@@ -142,13 +176,18 @@ def main(argv=None) -> int:
     print(f"{len(index)} images, {a.num_actors} actors, load average {load[0][0]:.1f} -> {load[-1][0]:.1f}\n")
     print("| case | K | plain images/s | score images/s | ratio (median) |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for label, *_ in CASES:
+    for label, *_ in CASES if rows else ():
         r = [x for x in rows if x["case"] == label]
         print(f"| {label} | {r[0]['K']} | {len(index) / statistics.median(x['plain_s'] for x in r):.1f} | "
               f"{len(index) / statistics.median(x['score_s'] for x in r):.1f} | "
               f"{statistics.median(x['ratio'] for x in r):.2f} |")
+    print(f"\nper batch of {a.batch_size}, in this process, one thread (medians of 5):\n")
+    print("| case | K | plain forward ms | score columns ms | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for c in compute:
+        print(f"| {c['case']} | {c['K']} | {c['plain_ms']:.1f} | {c['score_ms']:.1f} | {c['ratio']:.2f} |")
     if a.out:
-        Path(a.out).write_text(json.dumps({"rows": rows, "load": load}, indent=2))
+        Path(a.out).write_text(json.dumps({"rows": rows, "compute": compute, "load": load}, indent=2))
     return 0
 
 

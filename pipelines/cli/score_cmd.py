@@ -101,6 +101,7 @@ def cmd_score(args: argparse.Namespace, init_ray: Callable[[str | None], None], 
     import os
 
     import ray
+    import ray.data
 
     from pipelines.distributed.cluster import quiet_env
     from pipelines.serve.score import flag_threshold, score_index
