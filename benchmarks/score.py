@@ -139,6 +139,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpus", type=int, default=None)
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--compute-only", action="store_true", help="only the in-process per-batch compute ratios")
+    ap.add_argument("--cases", nargs="+", default=[c[0] for c in CASES], choices=[c[0] for c in CASES],
+                    metavar="CASE", help="which cases (default all): " + ", ".join(repr(c[0]) for c in CASES))
     a = ap.parse_args(argv)
 
     import ray
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
     compute = compute_ratios(runs, index, data, a.batch_size, 5)
     rows = []
     for rep in range(0 if a.compute_only else a.repeats):
-        for label, run_name, pred_type, k in CASES:
+        for label, run_name, pred_type, k in (c for c in CASES if c[0] in a.cases):
             info = runs[run_name]
             dcfg = info.data_config(data)
             s = ScoreSettings(method="inf", pred_type=pred_type, n_samples=k or info.config.evaluate.mc_samples,
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
     print(f"{len(index)} images, {a.num_actors} actors, load average {load[0][0]:.1f} -> {load[-1][0]:.1f}\n")
     print("| case | K | plain images/s | score images/s | ratio (median) |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    for label, *_ in CASES if rows else ():
+    for label, *_ in (c for c in CASES if c[0] in a.cases and rows):
         r = [x for x in rows if x["case"] == label]
         print(f"| {label} | {r[0]['K']} | {len(index) / statistics.median(x['plain_s'] for x in r):.1f} | "
               f"{len(index) / statistics.median(x['score_s'] for x in r):.1f} | "
