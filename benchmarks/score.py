@@ -166,7 +166,7 @@ def main(argv=None) -> int:
             info = runs[run_name]
             dcfg = info.data_config(data)
             s = ScoreSettings(method="inf", pred_type=pred_type, n_samples=k or info.config.evaluate.mc_samples,
-                              seed=0, block_size=1024, num_actors=a.num_actors, batch_size=a.batch_size)
+                              seed=0, block_size=1024, pool_size=a.num_actors, map_batch_size=a.batch_size)
             t_plain = plain(info, index, dcfg, a.num_actors, a.batch_size)
             t_score = scored(info, index, dcfg, s, tempfile.mkdtemp(prefix="scores-", dir=work))
             rows.append({"case": label, "repeat": rep, "K": s.n_samples, "images": len(index),

@@ -6,7 +6,11 @@ An artifact is a directory ``<uri>/`` (local path or any fsspec URL, e.g.
 * ``tensors.safetensors``: every tensor, by flat name;
 * ``manifest.json``: ``{"format": "infoform.tensors", "version": 1, "meta": {...},
   "file": "tensors.safetensors", "sha256": ..., "bytes": ..., "tensors": {name:
-  {"dtype", "shape"}}}``.
+  {"dtype", "shape"}}}``, and optionally ``"refs": {"uri", "sha256", "tensors": {name:
+  name in the other artifact}}``: tensors stored once in another artifact (a posterior's
+  eigenvectors are the run's eigenbasis), ``uri`` relative to this artifact's directory (or
+  absolute); loading reads them from there and checks that artifact's checksum is still the
+  one recorded, so a rewritten eigenbasis is reported, never silently mixed.
 
 Writes are atomic per file (local: temporary name in the same directory, fsync,
 ``os.replace``; remote: one PUT of the whole object) and ordered tensors first,
@@ -25,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 import tempfile
 from typing import Any, Mapping
 
@@ -95,13 +100,26 @@ def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save_tensors(uri: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
-                 storage_options: Mapping[str, Any] | None = None) -> None:
-    """Write ``tensors`` and the JSON-able ``meta`` as an artifact directory at ``uri``."""
+                 storage_options: Mapping[str, Any] | None = None, refs: Mapping[str, Any] | None = None) -> None:
+    """Write ``tensors`` and the JSON-able ``meta`` as an artifact directory at ``uri``.
+
+    ``refs``: ``{"uri": other artifact (relative to ``uri`` or absolute), "tensors": {name:
+    name there}}``: those of ``tensors`` are not written here but referenced (the caller
+    checked that they are equal); the other artifact's sha256 is recorded."""
     fs, base = _fs(uri, storage_options)
     try:
         meta_json = json.loads(json.dumps(meta, allow_nan=False))
     except (TypeError, ValueError) as e:
         raise ValueError(f"{uri}: meta is not JSON-serialisable ({e})") from None
+    ref_json = None
+    if refs:
+        names = dict(refs["tensors"])
+        unknown = sorted(set(names) - set(tensors))
+        if unknown:
+            raise ValueError(f"{uri}: refs name tensors that are not given: {unknown[:3]}")
+        ref_manifest = _manifest(_ref_uri(uri, refs["uri"]), storage_options)
+        ref_json = {"uri": str(refs["uri"]), "sha256": ref_manifest["sha256"], "tensors": names}
+        tensors = {k: t for k, t in tensors.items() if k not in names}
     prepared = _prepare(tensors)
     data = st_save(prepared)
     manifest = {
@@ -113,6 +131,8 @@ def save_tensors(uri: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[st
         "tensors": {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for k, t in prepared.items()},
         "meta": meta_json,
     }
+    if ref_json is not None:
+        manifest["refs"] = ref_json
     fs.makedirs(base, exist_ok=True)
     _write_bytes(fs, _join(fs, base, TENSORS_FILE), data)
     _write_bytes(fs, _join(fs, base, MANIFEST_FILE), json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -126,9 +146,44 @@ def _read(fs, path: str, uri: str, what: str) -> bytes:
         raise FileNotFoundError(f"{uri}: {what} not found ({path})") from None
 
 
+def _ref_uri(uri: str, ref: str) -> str:
+    """``ref`` resolved against the artifact directory ``uri`` (kept when absolute)."""
+    if "://" in ref or ref.startswith("/"):
+        return ref
+    scheme, sep, path = str(uri).rpartition("://")
+    joined = posixpath.normpath(posixpath.join(path.rstrip("/"), ref))
+    return f"{scheme}{sep}{joined}" if sep else joined
+
+
+def _manifest(uri: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    fs, base = _fs(uri, storage_options)
+    raw = _read(fs, _join(fs, base, MANIFEST_FILE), uri, MANIFEST_FILE)
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{uri}: {MANIFEST_FILE} is not valid JSON ({e.__class__.__name__})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else None
+        raise ValueError(f"{uri}: not an infoform artifact (format tag {got!r}, expected {FORMAT!r})")
+    return manifest
+
+
+def _load_refs(uri: str, refs: Mapping[str, Any], storage_options) -> dict[str, torch.Tensor]:
+    """The referenced tensors, from the other artifact, whose checksum must be the recorded one."""
+    other = _ref_uri(uri, str(refs["uri"]))
+    if _manifest(other, storage_options).get("sha256") != refs.get("sha256"):
+        raise ValueError(f"{uri}: the artifact it shares tensors with ({other}) was rewritten since "
+                         "(checksum differs); rebuild this artifact")
+    tensors, _ = load_tensors(other, storage_options)
+    missing = [r for r in refs["tensors"].values() if r not in tensors]
+    if missing:
+        raise ValueError(f"{uri}: {other} lacks the shared tensors {missing[:3]}")
+    return {k: tensors[r] for k, r in refs["tensors"].items()}
+
+
 def load_tensors(uri: str, storage_options: Mapping[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(tensors, meta)`` of the artifact at ``uri``, after checking format, version,
-    byte size and sha256. Tensors are on the CPU."""
+    byte size and sha256 (and those of an artifact it shares tensors with). Tensors are on the CPU."""
     fs, base = _fs(uri, storage_options)
     raw = _read(fs, _join(fs, base, MANIFEST_FILE), uri, MANIFEST_FILE)
     try:
@@ -162,4 +217,6 @@ def load_tensors(uri: str, storage_options: Mapping[str, Any] | None = None) -> 
         e = expected[k]
         if list(t.shape) != list(e["shape"]) or str(t.dtype).removeprefix("torch.") != e["dtype"]:
             raise ValueError(f"{uri}: tensor {k!r} is {t.dtype}{list(t.shape)}, manifest says {e['dtype']}{e['shape']}")
+    if manifest.get("refs"):
+        tensors.update(_load_refs(uri, manifest["refs"], storage_options))
     return tensors, manifest["meta"]

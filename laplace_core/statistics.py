@@ -279,16 +279,33 @@ class CurvatureStatistics:
 
     def save(self, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
         """Write safetensors + JSON manifest (see :mod:`laplace_core.io`); ``storage_options``
-        are fsspec's keyword arguments for a remote ``uri``."""
+        are fsspec's keyword arguments for a remote ``uri``. An exactly symmetric ``A`` / ``G`` is
+        stored as its upper triangle (``<layer>/A_triu``, row-major; half the bytes), restored
+        bit for bit by :meth:`load`."""
         from .io import save_tensors
 
-        save_tensors(uri, self.flat_tensors(), self.meta(), storage_options)
+        flat = {}
+        for name, t in self.flat_tensors().items():
+            if name.rsplit("/", 1)[-1] in ("A", "G") and t.dim() == 2 and torch.equal(t, t.T):
+                iu = torch.triu_indices(t.shape[0], t.shape[0], device=t.device)
+                flat[f"{name}_triu"] = t[iu[0], iu[1]]
+            else:
+                flat[name] = t
+        save_tensors(uri, flat, self.meta(), storage_options)
 
     @classmethod
     def load(cls, uri: str, storage_options: Mapping[str, Any] | None = None) -> "CurvatureStatistics":
         from .io import load_tensors
 
         tensors, meta = load_tensors(uri, storage_options)
+        for name in [k for k in tensors if k.endswith(("/A_triu", "/G_triu"))]:
+            v = tensors.pop(name)
+            n = int(round(((8 * v.numel() + 1) ** 0.5 - 1) / 2))
+            iu = torch.triu_indices(n, n)
+            full = torch.empty(n, n, dtype=v.dtype)
+            full[iu[0], iu[1]] = v
+            full[iu[1], iu[0]] = v
+            tensors[name[: -len("_triu")]] = full
         return cls.from_flat(meta, tensors)
 
     def summary(self) -> str:

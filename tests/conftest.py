@@ -14,6 +14,7 @@ AWS_EC2_METADATA_DISABLED=true; AWS_PROFILE, session tokens and any AWS_ENDPOINT
 removed), so no test can reach a real account and an endpoint reaches the code only where a
 test passes it.
 """
+import faulthandler
 import logging
 import os
 import sys
@@ -34,6 +35,13 @@ os.environ.update(
 )
 for _var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
     os.environ.pop(_var, None)
+
+#: Seconds past a test's pytest-timeout after which the process is ended with every thread's
+#: stack (``faulthandler``, a C thread): the backstop for a test stuck where pytest-timeout's
+#: SIGALRM handler never runs (the main thread inside one blocking C call, such as a plain
+#: ``ray.get`` on work that can never be scheduled). A hung suite then fails in minutes
+#: instead of running into CI's limit.
+TIMEOUT_BACKSTOP_S = float(os.environ.get("INFOFORM_TIMEOUT_BACKSTOP_S", "120"))
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -61,3 +69,25 @@ def s3_bucket(moto_s3):
     name = f"t-{uuid.uuid4().hex[:16]}"
     boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1").create_bucket(Bucket=name)
     yield f"s3://{name}", moto_s3
+
+
+_STDERR: dict[str, int] = {}
+
+
+def pytest_configure(config):
+    """Keep a descriptor of the real stderr (before pytest captures it for the tests): the
+    backstop's stacks must reach the log even though the process ends without pytest's report."""
+    _STDERR.setdefault("fd", os.dup(sys.stderr.fileno()))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Arm the :data:`TIMEOUT_BACKSTOP_S` backstop around each test (setup, call, teardown)."""
+    marker = item.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker is not None and marker.args else float(item.config.getini("timeout") or 0)
+    if limit > 0:
+        faulthandler.dump_traceback_later(limit + TIMEOUT_BACKSTOP_S, exit=True, file=_STDERR.get("fd", 2))
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()

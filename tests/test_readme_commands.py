@@ -43,7 +43,7 @@ SAMPLE_ENV = {"RAY_ADDRESS": "http://127.0.0.1:8265"}
 # Plain code blocks that hold no commands, by their first line.
 NOT_COMMANDS = {
     "configs/                  presets: one YAML file per run shape (demo, smoke, imagenet-*, audit)": "the folder tree",
-    "stats/passes/pass{1,2}/ckpt-NNNNNN/      running sums of the finished partitions (resume point)": "the artifact layout",
+    "stats/passes/pass{1,2}/ckpt-NNNNNN/      running sums of the finished partitions (resume point; removed when the stage ends)": "the artifact layout",
 }
 
 # README command -> (kind, where / why). kind "run": a test or CI runs it (the needle ties it to

@@ -266,13 +266,16 @@ class Posterior:
         except KeyError as e:
             raise ValueError(f"{uri}: posterior artifact is missing {e.args[0]!r}") from None
 
-    def save(self, uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def save(self, uri: str, storage_options: Mapping[str, Any] | None = None,
+             refs: Mapping[str, Any] | None = None) -> None:
         """Write the posterior as a :mod:`laplace_core.io` artifact; ``storage_options`` are
-        fsspec's keyword arguments for a remote ``uri`` (ignored for local paths)."""
+        fsspec's keyword arguments for a remote ``uri`` (ignored for local paths). ``refs``:
+        tensors stored in another artifact instead (e.g. the eigenbasis), as
+        :func:`laplace_core.io.save_tensors` takes them; :meth:`load` reads them from there."""
         from ..io import save_tensors
 
         sd = self.state_dict()
-        save_tensors(uri, sd["tensors"], sd["meta"], storage_options)
+        save_tensors(uri, sd["tensors"], sd["meta"], storage_options, refs=refs)
 
 
 #: The registry's resolvers (:func:`register_structures`, called by :mod:`.registry` when the

@@ -13,6 +13,8 @@ its parser). Each parser sets ``func``; ``func(args) -> int`` is the exit code.
   With no data arguments it runs the embedded ``demo`` preset on a local Ray instance.
 * ``infoform score --run URI --data URI --output URI ...``: a finished run's posterior on new
   images, one Parquet row per image (:mod:`pipelines.cli.score_cmd`, :mod:`pipelines.serve.score`).
+* ``infoform config [--list] [PREFIX]``: every config key with its default, valid range or
+  values, and help, from the one place they are written (:mod:`pipelines.config.schema`).
 * ``infoform sizes --model NAME [--rank K] [--stats URI] [--norm-layers map|diag] [--layers all|last|NAMES] [--json]``: numbers stored per
   posterior method for any torchvision classifier, built with ``weights=None`` on the
   ``meta`` device (no weights, no data, offline). See :mod:`laplace_core.sizes`.
@@ -57,7 +59,8 @@ def get_args_parser(add_help: bool = False) -> argparse.ArgumentParser:
                        prog="imagenet_inf.py")
     p.add_argument("--preset", default="demo", help=f"YAML preset in configs/ or a path ({', '.join(list_presets())})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any config key, e.g. --set curvature.num_workers=4 (repeatable)")
+                   help="override any config key, e.g. --set curvature.num_workers=4 (repeatable; every key, "
+                        "its default and range: infoform config --list)")
     p.add_argument("--output", help="output URI (local path or s3://bucket/prefix)")
     p.add_argument("--data", help="dataset root (ImageNet/ImageFolder layout or Parquet shards), local or s3://")
     p.add_argument("--ood", help="out-of-distribution image folder")
@@ -198,6 +201,8 @@ def cmd_run(args: argparse.Namespace, prog: str | None = None) -> int:
         os.environ[VERBOSE_ENV] = "1"
     for k, v in quiet_env().items():  # this process (the driver's Ray Data)
         os.environ.setdefault(k, v)
+    if not sys.stdout.isatty():  # a log file or a job's log: Ray's "(Actor pid=...)" prefixes without colour codes
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     from pipelines.errors import StageError
     from pipelines.errors import PreflightError
     from pipelines.cli.run import run
@@ -210,6 +215,10 @@ def cmd_run(args: argparse.Namespace, prog: str | None = None) -> int:
     except StageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1
+    from pipelines.cli.run import verdict_lines
+
+    for line in verdict_lines(result.summary):
+        print(f"infoform: {line}")
     print(f"infoform: report at {result.report_path}")
     return 0
 
@@ -335,6 +344,28 @@ def cmd_sizes(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- config
+def add_config_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("config", help="every config key with its default, valid values and help",
+                       description="The keys of the run config (YAML presets, --set KEY=VALUE), each written once "
+                                   "in pipelines/config/schema.py.")
+    p.add_argument("--list", action="store_true", help="list every key (the default)")
+    p.add_argument("prefix", nargs="?", default="", help="only keys starting with this, e.g. evaluate.")
+    p.set_defaults(func=cmd_config)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from pipelines.config.settings import describe
+
+    rows = [r for r in describe(RunConfig) if r[0].startswith(args.prefix)]
+    if not rows:
+        raise CliError(f"no config key starts with {args.prefix!r}")
+    width = max(len(key) for key, *_ in rows)
+    for key, default, valid, help_text in rows:
+        print(f"{key:<{width}}  {default}  [{valid}]  {help_text}".rstrip())
+    return 0
+
+
 # --------------------------------------------------------------------------- registry
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", parents=[get_args_parser(add_help=False)],
@@ -353,6 +384,7 @@ SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "run": add_run_parser,
     "sizes": add_sizes_parser,
     "score": add_score_parser,
+    "config": add_config_parser,
 }
 
 

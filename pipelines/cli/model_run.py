@@ -1,65 +1,110 @@
 """One model's stages, in data-flow order: curvature -> posterior -> search -> evaluate -> report.
 
 :class:`ModelRun` holds what the stages share (the config, the model, the scanned splits, the
-output) and has one method per stage. Each builds the stage's fingerprint from the previous
-stage's (so a changed setting redoes that stage and every later one) and hands its work to
-:class:`pipelines.cli.stages.Stages`, which skips a stage already committed with the same
-fingerprint.
+output) and has one method per stage. Each takes the previous stage's result and returns its
+own (:class:`StageResult`: the fingerprint tree, the summary, the seconds; the search adds the
+chosen ``(N, tau)`` and temperature), so a stage cannot be called before the one it depends on.
+A stage's fingerprint is the previous stage's plus its own settings, read from the config
+fields themselves (:func:`pipelines.config.settings.fingerprint_fields`: a field opts out with
+``fingerprint=False``), so a changed setting redoes that stage and every later one;
+:class:`pipelines.cli.stages.Stages` skips a stage already committed with the same fingerprint.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from laplace_core.methods import TEMPERATURE, method_info
+from pipelines.cli.counts import ignored_lines
 from pipelines.cli.plan import DataPlan, Splits, demo_model, scan_splits
 from pipelines.cli.stages import Stages, fingerprint, log
 from pipelines.config.load import derive, to_dict
-from pipelines.config.schema import ConfigError, EvalSpec, ModelSpec, RunConfig
+from pipelines.config.schema import ActorSpec, ConfigError, EvalSpec, ModelSpec, RunConfig
+from pipelines.config.settings import fingerprint_fields
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
 
-__all__ = ["ModelRun", "actor_resources", "layer_fingerprint", "NOT_IN_FINGERPRINT"]
+__all__ = ["ModelRun", "StageResult", "CurvatureResult", "SearchResult", "RunResult", "actor_resources",
+           "forget_placement", "FINGERPRINT_VERSION"]
 
-#: curvature settings that do not change the statistics: not part of the stage's fingerprint
-NOT_IN_FINGERPRINT = frozenset({"checkpoint_every_s", "gpus_per_worker", "bucket_mb", "log_every_s"})
-#: evaluation settings that do not change results (samples depend on (seed, t); retries and
-#: actor resources do not matter, so a stage computed on CPU stays valid on GPU)
-EVAL_NOT_IN_FINGERPRINT = frozenset({"max_failures", "cpus_per_actor", "gpus_per_actor", "placement_timeout_s",
-                                     "chunk_size", "sample_cache_mb", "torch_threads", "log_every_s"})
+#: Bumped when what enters a stage fingerprint changes: a run folder made under another version
+#: is refused in one line (``--force <stage>`` or a new ``--output``) instead of being misread.
+FINGERPRINT_VERSION = 2
 
 
-def actor_resources(ev: EvalSpec) -> dict[str, float]:
+@dataclass(frozen=True)
+class StageResult:
+    """What a stage hands to the next: ``fingerprint`` (the settings tree of this stage and every
+    earlier one), ``summary`` (its stage marker's summary; None when it was not requested and has
+    no earlier result), ``seconds`` (as the marker records them; 0 without a summary)."""
+
+    fingerprint: dict[str, Any]
+    summary: dict[str, Any] | None
+
+    @property
+    def seconds(self) -> float:
+        return float((self.summary or {}).get("seconds", 0.0))
+
+
+@dataclass(frozen=True)
+class CurvatureResult(StageResult):
+    """The curvature stage's result and the pass settings it ran with."""
+
+    config: Any = None  # pipelines.passes.curvature.CurvatureConfig
+    subnet: Any = None  # pipelines.passes.subnet.SubnetConfig, when "subnet" is a method
+
+
+@dataclass(frozen=True)
+class SearchResult(StageResult):
+    """The search stage's result: the chosen ``(N, tau)`` per method and the fitted temperature."""
+
+    hyper: dict[str, tuple[float, float]] | None = None
+    temperature: float | None = None
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The four computing stages of one model and the seconds they took in this process."""
+
+    curvature: CurvatureResult
+    posterior: StageResult
+    search: SearchResult
+    evaluate: StageResult
+    seconds: float
+
+
+_SAID: set[str] = set()
+
+
+def forget_placement() -> None:
+    """A new run says its actor placement again (called at the start of each run)."""
+    _SAID.clear()
+
+
+def actor_resources(evaluate_spec: EvalSpec) -> dict[str, float]:
     """Ray resources of each search/evaluation actor: ``evaluate.cpus_per_actor`` and
     ``evaluate.gpus_per_actor``, or when that is null a share that lets every actor be placed
     on the GPUs the cluster declares (:func:`pipelines.distributed.cluster.gpu_share`: 1, or 1/k; 0 on a
     cluster without GPUs, said in one line). Needs Ray initialised."""
-    gpus = ev.gpus_per_actor
+    gpus = evaluate_spec.gpus_per_actor
     if gpus is None:
         import ray
 
         from pipelines.distributed.cluster import gpu_share
 
         declared = float(ray.cluster_resources().get("GPU", 0.0))
-        gpus = gpu_share(ev.num_actors, declared)
+        gpus = gpu_share(evaluate_spec.num_actors, declared)
         if gpus == 0:
-            log("actors: the cluster declares no GPU, so search and evaluation run on CPUs "
-                "(evaluate.gpus_per_actor=1 waits for GPU nodes instead)")
+            line = ("actors: the cluster declares no GPU, so search and evaluation run on CPUs "
+                    "(evaluate.gpus_per_actor=1 waits for GPU nodes instead)")
         else:
-            log(f"actors: {ev.num_actors} actor(s) on {declared:g} declared GPU(s), {gpus:.4g} GPU each")
-    return {"cpus_per_actor": float(ev.cpus_per_actor), "gpus_per_actor": float(gpus)}
-
-
-def layer_fingerprint(posterior: Any) -> dict[str, Any]:
-    """What of ``posterior.norm_layers`` / ``posterior.layers`` enters the curvature stage's
-    fingerprint: each only when it is not the default, so default runs keep their fingerprints."""
-    out: dict[str, Any] = {}
-    if posterior.norm_layers != "map":
-        out["norm_layers"] = posterior.norm_layers
-    if posterior.layers != "all":
-        out["layers"] = to_dict(posterior.layers)
-    return out
+            line = f"actors: {evaluate_spec.num_actors} actor(s) on {declared:g} declared GPU(s), {gpus:.4g} GPU each"
+        if line not in _SAID:  # one placement line per run, not one per stage
+            _SAID.add(line)
+            log(line)
+    return {"cpus_per_actor": float(evaluate_spec.cpus_per_actor), "gpus_per_actor": float(gpus)}
 
 
 class ModelRun:
@@ -67,8 +112,8 @@ class ModelRun:
 
     def __init__(self, cfg: RunConfig, spec: ModelSpec, output: str, plan: DataPlan, ensure_ray: Callable[[], None]):
         self.cfg, self.output, self.plan = cfg, output, plan
-        self.ep = cfg.storage_options()
-        self.st = Stages(cfg, output, ensure_ray)
+        self.store = cfg.storage_options()
+        self.stages = Stages(cfg, output, ensure_ray)
         self.model_info: dict[str, Any] = {"name": spec.name, "weights": spec.weights}
         if plan.demo is not None and spec.name == "demo_cnn" and spec.weights is None:
             # the embedded demo: the small CNN trained on the spot (any other model is used as given)
@@ -79,19 +124,20 @@ class ModelRun:
         self.splits: Splits = scan_splits(cfg, plan)  # on the driver, before any cluster work
         self.data_info = self.splits.summary(cfg, plan)
         self.model_info["coverage"] = self._coverage()
-        s = self.splits
-        log(f"data: {len(s.train)} train images in {len(s.parts)} partitions, {len(s.search)} for the search, "
-            f"{len(s.test)} test, {0 if s.ood is None else len(s.ood)} OOD")
+        splits = self.splits
+        log(f"data: {len(splits.train)} train images in {len(splits.parts)} "
+            f"partition{'s' if len(splits.parts) != 1 else ''}, {len(splits.search)} for the search, "
+            f"{len(splits.test)} test, {0 if splits.ood is None else len(splits.ood)} OOD")
+        for line in ignored_lines(splits.ignored()):
+            log(line)
         self.methods = tuple(cfg.posterior.methods)
         # methods with a posterior (``temperature`` has none: it is fitted in the search stage)
         self.post_methods = tuple(m for m in self.methods if method_info(m).posterior)
         self.uris = {m: layout.posterior_uri(output, m) for m in self.post_methods}
-        self.hyper: dict[str, tuple[float, float]] | None = None
-        self.temperature: float | None = None
 
     @property
     def results(self) -> dict[str, Any]:
-        return self.st.results
+        return self.stages.results
 
     def _coverage(self) -> Any:
         """Weights under the posterior / left at MAP (laplace_core.sizes), for the summary and report.
@@ -109,43 +155,47 @@ class ModelRun:
             return f"not computed: {e}"
 
     # ------------------------------------------------------------------ curvature
-    def curvature(self) -> dict[str, Any] | None:
+    def curvature(self) -> CurvatureResult:
         """The reduced statistics and eigenbasis (+ the subnet pass's S x S Fisher)."""
         from pipelines.passes.curvature import CurvatureConfig
 
-        cfg, c = self.cfg, self.cfg.curvature
-        # "subnet" is not built from the reduced sums alone: the curvature stage adds its S x S Fisher pass
-        layer_methods = tuple(m for m in self.methods if method_info(m).per_layer)
-        self.subnet_cfg = None
-        if "subnet" in self.methods:
+        cfg = self.cfg
+        subnet_cfg = None
+        if "subnet" in self.methods:  # not built from the reduced sums alone: the stage adds its S x S pass
             from pipelines.passes.subnet import subnet_config
 
-            self.subnet_cfg = subnet_config(cfg.posterior, c.fisher, self.spec.num_classes or len(self.splits.classes))
-        self.curv_cfg = derive(CurvatureConfig, c, methods=layer_methods, norm_layers=cfg.posterior.norm_layers,
-                               layers=cfg.posterior.layers,
-                               torch_threads=c.torch_threads or 1)
-        self.curv_fp = {"model": to_dict(self.spec), "train": self.splits.train.fingerprint,
-                        "curvature": {k: v for k, v in to_dict(c).items() if k not in NOT_IN_FINGERPRINT},
-                        "image": [cfg.data.image_size, cfg.data.resize_size], "methods": list(self.post_methods)}
-        self.curv_fp.update(layer_fingerprint(cfg.posterior))
-        if self.subnet_cfg is not None:  # the selection (S, n_data, tau) and the Fisher type shape the subnet pass
-            self.curv_fp["subnet"] = dataclasses.asdict(self.subnet_cfg)
-        return self.st.run("curvature", self.curv_fp, self._do_curvature)
+            subnet_cfg = subnet_config(cfg.posterior, cfg.curvature.fisher,
+                                       self.spec.num_classes or len(self.splits.classes))
+        # the curvature section, the per-layer methods and the posterior's layer choice (no field named)
+        curv_cfg = derive(CurvatureConfig, cfg.posterior, cfg.curvature,
+                          methods=tuple(m for m in self.methods if method_info(m).per_layer))
+        fp = {"version": FINGERPRINT_VERSION, "model": to_dict(self.spec), "train": self.splits.train.fingerprint,
+              "curvature": fingerprint_fields(curv_cfg), "image": [cfg.data.image_size, cfg.data.resize_size],
+              "subnet": None if subnet_cfg is None else dataclasses.asdict(subnet_cfg)}
+        summary = self.stages.run("curvature", fp, lambda: self._do_curvature(curv_cfg, subnet_cfg))
+        return CurvatureResult(fp, summary, config=curv_cfg, subnet=subnet_cfg)
 
-    def _do_curvature(self) -> dict[str, Any]:
+    def _do_curvature(self, curv_cfg: Any, subnet_cfg: Any) -> dict[str, Any]:
         from pipelines.passes.curvature import run_curvature
 
         train_dcfg = self.splits.train_config
-        res = run_curvature(self.spec, self.splits.parts, self.curv_cfg, self.output, data_config=train_dcfg,
-                            endpoint_url=self.ep)
+        self._announce_disk()
+        res = run_curvature(self.spec, self.splits.parts, curv_cfg, self.output, data_config=train_dcfg,
+                            endpoint_url=self.store)
         passes, subnet = dict(res.passes), None
-        if self.subnet_cfg is not None:  # Daxberger et al. (2021): select from the reduced sums, S x S Fisher pass
+        if subnet_cfg is not None:  # Daxberger et al. (2021): select from the reduced sums, S x S Fisher pass
             from pipelines.passes.subnet import run_subnet_pass
 
-            sres = run_subnet_pass(self.spec, self.splits.parts, self.curv_cfg, self.subnet_cfg, self.output,
-                                   data_config=train_dcfg, endpoint_url=self.ep, stats=res.stats)
-            passes.update(sres.passes)
-            subnet = {k: v for k, v in dataclasses.asdict(sres).items() if k != "passes"}
+            subnet_res = run_subnet_pass(self.spec, self.splits.parts, curv_cfg, subnet_cfg, self.output,
+                                         data_config=train_dcfg, endpoint_url=self.store, stats=res.stats)
+            passes.update(subnet_res.passes)
+            subnet = {k: v for k, v in dataclasses.asdict(subnet_res).items() if k != "passes"}
+        from pipelines.passes.curvature import pass_uri
+        from pipelines.storage.disk import drop, human
+
+        freed = drop([pass_uri(self.output, p) for p in ("pass1", "pass2")], self.store)
+        if freed:
+            log(f"disk: removed the pass checkpoints ({human(freed)}): stats/reduced holds the same sums")
         return {
             "count": res.stats.count, "efb_count": res.stats.efb_count, "excluded": res.stats.excluded,
             "skipped_batches": res.stats.skipped_batches, "skipped": dict(res.skipped),
@@ -159,104 +209,138 @@ class ModelRun:
         }
 
     # ------------------------------------------------------------------ posterior
-    def posterior(self) -> dict[str, Any] | None:
-        post = to_dict(self.cfg.posterior)
-        post["methods"] = list(self.post_methods)  # adding "temperature" does not rebuild the posteriors
-        self.post_fp = {**self.curv_fp, "posterior": post}
-        return self.st.run("posterior", self.post_fp, self._do_posterior)
+    def posterior(self, curvature: CurvatureResult) -> StageResult:
+        # adding "temperature" to the methods does not rebuild the posteriors
+        fp = {**curvature.fingerprint,
+              "posterior": {**fingerprint_fields(self.cfg.posterior), "methods": list(self.post_methods)}}
+        return StageResult(fp, self.stages.run("posterior", fp, self._do_posterior))
 
     def _do_posterior(self) -> dict[str, Any]:
         from pipelines.passes.posterior import build_posteriors
 
-        p = self.cfg.posterior
-        return {"posteriors": build_posteriors(self.output, self.post_methods, p.rank, n_data=p.n_data,
-                                               prior_precision=p.prior_precision, endpoint_url=self.ep)}
+        from pipelines.errors import StageError
+        from pipelines.passes.curvature import reduced_uri
+
+        post = self.cfg.posterior
+        if not storage.exists(reduced_uri(self.output), self.store):
+            raise StageError(f"posterior: {reduced_uri(self.output)} was dropped after an earlier posterior stage "
+                             "(storage.keep_stats=false); redo the statistics with --force curvature")
+        out = {"posteriors": build_posteriors(self.output, self.post_methods, post.rank, n_data=post.n_data,
+                                              prior_precision=post.prior_precision, endpoint_url=self.store)}
+        self._keep_or_drop_stats()
+        return out
+
+    def _announce_disk(self) -> None:
+        """One line before pass 1: the bytes the statistics, checkpoint and posteriors will take."""
+        from pipelines.ingest.models import model_size_report
+        from pipelines.storage.disk import announce, expected_bytes
+
+        curvature, post = self.cfg.curvature, self.cfg.posterior
+        try:
+            rep = model_size_report(self.spec.name, self.spec.num_classes or len(self.splits.classes),
+                                    post.norm_layers, post.layers, post.rank)
+        except (ValueError, RuntimeError) as e:  # a model that cannot be built without weights: said, not fatal
+            log(f"disk: expected sizes not computed ({e})")
+            return
+        est = expected_bytes(rep, self.post_methods, stats_bytes=8 if curvature.stats_dtype == "float64" else 4,
+                             efb=any(method_info(m).needs_efb for m in self.post_methods if m != "subnet"))
+        log(announce(est, self.cfg.storage.keep_stats))
+
+    def _keep_or_drop_stats(self) -> None:
+        """After the posteriors: ``storage.keep_stats=false`` drops what only built them; the log
+        says what stays (the eigenbasis always: the kfac/efb posteriors reference its eigenvectors)."""
+        from pipelines.passes.curvature import basis_uri, reduced_uri
+        from pipelines.passes.subnet import subnet_uri
+        from pipelines.storage.disk import drop, human, tree_bytes
+
+        stats = [reduced_uri(self.output), subnet_uri(self.output)]
+        if self.cfg.storage.keep_stats:
+            kept = sum(tree_bytes(u, self.store) for u in stats)
+            log(f"disk: kept stats/reduced ({human(kept)}) to rebuild posteriors with other settings, and "
+                f"stats/eigenbasis ({human(tree_bytes(basis_uri(self.output), self.store))}); "
+                "storage.keep_stats=false drops the statistics after this stage")
+        else:
+            freed = drop(stats, self.store)
+            log(f"disk: dropped the statistics ({human(freed)}, storage.keep_stats=false); kept stats/eigenbasis "
+                f"({human(tree_bytes(basis_uri(self.output), self.store))}), which the posteriors reference")
 
     # ------------------------------------------------------------------ (N, tau) search
-    def search(self) -> dict[str, Any] | None:
-        ev = self.cfg.evaluate
-        self.runtime = {"num_actors": ev.num_actors, "batch_size": ev.batch_size}
-        settings = {k: v for k, v in to_dict(self.cfg.search).items() if k != "chunk_size"}  # grouping only
-        if not settings["method_ranges"]:
-            del settings["method_ranges"]  # the fingerprint of runs from before method_ranges existed
-        for k, default in (("scheduler", "none"), ("algorithm", "random"), ("reduction_factor", 4)):
-            if settings.get(k) == default or (k == "reduction_factor" and settings["scheduler"] != "asha"):
-                settings.pop(k, None)  # the paper's protocol keeps the fingerprint it had before Ray Tune
-        self.search_fp = {**self.post_fp, "search": settings, "val": self.splits.search.fingerprint,
-                          "runtime": self.runtime, "pred_type": ev.pred_type}
-        if (ev.ece_mode, ev.ece_bins) != ("equal_width", 15):  # the search scores with the evaluation's ECE
-            self.search_fp["ece"] = [ev.ece_mode, ev.ece_bins]
-        if ev.dtype != "float32":
-            self.search_fp["dtype"] = ev.dtype
-        if TEMPERATURE in self.methods:  # fitted on the same split (fingerprints of other runs unchanged)
-            self.search_fp["temperature"] = True
-        srch = self.st.run("search", self.search_fp, self._do_search)
-        if srch is not None:
-            self.hyper = {m: (c["n_data"], c["prior_precision"]) for m, c in srch["chosen"].items() if c is not None}
-            if srch.get("temperature") is not None:
-                self.temperature = float(srch["temperature"]["temperature"])
-            write_search_table(self.output, self.post_methods, self.ep)
-        return srch
+    def search(self, posterior: StageResult) -> SearchResult:
+        """The search scores with the evaluation's actors and ECE (``evaluate``'s :class:`ActorSpec`
+        fields); the temperature is fitted on the same split."""
+        fp = {**posterior.fingerprint, "search": fingerprint_fields(self.cfg.search),
+              "actors": fingerprint_fields(self.cfg.evaluate, ActorSpec), "val": self.splits.search.fingerprint,
+              "temperature": TEMPERATURE in self.methods}
+        summary = self.stages.run("search", fp, lambda: self._do_search(fp))
+        if summary is None:
+            return SearchResult(fp, None)
+        write_search_table(self.output, self.post_methods, self.store)
+        fitted = summary.get("temperature")
+        return SearchResult(fp, summary,
+                            hyper={m: (c["n_data"], c["prior_precision"])
+                                   for m, c in summary["chosen"].items() if c is not None},
+                            temperature=None if fitted is None else float(fitted["temperature"]))
 
-    def _do_search(self) -> dict[str, Any]:
+    def _do_search(self, fp: dict[str, Any]) -> dict[str, Any]:
         from pipelines.evaluation.runtime import search_config
         from pipelines.evaluation.search import search
         from pipelines.ingest.batches import build_dataset
 
-        ev, s = self.cfg.evaluate, self.splits
-        search_cfg = search_config(self.cfg, expected_rows=(len(s.search), None), **actor_resources(ev))
+        splits = self.splits
+        search_cfg = search_config(self.cfg, expected_rows=(len(splits.search), None),
+                                   **actor_resources(self.cfg.evaluate),
+                                   decode_cpus=float(self.cfg.data.decode_num_cpus))
         out: dict[str, Any] = {"chosen": {}, "notes": {}, "map": {}, "info": {"device": search_cfg.resolved_device},
                                "failed": 0, "table": layout.search_table_uri(self.output)}
         if self.uris:
             # a re-submitted job resumes the Tune experiment of this key
-            key = fingerprint(self.search_fp)[:12]
-            res = search(self.spec, self.uris, build_dataset(s.search, s.search_config), search_cfg,
-                         output=self.output, endpoint_url=self.ep, key=key)
+            res = search(self.spec, self.uris, build_dataset(splits.search, splits.search_config), search_cfg,
+                         output=self.output, endpoint_url=self.store, key=fingerprint(fp)[:12])
             out.update(chosen=res.chosen, notes=res.notes, map=res.map,
                        info={**res.info, "device": search_cfg.resolved_device},
-                       failed=sum(1 for r in res.rows if r["status"] != "ok"))
+                       failed=sum(1 for r in res.rows if r["status"] != "ok"),
+                       skipped={"count": res.info["skipped"], "examples": res.info.get("skipped_examples", [])})
         if TEMPERATURE in self.methods:  # Guo et al. (2017): T by NLL on the search split
             from pipelines.evaluation.temperature import fit_temperature_run
 
-            fit = fit_temperature_run(self.spec, build_dataset(s.search, s.search_config), search_cfg,
-                                      output=self.output, endpoint_url=self.ep)
+            fit = fit_temperature_run(self.spec, build_dataset(splits.search, splits.search_config), search_cfg,
+                                      output=self.output, endpoint_url=self.store)
             log(f"temperature: T = {fit['temperature']:.4g} (search-split NLL {fit['nll_before']:.4f} -> "
                 f"{fit['nll_after']:.4f}){'; ' + fit['note'] if fit.get('note') else ''}")
             out["temperature"] = fit
         return out
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> dict[str, Any] | None:
+    def evaluate(self, searched: SearchResult) -> StageResult:
         """The test split and the OOD set, at the chosen ``(N, τ)``; with ``evaluate.shift``
         also the test split under each corruption and severity (:mod:`pipelines.evaluation.shift`)."""
-        s = self.splits
-        ev_fp = {k: v for k, v in to_dict(self.cfg.evaluate).items() if k not in EVAL_NOT_IN_FINGERPRINT}
-        if ev_fp.get("shift") is None:  # fingerprints of runs without a sweep unchanged
-            ev_fp.pop("shift", None)
-        self.eval_fp = {**self.search_fp, "evaluate": ev_fp, "test": s.test.fingerprint,
-                        "ood": None if s.ood is None else s.ood.fingerprint, "hyper": self.hyper}
-        if self.temperature is not None:
-            self.eval_fp["temperature"] = self.temperature
-        return self.st.run("evaluate", self.eval_fp, self._do_evaluate)
+        splits = self.splits
+        fp = {**searched.fingerprint, "evaluate": fingerprint_fields(self.cfg.evaluate),
+              "test": splits.test.fingerprint, "ood": None if splits.ood is None else splits.ood.fingerprint,
+              "hyper": searched.hyper, "fitted_temperature": searched.temperature}
+        return StageResult(fp, self.stages.run("evaluate", fp, lambda: self._do_evaluate(searched)))
 
-    def _do_evaluate(self) -> dict[str, Any]:
+    def _do_evaluate(self, searched: SearchResult) -> dict[str, Any]:
         from pipelines.evaluation.evaluate import evaluate
         from pipelines.evaluation.runtime import eval_config
         from pipelines.ingest.batches import build_dataset
 
-        ev, s = self.cfg.evaluate, self.splits
-        eval_cfg = eval_config(self.cfg, expected_rows=(len(s.test), None if s.ood is None else len(s.ood)),
-                               **actor_resources(ev))
-        ood_ds = None if s.ood is None else build_dataset(s.ood, s.ood_config)
-        res = evaluate(self.spec, self.uris, build_dataset(s.test, s.test_config), ood_ds, eval_cfg,
-                       output=self.output, hyper=self.hyper, endpoint_url=self.ep, temperature=self.temperature)
-        out = {"methods": {m: headline(r) for m, r in res.items()}, "device": eval_cfg.resolved_device}
-        if ev.shift is not None:
+        evaluate_spec, splits = self.cfg.evaluate, self.splits
+        eval_cfg = eval_config(self.cfg, expected_rows=(len(splits.test), None if splits.ood is None else len(splits.ood)),
+                               **actor_resources(evaluate_spec), decode_cpus=float(self.cfg.data.decode_num_cpus))
+        ood_ds = None if splits.ood is None else build_dataset(splits.ood, splits.ood_config)
+        res = evaluate(self.spec, self.uris, build_dataset(splits.test, splits.test_config), ood_ds, eval_cfg,
+                       output=self.output, hyper=searched.hyper, endpoint_url=self.store,
+                       temperature=searched.temperature)
+        out = {"methods": {m: headline(r) for m, r in res.items()}, "device": eval_cfg.resolved_device,
+               "skipped": {k: v for k, v in (("test", res["map"].get("skipped")),
+                                             ("ood", res["map"].get("ood_skipped"))) if v is not None}}
+        if evaluate_spec.shift is not None:
             from pipelines.evaluation.shift import evaluate_shift
 
-            docs = evaluate_shift(self.spec, self.uris, s.test, s.test_config, eval_cfg, ev.shift.corruptions,
-                                  ev.shift.severities, output=self.output, hyper=self.hyper,
-                                  temperature=self.temperature, endpoint_url=self.ep)
+            docs = evaluate_shift(self.spec, self.uris, splits.test, splits.test_config, eval_cfg,
+                                  evaluate_spec.shift.corruptions, evaluate_spec.shift.severities, output=self.output,
+                                  hyper=searched.hyper, temperature=searched.temperature, endpoint_url=self.store)
             out["shift"] = {m: d["mean"] for m, d in docs.items()}
             from pipelines.report.shift import shift_headline
 
@@ -266,31 +350,35 @@ class ModelRun:
         return out
 
     # ------------------------------------------------------------------ report
-    def report(self, summary: dict[str, Any]) -> dict[str, Any] | None:
+    def report(self, evaluated: StageResult, summary: dict[str, Any]) -> StageResult:
         def do_report() -> dict[str, Any]:
             from pipelines.report.load import load_eval_metrics
             from pipelines.report.write import write_report
 
             from pipelines.report.shift import load_shift, render_shift
 
-            metrics = load_eval_metrics(self.output, self.ep)
-            table = read_search(self.output, self.ep)
+            log("report: the summary table, the figures (matplotlib) and the HTML/Markdown pages")
+            metrics = load_eval_metrics(self.output, self.store)
+            table = read_search(self.output, self.store)
             figures = {}
-            shift = load_shift(self.output, metrics, self.ep)
+            shift = load_shift(self.output, metrics, self.store)
             if shift:  # metric against severity, one line per method
                 figures["shift"] = layout.figure_uri(self.output, "shift")
-                storage.write_bytes_atomic(figures["shift"], render_shift(shift), self.ep)
-            return {"paths": write_report(self.output, summary, metrics, table, figures=figures, endpoint_url=self.ep)}
+                storage.write_bytes_atomic(figures["shift"], render_shift(shift), self.store)
+            return {"paths": write_report(self.output, summary, metrics, table, figures=figures,
+                                          endpoint_url=self.store)}
 
-        return self.st.run("report", {**self.eval_fp, "report": 1}, do_report)
+        fp = {**evaluated.fingerprint, "report": 1}
+        return StageResult(fp, self.stages.run("report", fp, do_report))
 
-    def run_all(self) -> None:
+    def run_all(self) -> RunResult:
+        """Curvature, posterior, search and evaluation, each fed the one before."""
         t0 = time.perf_counter()
-        self.curvature()
-        self.posterior()
-        self.search()
-        self.evaluate()
-        self.seconds = time.perf_counter() - t0
+        curvature = self.curvature()
+        posterior = self.posterior(curvature)
+        searched = self.search(posterior)
+        evaluated = self.evaluate(searched)
+        return RunResult(curvature, posterior, searched, evaluated, time.perf_counter() - t0)
 
 
 def headline(r: dict[str, Any]) -> dict[str, Any]:
@@ -304,7 +392,7 @@ def headline(r: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def write_search_table(output: str, methods, ep) -> None:
+def write_search_table(output: str, methods, store) -> None:
     """One search table for all methods at ``eval/search.parquet`` (from the per-method files)."""
     import io
 
@@ -312,24 +400,24 @@ def write_search_table(output: str, methods, ep) -> None:
     import pyarrow.parquet as pq
 
     target = layout.search_table_uri(output)
-    if storage.exists(target, ep):
+    if storage.exists(target, store):
         return
     tables = []
     for m in methods:
         uri = layout.search_table_uri(output, m)
-        if storage.exists(uri, ep):
-            tables.append(pq.read_table(io.BytesIO(storage.read_bytes(uri, ep))))
+        if storage.exists(uri, store):
+            tables.append(pq.read_table(io.BytesIO(storage.read_bytes(uri, store))))
     if tables:
         buf = io.BytesIO()
         pq.write_table(pa.concat_tables(tables), buf)
-        storage.write_bytes_atomic(target, buf.getvalue(), ep)
+        storage.write_bytes_atomic(target, buf.getvalue(), store)
 
 
-def read_search(output: str, ep):
+def read_search(output: str, store):
     """The run's search table rows (None before the search)."""
     uri = layout.search_table_uri(output)
-    if not storage.exists(uri, ep):
+    if not storage.exists(uri, store):
         return None
     from pipelines.report.load import read_search_table
 
-    return read_search_table(uri, ep)
+    return read_search_table(uri, store)

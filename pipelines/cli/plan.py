@@ -103,16 +103,17 @@ def data_config(cfg: RunConfig, plan: DataPlan, split: str | None, *, limit=None
                  classes=None, unlabeled=False, root: str | None = None, extensions=None):
     """One split's :class:`~pipelines.ingest.index.DataConfig`, derived from ``cfg.data``; the
     input normalisation is ``data.mean`` / ``data.std`` when set, else the plan's (the demo's
-    own statistics), else ImageNet's."""
-    from pipelines.ingest.index import DataConfig
+    own statistics), else ImageNet's. Files are indexed by ``extensions`` when given, else by
+    the image suffixes widened by ``data.extensions``."""
+    from pipelines.ingest.index import IMAGE_EXTENSIONS, DataConfig
 
     norm = {k: v for k, v in (("mean", plan.mean), ("std", plan.std)) if v is not None and getattr(cfg.data, k) is None}
     kw: dict[str, Any] = dict(root=root or plan.root, split=split, limit=limit, per_class=per_class,
                               endpoint_url=cfg.storage_options(), unlabeled=unlabeled, partition_size=None, **norm)
     if classes is not None:
         kw["classes"] = tuple(classes)
-    if extensions is not None:
-        kw["extensions"] = tuple(extensions)
+    extra = tuple(e if e.startswith(".") else "." + e for e in cfg.data.extensions)
+    kw["extensions"] = tuple(extensions) if extensions is not None else IMAGE_EXTENSIONS + extra
     if split == cfg.data.val_split and cfg.data.labels_csv:
         kw["labels_csv"] = cfg.data.labels_csv
     else:
@@ -177,10 +178,16 @@ class Splits:
     test_config: Any
     ood: Any = None
     ood_config: Any = None
+    scanned: dict = dataclasses.field(default_factory=dict)  # split name -> its full scan (ignored files)
+
+    def ignored(self) -> dict[str, dict[str, Any]]:
+        """Per scanned split, the files not indexed as images: ``{"count", "examples"}`` (first three)."""
+        return {k: {"count": ix.ignored, "examples": list(ix.ignored_examples)} for k, ix in self.scanned.items()}
 
     def summary(self, cfg: RunConfig, plan: DataPlan) -> dict[str, Any]:
         return {
             "train": self.train.summary(),
+            "ignored_files": self.ignored(),
             "search": {"split": cfg.data.val_split, "num_files": len(self.search)},
             "test": {"split": cfg.data.test_split or f"{cfg.data.val_split} (other half)", "num_files": len(self.test)},
             "ood": None if self.ood is None else self.ood.summary(),
@@ -201,10 +208,12 @@ def scan_splits(cfg: RunConfig, plan: DataPlan) -> Splits:
     classes = train.classes
     val_cfg = data_config(cfg, plan, cfg.data.val_split, classes=classes)
     val_full = scan(val_cfg)
+    scanned = {"train": train, "val": val_full}
     if cfg.data.test_split:
         test_cfg = data_config(cfg, plan, cfg.data.test_split, classes=classes)
         search = limit_index(val_full, cfg.data.val_limit)
-        test = limit_index(scan(test_cfg), cfg.data.test_limit)
+        scanned["test"] = scan(test_cfg)
+        test = limit_index(scanned["test"], cfg.data.test_limit)
     else:
         test_cfg = val_cfg
         search = subset(val_full, 0, limit=cfg.data.val_limit)
@@ -213,10 +222,14 @@ def scan_splits(cfg: RunConfig, plan: DataPlan) -> Splits:
     if plan.ood:
         ood_cfg = data_config(cfg, plan, None, root=plan.ood, unlabeled=True,
                               extensions=(".jpg",) if plan.demo is not None else None)
-        ood = limit_index(scan(ood_cfg), cfg.data.ood_limit)
+        ood_full = scan(ood_cfg)
+        if plan.demo is None:  # the demo's letters folder also holds its own infoform-letters.json
+            scanned["ood"] = ood_full
+        ood = limit_index(ood_full, cfg.data.ood_limit)
     parts = partition(train, partition_size=cfg.data.partition_size)
     return Splits(train=train, train_config=train_cfg, parts=parts, classes=classes, search=search,
-                  search_config=val_cfg, test=test, test_config=test_cfg, ood=ood, ood_config=ood_cfg)
+                  search_config=val_cfg, test=test, test_config=test_cfg, ood=ood, ood_config=ood_cfg,
+                  scanned=scanned)
 
 
 def config_plan(cfg: RunConfig, output: str) -> DataPlan:

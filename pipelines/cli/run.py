@@ -23,7 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipelines.cli.model_run import ModelRun, read_search
+from pipelines.cli.counts import skipped_images, skipped_lines
+from pipelines.cli.model_run import ModelRun, forget_placement, read_search
 from pipelines.cli.plan import DataPlan, config_plan
 from pipelines.cli.stages import fingerprint, log
 from pipelines.config.load import to_dict
@@ -31,7 +32,7 @@ from pipelines.config.schema import STAGES, ModelSpec, RunConfig
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
 
-__all__ = ["RunResult", "run"]
+__all__ = ["RunResult", "run", "verdict_lines"]
 
 
 
@@ -58,13 +59,15 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: DataPlan,
                ensure_ray: Callable[[], None]) -> dict[str, Any]:
     """All stages for one model; returns the run summary (also written as run.json)."""
     t_start = time.perf_counter()
-    mr = ModelRun(cfg, spec, output, plan, ensure_ray)
-    mr.run_all()
-    summary = _summary(cfg, mr.spec, mr.model_info, mr.data_info, mr.results, output)
+    model_run = ModelRun(cfg, spec, output, plan, ensure_ray)
+    stages = model_run.run_all()
+    summary = _summary(cfg, model_run.spec, model_run.model_info, model_run.data_info, model_run.results, output)
     summary["timings"]["total_this_run"] = time.perf_counter() - t_start
-    if mr.results.get("evaluate") is not None:
-        mr.report(summary)
-    storage.write_json_atomic(layout.run_json_uri(output), _stable_run_json(summary), mr.ep)
+    for line in skipped_lines(summary["skipped_images"]):
+        log(line)
+    if stages.evaluate.summary is not None:
+        model_run.report(stages.evaluate, summary)
+    storage.write_json_atomic(layout.run_json_uri(output), _stable_run_json(summary), model_run.store)
     return summary
 
 
@@ -91,12 +94,11 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
     sizes = {m: {"numbers": p.get("num_stored"), "note": f"rank {cfg.posterior.rank}" if m == "inf" else
                  f"S = {p.get('subnet_size')} of {p.get('d_total')} weights" if m == "subnet" else ""}
              for m, p in posteriors.items()}
-    skipped = {}
-    for k, v in (curv.get("skipped") or {}).items():
-        if isinstance(v, dict) and "count" in v:
-            skipped[k] = {"count": int(v.get("count", 0)), "examples": v.get("examples", [])}
+    skipped = skipped_images(results)
     chosen = {m: {"log10_n": c_["log10_n"], "log10_tau": c_["log10_tau"]}
               for m, c_ in (srch.get("chosen") or {}).items() if c_}
+    if (posteriors.get("inf") or {}).get("uri") and chosen.get("inf"):
+        log("summary: INF's clipped D entries at the chosen (N, tau) (loads the INF posterior)")
     inf_clip = _inf_clipping(posteriors, chosen, cfg.storage_options())
     return {
         "title": f"infoform report: {spec.name}" + (" (demo)" if cfg.data.demo else ""),
@@ -108,6 +110,7 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
         "timings": {s: (results.get(s) or {}).get("seconds") for s in STAGES if results.get(s)},
         "posterior_sizes": sizes,
         "skipped_images": skipped,
+        "ignored_files": (data_info or {}).get("ignored_files", {}),
         "clipped_d_entries": {m: int(p.get("clipped_D", 0) or 0) for m, p in posteriors.items()}
         | ({"inf": inf_clip["clipped_D"]} if inf_clip else {}),
         "inf_clipping": inf_clip,
@@ -126,6 +129,27 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
         "results": evl.get("methods"),
         "output": output,
     }
+
+
+def verdict_lines(summary: dict[str, Any]) -> list[str]:
+    """The report's summary in a few lines for the end of the log: MAP's test numbers, then the
+    verdict's sentences (:func:`pipelines.report.verdict.verdict_sentences`), then the data counts."""
+    from pipelines.report.verdict import METRICS, verdict_sentences
+
+    results = summary.get("results") or {}
+    if not isinstance(results.get("map"), dict):
+        return []
+    m = results["map"]
+    shown = [f"{x.label} {x.fmt(m[x.key])}" for x in METRICS[:5] if isinstance(m.get(x.key), (int, float))]
+    n = ((summary.get("data") or {}).get("test") or {}).get("num_files")
+    lines = [f"verdict: MAP on {n if n is not None else 'the'} test images: {', '.join(shown)}"]
+    lines += [f"verdict: {s}" for s in verdict_sentences(results, summary.get("posterior_sizes"))]
+    skipped = sum(int(d.get("count", 0)) for d in (summary.get("skipped_images") or {}).values())
+    ignored = sum(int(d.get("count", 0)) for d in (summary.get("ignored_files") or {}).values())
+    failed = [k for k, r in results.items() if isinstance(r, dict) and r.get("status") not in (None, "ok")]
+    lines.append(f"verdict: {skipped} image(s) skipped as undecodable, {ignored} non-image file(s) ignored"
+                 + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return lines[:6]
 
 
 def _stable_run_json(summary: dict[str, Any]) -> dict[str, Any]:
@@ -157,6 +181,7 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
     Without it, Ray must already be initialised (or ``ray.init()`` is called).
     """
     cfg.validate()
+    forget_placement()
     started = []
 
     def ensure_ray() -> None:

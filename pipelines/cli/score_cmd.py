@@ -70,7 +70,7 @@ def _settings(args: argparse.Namespace, info: Any):
     check_pred_type(pred_type)
     return ScoreSettings(method=info.check_method(args.method or info.default_method()), pred_type=pred_type,
                          n_samples=args.n_samples or ev.mc_samples, seed=ev.seed, top_k=args.top_k,
-                         block_size=args.block_size, keep_probs=args.keep_probs, num_actors=args.num_actors)
+                         block_size=args.block_size, keep_probs=args.keep_probs, pool_size=args.num_actors)
 
 
 def _prepare(args: argparse.Namespace):

@@ -10,8 +10,10 @@ runtime class shares with a config section is copied, so no field list is writte
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -20,9 +22,11 @@ from typing import Any, Mapping
 import yaml
 
 from pipelines.config.schema import ConfigError, RunConfig
+from pipelines.config.settings import SettingError, to_dict
 
 __all__ = ["PRESETS_DIR", "list_presets", "load_config", "from_dict", "to_dict", "apply_overrides", "derive"]
 
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's when built with it: same results, faster
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
@@ -99,16 +103,18 @@ def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
         hint = f"; did you mean {prefix}{close[0]}?" if close else ""
         raise ConfigError(f"unknown key {prefix}{unknown[0]}{hint} (valid keys here: {', '.join(names)})")
     kwargs = {k: _coerce(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
-    return cls(**kwargs)
-
-
-def to_dict(obj: Any) -> Any:
-    """JSON/YAML-able nested dict of a config tree."""
-    if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (tuple, list)):
-        return [to_dict(v) for v in obj]
-    return obj
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except SettingError as e:  # a field out of its range or choices
+        raise ConfigError(e.keyed(prefix)) from None
+    except (ValueError, TypeError) as e:  # a section's own rule: name the field it starts with, else the section
+        msg = str(e)
+        first = re.match(r"\w*", msg).group()
+        if first in names:
+            raise ConfigError(f"{prefix}{msg}") from None
+        raise ConfigError(f"{prefix.rstrip('.')}: {msg}" if prefix else msg) from None
 
 
 def _set_path(tree: dict, path: str, value: Any) -> None:
@@ -127,7 +133,7 @@ def _set_path(tree: dict, path: str, value: Any) -> None:
 
 def apply_overrides(tree: dict, overrides: list[str]) -> dict:
     """Apply ``key.path=value`` overrides (values parsed as YAML) to a nested dict."""
-    out = yaml.safe_load(yaml.safe_dump(tree))  # deep copy through plain types
+    out = copy.deepcopy(tree)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value (e.g. curvature.num_workers=4)")
@@ -154,7 +160,7 @@ def _read_preset(name_or_path: str) -> dict:
     if not path.exists():
         raise ConfigError(f"unknown preset {name_or_path!r}; valid: {', '.join(list_presets())} (or a path to a .yaml file)")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_LOADER)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

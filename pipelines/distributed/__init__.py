@@ -12,7 +12,7 @@
 from .checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from .comm import allreduce_sum, broadcast_object, buckets, pack_symmetric, packed_size, unpack_symmetric
 from .engine import PassKind, PassResult, PassRun, dataset_name
-from .progress import Progress
+from .progress import Progress, say
 from .workers import (
     DTYPES,
     FaultInjection,
@@ -21,7 +21,9 @@ from .workers import (
     fingerprint,
     gpu_shortfall,
     index_partitions,
+    fit_interruptibly,
     make_trainer,
+    trainer_cpus,
     model_ref,
     partition_dataset,
     path_keys,
@@ -32,6 +34,7 @@ from .workers import (
 __all__ = [
     "DTYPES", "FaultInjection", "Job", "ModelRef", "PassKind", "PassResult", "PassRun", "Progress",
     "allreduce_sum", "broadcast_object", "buckets", "dataset_name", "fingerprint", "gpu_shortfall",
-    "index_partitions", "list_checkpoints", "load_checkpoint", "make_trainer", "model_ref", "pack_symmetric",
-    "packed_size", "partition_dataset", "path_keys", "put_sources", "save_checkpoint", "unpack_symmetric", "worker_setup",
+    "index_partitions", "list_checkpoints", "load_checkpoint", "make_trainer", "fit_interruptibly", "trainer_cpus",
+    "model_ref", "pack_symmetric", "packed_size", "partition_dataset", "path_keys", "put_sources", "save_checkpoint",
+    "say", "unpack_symmetric", "worker_setup",
 ]

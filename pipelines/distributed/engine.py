@@ -216,8 +216,8 @@ class PassRun:
         self.todo = [p for p in self.ids if p not in done]
         known = [job.rows.get(p) for p in self.todo]
         total = sum(known) if self.todo and all(r is not None for r in known) else None
-        self.progress = Progress(f"pass {k.pass_no} ({k.name})", total, self.world, self.rank, job.cfg.log_every_s,
-                                 prefix=k.tag)
+        self.progress = Progress(f"pass {k.pass_no} ({getattr(k, 'title', k.name)})", total, self.world, self.rank,
+                                 job.cfg.log_every_s, prefix=k.tag)
         if self.todo:
             self._open(self.todo[0])
         return self
@@ -309,8 +309,11 @@ class PassRun:
             k.unflatten(state, [t.to(self.device) for t in k.from_tensors(self._ckpt_tensors)])
             self._ckpt_tensors = None
         if rank == 0 and self.todo:
-            say(f"[{k.tag}] pass {k.pass_no} ({k.name}): {len(self.todo)} partition(s) to compute, "
-                  f"{len(rec['reused'])} from {rec['resumed_from'] or 'no checkpoint'}")
+            n, r = len(self.todo), len(rec["reused"])
+            say(f"[{k.tag}] {self.progress.label}: {n} partition{'s' if n != 1 else ''} to compute"
+                + (f", {r} done earlier (checkpoint {rec['resumed_from']})" if r else ""))
+        if self.todo:
+            self.progress.start_ticker()
         seg: list[int] = []
         counters: dict[int, _Counter] = {}
         local = [0] * len(k.count_names)
@@ -356,6 +359,8 @@ class PassRun:
             seg, counters, local, last = [], {}, [0] * len(k.count_names), time.perf_counter()
         if not self.todo:  # resumed from a finished pass: every rank still needs the sums
             self._reduce(state, [], {}, local, keep=True)
+        else:
+            self.progress.finish(sum(self.totals.rows.get(p, 0) for p in self.todo))
         rec["wall_s"] = time.perf_counter() - t_pass
         t = self.totals
         return PassResult(state=state, counts=dict(t.counts), rows=sum(t.rows.values()),
@@ -424,5 +429,5 @@ class PassRun:
         self.rec["write_s"] += dt
         self.rec["bytes_written"] += nbytes
         self.rec["checkpoints"] += 1
-        say(f"[{k.tag}] pass {k.pass_no} ({k.name}): checkpoint of {len(self.totals.done)} of {len(self.ids)} "
-              f"partition(s) in {uri} ({nbytes / 2**20:.1f} MiB, {dt:.1f} s)")
+        say(f"[{k.tag}] {self.progress.label}: checkpoint of {len(self.totals.done)} of {len(self.ids)} "
+            f"partition{'s' if len(self.ids) != 1 else ''} in {uri} ({nbytes / 2**20:.1f} MiB, {dt:.1f} s)")

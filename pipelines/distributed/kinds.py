@@ -46,6 +46,7 @@ class Pass1Kind(PassKind):
     once they are loaded."""
 
     name = "pass1"
+    title = "KFAC factors and diagonal"
     pass_no = 1
     fmt = "infoform.pass1_checkpoint"
     count_names = ("count", "skipped_batches", "skipped_examples")
@@ -114,6 +115,7 @@ class EfbKind(PassKind):
     reduced statistics right after it, so the finished pass is not checkpointed again."""
 
     name = "pass2"
+    title = "EFB eigenvalues"
     pass_no = 2
     fmt = "infoform.efb_checkpoint"
     count_names = ("efb_count",)
@@ -165,6 +167,7 @@ class SubnetFisherKind(PassKind):
     per worker at its peak."""
 
     name = "subnet"
+    title = "subnetwork Fisher"
     pass_no = 3
     fmt = "infoform.subnet_fisher_partial"
     count_names = ("count",)

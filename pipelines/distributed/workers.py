@@ -11,11 +11,13 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from pipelines.config import schema
 from pipelines.distributed.cluster import train_log_level
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
@@ -24,7 +26,7 @@ __all__ = ["DTYPES", "FaultInjection", "ModelRef", "Job", "model_ref", "make_tra
            "gpu_shortfall", "worker_setup", "index_partitions", "partition_dataset", "path_keys", "fingerprint",
            "put_sources"]
 
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = schema.DTYPES  # the config's dtype names -> torch dtypes
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,12 @@ def make_trainer(loop, loop_config: dict, cfg, use_gpu: bool, name: str, output_
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    # Ray Train 2.60 starts a PreemptionWatcher actor per worker group with max_restarts=-1 and the
+    # worker handles as constructor arguments, which makes every run log core_worker.cc's
+    # "constructor arguments in the object store and max_restarts > 0" error line. It only watches
+    # for cloud preemption notices; a lost node is still retried through FailureConfig and the
+    # pass checkpoints. Off unless the user turned it on (the driver's value reaches the controller).
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
     resources = {"CPU": cfg.cpus_per_worker}
     if use_gpu:
         resources["GPU"] = cfg.gpus_per_worker
@@ -256,3 +264,48 @@ def index_partitions(partitions: Sequence[Any]) -> tuple[list[int], dict[int, An
         raise ValueError(f"partition ids must be unique, got {ids}")
     by_id = dict(zip(ids, partitions))
     return ids, by_id, {pid: _partition_rows(p) for pid, p in by_id.items()}
+
+
+def fit_interruptibly(trainer, need_cpus: float, what: str, settle_s: float = 30.0):
+    """``trainer.fit()``, run on a helper thread while the driver's main thread waits in
+    one-second steps: Ray Train's own ``fit`` blocks in one ``ray.get`` that no signal handler
+    interrupts (a test's timeout, a scheduler's SIGTERM), and this keeps them working. Before
+    it starts, the free CPUs are compared with ``need_cpus`` (the workers plus one decode task
+    of their data); when they stay short for ``settle_s`` seconds (resources of earlier work not
+    yet given back), one line says what is missing: the workers' decode tasks would wait for
+    them. Returns what ``fit`` returns and raises what it raises."""
+    import threading
+
+    import ray
+
+    deadline = time.perf_counter() + settle_s
+    free = float(ray.available_resources().get("CPU", 0.0))
+    while free + 1e-9 < need_cpus and time.perf_counter() < deadline:
+        time.sleep(0.5)
+        free = float(ray.available_resources().get("CPU", 0.0))
+    if free + 1e-9 < need_cpus:
+        total = float(ray.cluster_resources().get("CPU", 0.0))
+        print(f"[{what}] only {free:g} of {total:g} CPUs are free, the workers and their decode tasks ask for "
+              f"{need_cpus:g}: it runs once other work gives CPUs back", flush=True)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = trainer.fit()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"{what}-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(1.0)
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+def trainer_cpus(cfg, data_config) -> float:
+    """The CPUs a pass needs free to make progress: every worker's plus one decode task of the
+    data the ranks read (``data.decode_num_cpus``; none for ready-made datasets)."""
+    decode = float(getattr(data_config, "decode_num_cpus", 0.0) or 0.0)
+    return cfg.num_workers * float(cfg.cpus_per_worker) + decode

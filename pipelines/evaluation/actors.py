@@ -17,6 +17,7 @@ import time
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
+from ray import method as ray_method
 
 from pipelines.distributed.malloc import tune_malloc
 from pipelines.errors import StageError, cause_line
@@ -24,7 +25,8 @@ from pipelines.evaluation.predictors import load_eval_model, load_posteriors
 from pipelines.evaluation.runtime import RuntimeFields
 from pipelines.storage import uris as storage
 
-__all__ = ["ActorProgress", "ModelActor", "inject_fault", "actor_options", "wait_for_actors", "run_actors"]
+__all__ = ["ActorProgress", "ModelActor", "inject_fault", "actor_options", "wait_for_actors", "round_size",
+           "await_round", "run_actors"]
 
 
 class ActorProgress:
@@ -81,6 +83,7 @@ class ModelActor:
         # actor; the driver asks ``started()`` and reports the first one in one line
         self.cfg = cfg
         self.init_error: str | None = None
+        self.beats, self.waiting = 0, False  # batches read, and whether it waits for the next: the stall watchdog's view
         try:
             self._load(model, posterior_uris, hyper, cfg, endpoint_url)
         except Exception as e:  # noqa: BLE001 - reported to the driver, which stops the stage
@@ -89,6 +92,28 @@ class ModelActor:
     def started(self) -> str | None:
         """``None`` once the model and posteriors are loaded, else the error, in one line."""
         return self.init_error
+
+    @ray_method(concurrency_group="watch")
+    def heartbeat(self) -> tuple[int, bool]:
+        """``(batches read, waiting for the next one)``. Runs in its own concurrency group
+        (:func:`run_actors`), so it answers while ``run`` is busy."""
+        return self.beats, self.waiting
+
+    def watched(self, items: Iterable[Any]) -> Iterator[Any]:
+        """``items`` as they come, each one counted for :meth:`heartbeat`; while it waits for
+        the next one, :attr:`waiting` is set (the time the consumer spends on an item is work,
+        not a stall)."""
+        it = iter(items)
+        while True:
+            self.waiting = True
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            finally:
+                self.waiting = False
+            self.beats += 1
+            yield item
 
     def _load(self, model, posterior_uris, hyper, cfg, endpoint_url) -> None:
         t0 = time.perf_counter()
@@ -147,22 +172,100 @@ def wait_for_actors(ready: Sequence[Any], cfg: RuntimeFields, what: str) -> None
               "(on a cluster without GPUs, set evaluate.gpus_per_actor=0)", flush=True)
 
 
+def _cpus() -> tuple[float, float]:
+    """``(free, total)`` CPUs of the cluster now."""
+    import ray
+
+    return float(ray.available_resources().get("CPU", 0.0)), float(ray.cluster_resources().get("CPU", 0.0))
+
+
+def round_size(cfg: RuntimeFields, what: str, settle_s: float | None = None) -> int:
+    """How many actors a round starts so that the Ray Data decode tasks feeding them keep a
+    CPU: ``cfg.num_actors`` when the free CPUs cover them plus one decode task
+    (``cfg.decode_cpus``). Otherwise it first waits up to ``settle_s`` (default: 30 s, at
+    most ``cfg.stall_timeout_s``) for the resources of
+    work that just ended (killed actors, finished trainers) to come back, then starts as
+    many as fit beside one decode task (at least one), saying so in one line: actors
+    that hold every free CPU would wait forever for data nobody can decode. The results do
+    not depend on the number of actors (``pipelines.evaluation.evaluate``)."""
+    n, each = cfg.num_actors, cfg.cpus_per_actor
+    if each <= 0 or cfg.decode_cpus <= 0:
+        return n
+    need = n * each + cfg.decode_cpus
+    deadline = time.perf_counter() + (min(30.0, cfg.stall_timeout_s) if settle_s is None else settle_s)
+    free, total = _cpus()
+    while free + 1e-9 < need and time.perf_counter() < deadline:
+        time.sleep(0.5)
+        free, total = _cpus()
+    if free + 1e-9 >= need:
+        return n
+    fit = max(1, min(n, int((free - cfg.decode_cpus + 1e-9) // each)))
+    print(f"[{what}] {free:g} of {total:g} CPUs are free: starting {fit} of {n} actor(s) ({each:g} CPU each) "
+          f"so that the decode tasks keep {cfg.decode_cpus:g} CPU", flush=True)
+    return fit
+
+
+def _stall_line(what: str, cfg: RuntimeFields, n: int, waited: float) -> str:
+    free, total = _cpus()
+    return (f"{what}: no progress for {waited:.0f} s (evaluate.stall_timeout_s={cfg.stall_timeout_s:g}): "
+            f"{n} actor(s) holding {n * cfg.cpus_per_actor:g} CPU wait for their data, whose decode tasks ask "
+            f"for {cfg.decode_cpus:g} CPU each; the cluster has {free:g} of {total:g} CPUs free "
+            "(other work holds the rest: lower evaluate.cpus_per_actor or data.decode_num_cpus, or add CPUs)")
+
+
+def await_round(refs: Sequence[Any], actors: Sequence[Any], cfg: RuntimeFields, what: str,
+                poll_s: float = 1.0, beat_s: float = 5.0) -> list[Any]:
+    """``ray.get(refs)`` in short waits, so the driver's main thread stays interruptible (a
+    signal handler, e.g. a test's timeout, runs between them), with a stall watchdog when
+    ``actors`` (aligned with ``refs``) are given: every ``beat_s`` seconds the unfinished
+    actors' :meth:`ModelActor.heartbeat` s are read; when every one of them has been waiting
+    for data, with no batch read, for ``cfg.stall_timeout_s`` seconds, the round ends with a
+    :class:`pipelines.errors.StageError` naming what waits for what."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    pending = list(refs)
+    last, moved = None, time.perf_counter()
+    next_beat = moved + beat_s
+    while pending:
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
+        now = time.perf_counter()
+        if not pending or not actors or now < next_beat:
+            continue
+        next_beat = now + beat_s
+        busy = [a for a, r in zip(actors, refs) if r in pending]
+        try:
+            beats = ray.get([a.heartbeat.remote() for a in busy], timeout=beat_s)
+            state = (sum(b for b, _ in beats), all(w for _, w in beats))
+        except (GetTimeoutError, RayActorError):
+            state = last  # an actor that died shows in ``refs``; one that does not answer shows no progress
+        if state is not None and (state != last or not state[1]):  # a batch read, or an actor at work on one
+            last, moved = state, now
+        elif now - moved >= cfg.stall_timeout_s:
+            raise StageError(_stall_line(what, cfg, len(busy), now - moved))
+    return ray.get(list(refs))
+
+
 def run_actors(actor_cls: type, init_args: tuple, datasets: Sequence[Any], cfg: RuntimeFields) -> list[dict[str, Any]]:
-    """Start ``cfg.num_actors`` actors of ``actor_cls(*init_args)``, give actor ``i`` the
-    ``i``-th ``streaming_split(num_actors, equal=False)`` iterator of every dataset in
-    ``datasets`` (``None`` entries stay ``None``) and return their ``run`` results in actor
-    order. Actors are killed afterwards. When an actor dies (``ray.exceptions.RayActorError``)
-    the whole round starts again with new actors and new splits, at most ``cfg.max_failures``
-    times. An error raised by the actors' code (in ``__init__``, reported by ``started()``, or in
-    ``run``) stops the round at once as a :class:`pipelines.errors.StageError` carrying the
-    cause's own one-line message (which names the URI), not the remote tracebacks."""
+    """Start the actors of a round (:func:`round_size`: ``cfg.num_actors``, or fewer when the
+    cluster's free CPUs would not also fit the decode tasks) of ``actor_cls(*init_args)``,
+    give actor ``i`` the ``i``-th ``streaming_split(k, equal=False)`` iterator of every dataset
+    in ``datasets`` (``None`` entries stay ``None``) and return their ``run`` results in actor
+    order (:func:`await_round`: interruptible, with the stall watchdog). Actors are killed
+    afterwards. When an actor dies (``ray.exceptions.RayActorError``) the whole round starts
+    again with new actors and new splits, at most ``cfg.max_failures`` times. An error raised
+    by the actors' code (in ``__init__``, reported by ``started()``, or in ``run``) stops the
+    round at once as a :class:`pipelines.errors.StageError` carrying the cause's own one-line
+    message (which names the URI), not the remote tracebacks."""
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
-    n = cfg.num_actors
     name = actor_cls.__name__
-    remote_cls = ray.remote(actor_cls).options(**actor_options(cfg))
+    watch = {"concurrency_groups": {"watch": 1}} if hasattr(actor_cls, "heartbeat") else {}
+    remote_cls = ray.remote(**watch)(actor_cls) if watch else ray.remote(actor_cls)
+    remote_cls = remote_cls.options(**actor_options(cfg))
     for attempt in range(cfg.max_failures + 1):
+        n = round_size(cfg, name)
         actors = [remote_cls.remote(*init_args) for _ in range(n)]
         # queued before ``run`` (an actor runs its calls in order): resolves once it is constructed;
         # actors with a ``started()`` method report an error of their ``__init__`` through it
@@ -176,7 +279,7 @@ def run_actors(actor_cls: type, init_args: tuple, datasets: Sequence[Any], cfg: 
             if errors:
                 raise StageError(f"{name}: {len(errors)} of {n} actor(s) could not start: {errors[0]}")
             try:
-                return ray.get(refs)
+                return await_round(refs, actors if watch else (), cfg, name)
             except RayTaskError as e:  # the actors' own code raised: its message, not the remote traceback
                 raise StageError(f"{name} failed: {cause_line(e)}") from None
         except RayActorError as e:

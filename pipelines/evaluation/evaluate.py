@@ -210,9 +210,11 @@ class EvalWorker(ModelActor):
             return {"init_error": self.init_error}
         t0 = time.perf_counter()
         in_it, in_skipped = valid_batches(in_shard, self.cfg.batch_size)
+        in_it = self.watched(in_it)
         if self.cfg.fault_marker is not None:
             in_it = inject_fault(in_it, self.cfg.fault_marker)
         ood_it, ood_skipped = (None, None) if ood_shard is None else valid_batches(ood_shard, self.cfg.batch_size)
+        ood_it = None if ood_it is None else self.watched(ood_it)
         acc, info = evaluate_shard(self.model, self.posteriors, in_it, ood_it, self.cfg,
                                    progress=ActorProgress("evaluate", actor_index, self.cfg),
                                    temperature=self.temperature)

@@ -285,6 +285,7 @@ def search(
         "examples": images,
         "chunks": len(chunks),
         "skipped": skipped["count"],
+        "skipped_examples": skipped["examples"][:3],
         "images_evaluated": evaluated,
         "image_samples": evaluated * cfg.mc_samples,
         "image_samples_full": len(rows) * images * cfg.mc_samples,

@@ -50,6 +50,7 @@ class ShiftWorker(EvalWorker):
         out = []
         for j, shard in enumerate(shards):
             it, _ = valid_batches(shard, self.cfg.batch_size)
+            it = self.watched(it)
             prog = ActorProgress("shift", actor_index, self.cfg, splits=(f"dataset {j + 1}/{len(shards)}",))
             acc, info = evaluate_shard(self.model, self.posteriors, it, None, self.cfg, progress=prog,
                                        temperature=self.temperature)

@@ -169,6 +169,7 @@ class LogitsWorker(ModelActor):
         if self.init_error is not None:
             return {"init_error": self.init_error}
         it, skipped = valid_batches(shard, self.cfg.batch_size)
+        it = self.watched(it)
         prog = ActorProgress("temperature", actor_index, self.cfg, splits=("search",))
         z, y = map_logits(self.model, it, self.cfg, prog)
         return {"logits": z, "labels": y, "skipped": skipped().count}

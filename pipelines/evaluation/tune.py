@@ -48,10 +48,11 @@ import torch
 from ray import tune
 
 from pipelines.errors import StageError
-from pipelines.evaluation.actors import ModelActor
+from pipelines.evaluation.actors import ModelActor, await_round
 from pipelines.evaluation.asha import GridSearcher, PromotionASHA, RunningLimiter
 from pipelines.evaluation.chunks import Chunk, iter_chunks, valid_batches
 from pipelines.evaluation.runtime import SearchConfig
+from pipelines.evaluation.search_progress import SearchProgress
 from pipelines.storage import uris as storage
 
 #: The ``trial`` name of the MAP reference (``"map:0"``).
@@ -75,13 +76,22 @@ def chunk_refs(ds: Any, cfg: SearchConfig) -> tuple[list[Any], int, dict[str, An
     ctx = getattr(ds, "context", None)
     if ctx is not None:  # the same chunks on every submission (ASHA's decisions depend on them)
         ctx.execution_options.preserve_order = True
+    t0 = time.perf_counter()
+    print(f"[search] reading and decoding the search split{_rows(cfg)} into chunks of "
+          f"{cfg.batches_per_chunk * cfg.batch_size} images", flush=True)
     it, skipped = valid_batches(ds, cfg.batch_size)
     refs, n = [], 0
     for c in iter_chunks(it, cfg.batch_size, cfg.batches_per_chunk, dtype=cfg.torch_dtype, device="cpu"):
         refs.append(ray.put({"xs": torch.stack(c.xs).numpy(), "ys": torch.cat(c.ys).numpy(),
                              "sizes": np.asarray(c.sizes, dtype=np.int64)}))
         n += c.count
+    print(f"[search] {n} images in {len(refs)} chunk(s) read in {time.perf_counter() - t0:.1f} s", flush=True)
     return refs, n, skipped().to_dict()
+
+
+def _rows(cfg: SearchConfig) -> str:
+    n = cfg.expected_rows[0] if cfg.expected_rows else None
+    return f" ({n} images)" if n else ""
 
 
 def _chunk(d: Mapping[str, Any], device: str) -> Chunk:
@@ -244,6 +254,12 @@ def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
     return space, RunningLimiter(alg, cfg.num_actors, sched), cfg.num_configs, sched, None
 
 
+def _grid_size(space: Mapping[str, Any]) -> int:
+    """Trials per sample of ``space`` (the grid's length; 1 without a grid)."""
+    grid = space.get("trial") if isinstance(space, Mapping) else None
+    return len(grid["grid_search"]) if isinstance(grid, Mapping) and "grid_search" in grid else 1
+
+
 def _fit_from(tuner: Any, where: str) -> Any:
     """``tuner.fit()`` with ``where`` as the working directory: Tune lists the experiment's
     files with relative paths (``os.getcwd()``), and a Ray job's working directory can be gone
@@ -299,7 +315,9 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
                                             num_samples=num_samples, max_concurrent_trials=concurrent,
                                             reuse_actors=True),
                 run_config=tune.RunConfig(name=name, storage_path=path, storage_filesystem=fs, verbose=0,
-                                          failure_config=tune.FailureConfig(max_failures=cfg.max_failures)))
+                                          failure_config=tune.FailureConfig(max_failures=cfg.max_failures),
+                                          callbacks=[SearchProgress(num_samples * _grid_size(space), images,
+                                                                    cfg.log_every_s)]))
         grid = _fit_from(tuner, tempfile.gettempdir())
         out = []
         for r in grid:
@@ -349,4 +367,4 @@ def map_reference(model: Mapping[str, Any], chunks: Sequence[Any], cfg: SearchCo
                 acc = acc.update(torch.cat(predict_chunk(net, None, c)), torch.cat(c.ys))
         return acc.to_json()
 
-    return ray.get(score.remote(dict(model), list(chunks), cfg, endpoint_url))
+    return await_round([score.remote(dict(model), list(chunks), cfg, endpoint_url)], (), cfg, "map reference")[0]

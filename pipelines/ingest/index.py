@@ -18,12 +18,15 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
+from pipelines.config.schema import DataSpec
+from pipelines.config.settings import same_as
 from pipelines.storage import uris as storage
 
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "FORMATS",
+    "IMAGE_EXTENSIONS",
     "DataError",
     "DataConfig",
     "DatasetIndex",
@@ -43,6 +46,10 @@ FORMATS: dict[str, str] = {
     "parquet": "<split>/*.parquet with columns image (bytes), label (int), optional path",
 }
 
+#: The file suffixes indexed as images by default (case-insensitive); any other file is counted
+#: as ignored (``DatasetIndex.ignored``) and named in the log and the report. ``data.extensions``
+#: adds suffixes to these.
+IMAGE_EXTENSIONS: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
 class DataError(ValueError):
@@ -69,7 +76,8 @@ class DataConfig:
     classes / classes_file: explicit class list (wnids; a text file takes the
     first token of each non-empty line, e.g. ``LOC_synset_mapping.txt``); always
     used in sorted order. extensions: keep only these suffixes (case-insensitive,
-    e.g. (".jpeg", ".jpg")); None keeps every non-hidden file. unlabeled: no
+    e.g. (".jpeg", ".jpg")), by default :data:`IMAGE_EXTENSIONS`; None keeps every non-hidden
+    file. unlabeled: no
     labels (-1). endpoint_url: S3-compatible endpoint. num_partitions /
     partition_size: default partitioning for ``partition`` (at most one).
     decode_batch_size: most images per decode task batch (fewer when the source has
@@ -81,23 +89,23 @@ class DataConfig:
 
     root: str
     split: str | None = "train"
-    image_size: int = 224
-    resize_size: int = 256
+    image_size: int = same_as(DataSpec, "image_size")
+    resize_size: int = same_as(DataSpec, "resize_size")
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
-    limit: int | None = None
-    per_class: int | None = None
-    labels_csv: str | None = None
+    limit: int | None = same_as(DataSpec, "limit")
+    per_class: int | None = same_as(DataSpec, "per_class")
+    labels_csv: str | None = same_as(DataSpec, "labels_csv")
     classes: tuple[str, ...] | None = None
     classes_file: str | None = None
-    extensions: tuple[str, ...] | None = None
+    extensions: tuple[str, ...] | None = IMAGE_EXTENSIONS
     unlabeled: bool = False
     format: str = "auto"
     endpoint_url: str | None = None
     num_partitions: int | None = None
     partition_size: int | None = None
-    decode_batch_size: int = 128
-    decode_num_cpus: float = 1.0
+    decode_batch_size: int = same_as(DataSpec, "decode_batch_size")
+    decode_num_cpus: float = same_as(DataSpec, "decode_num_cpus")
 
     def __post_init__(self) -> None:
         if not self.root or not isinstance(self.root, (str, os.PathLike)):
@@ -194,7 +202,8 @@ class DatasetIndex(_Entries):
     with label c in this index (after subsets). empty_classes: classes with no
     file on storage. num_scanned: entries before ``limit``/``per_class``.
     ignored: files skipped by the layout (top-level files next to class folders,
-    suffixes not in ``extensions``). unmatched_label_rows: CSV rows with no file.
+    suffixes not in ``extensions``); ignored_examples: the first three of them (sorted).
+    unmatched_label_rows: CSV rows with no file.
     fingerprint: SHA-256 over classes + (path, label) list.
     """
 
@@ -202,6 +211,7 @@ class DatasetIndex(_Entries):
     empty_classes: tuple[str, ...] = ()
     num_scanned: int = 0
     ignored: int = 0
+    ignored_examples: tuple[str, ...] = ()
     unmatched_label_rows: int = 0
     fingerprint: str = ""
 
@@ -215,6 +225,7 @@ class DatasetIndex(_Entries):
             "num_scanned": self.num_scanned,
             "empty_classes": list(self.empty_classes),
             "ignored_files": self.ignored,
+            "ignored_examples": list(self.ignored_examples),
             "unmatched_label_rows": self.unmatched_label_rows,
             "fingerprint": self.fingerprint,
         }

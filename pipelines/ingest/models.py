@@ -349,6 +349,19 @@ def _few(names: list[str], k: int = 6) -> str:
     return ", ".join(names[: k // 2] + ["..."] + names[-(k // 2):]) + f" ({len(names)})"
 
 
+def model_size_report(name: str, num_classes: int | None = None, norm_layers: str = "map", layers="all",
+                      rank: int | None = None):
+    """:func:`laplace_core.sizes.model_sizes` of model ``name`` built without weights (``meta`` device)."""
+    from laplace_core.sizes import model_sizes
+
+    try:
+        with torch.device("meta"):
+            model = _build(name, num_classes)
+    except NotImplementedError:  # constructors that read tensor values (regnet)
+        model = _build(name, num_classes)
+    return model_sizes(model, rank=rank, norm_layers=norm_layers, layers=layers)
+
+
 def model_coverage(name: str, num_classes: int | None = None, norm_layers: str = "map", layers="all") -> dict:
     """:attr:`laplace_core.sizes.SizeReport.coverage` of model ``name`` (built without weights,
     on the ``meta`` device where its constructor allows): weights under the posterior, weights

@@ -8,9 +8,10 @@ Layouts (``cfg.root`` + ``cfg.split``; ``split=None`` means root is the split di
   the sorted folder names, or ``cfg.classes`` / ``cfg.classes_file`` when given
   (then every folder must be in it). Classes without files are kept (their index
   stays reserved, so labels align with the model's outputs) and reported in
-  ``DatasetIndex.empty_classes``. Every non-hidden file under a class folder is
-  an entry (a ``.txt`` there becomes an invalid image, counted, never silently
-  dropped), unless ``cfg.extensions`` restricts the suffixes.
+  ``DatasetIndex.empty_classes``. A non-hidden file under a class folder is an
+  entry when :func:`is_image` accepts its suffix (``cfg.extensions``, by default
+  the image suffixes); every other file is counted as ignored and the first three
+  are named (``DatasetIndex.ignored`` / ``ignored_examples``), never silently dropped.
 - Flat validation dir: ``<split>/*.JPEG`` plus an ImageNet ``LOC_val_solution.csv``
   style CSV (``ImageId,PredictionString``; the first token of PredictionString
   is the wnid; ImageId = file name without extension). The class list is
@@ -43,7 +44,7 @@ from pipelines.ingest.index import DataConfig, DataError, DatasetIndex, fingerpr
 from pipelines.ingest.parquet import PARQUET_CLASSES_KEY, PARQUET_META_FILE
 from pipelines.storage import uris as storage
 
-__all__ = ["scan"]
+__all__ = ["scan", "is_image"]
 
 _LOC_CSV = "LOC_val_solution.csv"
 
@@ -126,8 +127,14 @@ def _explicit_classes(cfg: DataConfig) -> tuple[str, ...] | None:
     return tuple(uniq)
 
 
+def is_image(path: str, extensions: Iterable[str] | None) -> bool:
+    """Whether a listed file is indexed: its suffix (case-insensitive) is one of ``extensions``
+    (lower-case, with the dot; None accepts every file)."""
+    return extensions is None or posixpath.splitext(path)[1].lower() in extensions
+
+
 def _ext_ok(rel: str, cfg: DataConfig) -> bool:
-    return cfg.extensions is None or posixpath.splitext(rel)[1].lower() in cfg.extensions
+    return is_image(rel, cfg.extensions)
 
 
 def _stem(rel: str) -> str:
@@ -202,17 +209,15 @@ def _examples(items: Iterable[str], k: int = 3) -> str:
 
 
 def _scan_folders(split_uri: str, cfg: DataConfig):
-    """(classes, rel files, labels, num ignored, num unmatched CSV rows) for folder / flat layouts."""
+    """(classes, rel files, labels, ignored rel files, num unmatched CSV rows) for folder / flat layouts."""
     dirs, files = _walk(split_uri, cfg.endpoint_url)
     top_dirs = sorted(d for d in dirs if "/" not in d)
     nested = [f for f in files if "/" in f]
     top_files = [f for f in files if "/" not in f]
-    ignored = 0
     unmatched = 0
     if cfg.unlabeled:
         keep = [f for f in files if _ext_ok(f, cfg)]
-        ignored = len(files) - len(keep)
-        return (), keep, [-1] * len(keep), ignored, 0
+        return (), keep, [-1] * len(keep), [f for f in files if not _ext_ok(f, cfg)], 0
     explicit = _explicit_classes(cfg)
     if top_dirs:  # ImageFolder
         classes = explicit if explicit is not None else tuple(top_dirs)
@@ -224,7 +229,7 @@ def _scan_folders(split_uri: str, cfg: DataConfig):
                 )
         lookup = {c: i for i, c in enumerate(classes)}
         keep = [f for f in nested if _ext_ok(f, cfg)]
-        ignored = len(top_files) + len(nested) - len(keep)
+        ignored = top_files + [f for f in nested if not _ext_ok(f, cfg)]
         labels = [lookup[f.split("/", 1)[0]] for f in keep]
         return classes, keep, labels, ignored, unmatched
     # flat directory of files + labels CSV
@@ -243,7 +248,8 @@ def _scan_folders(split_uri: str, cfg: DataConfig):
     id_to_wnid = _read_label_csv(csv_uri, cfg.endpoint_url)
     csv_name = posixpath.basename(csv_uri.rstrip("/"))
     keep = [f for f in top_files if _ext_ok(f, cfg) and f != csv_name and not f.lower().endswith(".csv")]
-    ignored = len(top_files) - len(keep)
+    kept = set(keep)
+    ignored = [f for f in top_files if f not in kept]
     stems: dict[str, str] = {}
     for f in keep:
         s = _stem(f)
@@ -341,12 +347,13 @@ def scan(cfg: DataConfig) -> DatasetIndex:
     shards: tuple[str, ...] = ()
     if fmt == "parquet":
         split_uri, classes, paths, labels, shards, locations = _scan_parquet(split_uri, cfg)
-        ignored = unmatched = 0
+        ignored, unmatched = [], 0
     else:
         classes, paths, labels, ignored, unmatched = _scan_folders(split_uri, cfg)
         locations = []
     if not paths:
-        raise DataError(f"no image files found under {split_uri}")
+        other = f" ({len(ignored)} other file(s), e.g. {_examples(ignored)}; data.extensions adds suffixes)" if ignored else ""
+        raise DataError(f"no image files found under {split_uri}{other}")
     scanned_counts = [0] * len(classes)
     for y in labels:
         if y >= 0:
@@ -379,7 +386,8 @@ def scan(cfg: DataConfig) -> DatasetIndex:
         class_counts=tuple(counts),
         empty_classes=empty,
         num_scanned=num_scanned,
-        ignored=ignored,
+        ignored=len(ignored),
+        ignored_examples=tuple(sorted(ignored)[:3]),
         unmatched_label_rows=unmatched,
         fingerprint=fingerprint(classes, sel_paths, sel_labels),
     )

@@ -47,15 +47,17 @@ import json
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 
 from laplace_core.eigenbasis import Eigenbasis
 from laplace_core.layer_selection import check_selection
-from laplace_core.layers import check_norm_layers, find_layers
+from laplace_core.layers import find_layers
 from laplace_core.statistics import CurvatureStatistics
 
+from pipelines.config.schema import CurvatureSpec, PosteriorSpec
+from pipelines.config.settings import same_as
 from pipelines.storage import uris as storage
 from pipelines.distributed import (
     DTYPES,
@@ -63,13 +65,16 @@ from pipelines.distributed import (
     Job,
     PassRun,
     broadcast_object,
+    say,
     buckets,
     dataset_name,
     fingerprint,
     gpu_shortfall,
     index_partitions,
     load_checkpoint,
+    fit_interruptibly,
     make_trainer,
+    trainer_cpus,
     model_ref,
     put_sources,
     path_keys,
@@ -99,7 +104,6 @@ __all__ = [
     "curvature_fingerprint",
 ]
 
-FISHER_TYPES = ("mc", "empirical")
 #: Per-layer methods (the registry's; ``subnet`` has a pass of its own).
 METHOD_NAMES = layer_methods()
 #: Methods that need the second (EFB) pass.
@@ -110,77 +114,35 @@ BASIS_METHODS = frozenset(m for m in METHOD_NAMES if method_info(m).needs_basis)
 
 # =========================================================================== config
 @dataclass(frozen=True)
-class CurvatureConfig:
-    """Settings of the distributed curvature pass.
+class CurvatureConfig(CurvatureSpec):
+    """Settings of the distributed curvature pass: the ``curvature`` section
+    (:class:`~pipelines.config.schema.CurvatureSpec`: every setting, its default, range and
+    help) plus what the run takes from ``posterior``: ``methods`` (which passes run:
+    ``EFB_METHODS`` need pass 2, ``BASIS_METHODS`` the eigenbasis; the posteriors themselves are
+    built by the posterior stage), ``norm_layers`` and ``layers``; ``fault_injection`` is for tests.
 
-    ``use_gpu=None``: use GPUs when the cluster has any (checked from the driver).
-    ``cpus_per_worker``: 0.5 on a 2-core machine, so that Ray Data keeps a CPU to
-    read shards (with 1 CPU per worker and 2 CPUs, no CPU is left to read them and the pass waits).
-    ``efb_fraction`` / ``efb_max_examples``: the second (EFB) pass runs on an evenly
-    spaced, deterministic subset of the partitions (:func:`efb_partition_ids`).
-    ``model_dtype``: the dtype the model computes in (``float64`` for exact tests);
-    ``stats_dtype``: the dtype of the accumulated sums.
-    ``bucket_mb``: size of the flattened all-reduce buffers.
+    ``cpus_per_worker``: 0.5 on a 2-core machine, so that Ray Data keeps a CPU to read shards
+    (with 1 CPU per worker and 2 CPUs, no CPU is left to read them and the pass waits).
+    ``efb_fraction`` / ``efb_max_examples``: the second (EFB) pass runs on an evenly spaced,
+    deterministic subset of the partitions (:func:`efb_partition_ids`).
     ``checkpoint_every_s``: the workers all-reduce their running sums and rank 0 commits a
     checkpoint when this many seconds have passed since the last one, and once at the end
-    (``0``: after every partition; ``None``: only at the end). ``methods`` decides which
-    passes run (``EFB_METHODS`` need pass 2, ``BASIS_METHODS`` the eigenbasis); the posteriors
-    themselves are built by the posterior stage.
+    (``0``: after every partition; ``None``: only at the end).
     """
 
-    num_workers: int = 2
-    use_gpu: bool | None = None
-    cpus_per_worker: float = 0.5
-    gpus_per_worker: float = 1.0
-    fisher: str = "mc"
-    mc_samples: int = 1
-    seed: int = 0
-    batch_size: int = 32
-    methods: tuple[str, ...] = ("diag", "kfac", "efb", "inf")
-    efb_fraction: float = 1.0
-    efb_max_examples: int | None = None
-    max_failures: int = 2
-    checkpoint_every_s: float | None = 600.0
-    torch_threads: int | None = 1
-    model_dtype: str = "float32"
-    stats_dtype: str = "float64"
-    bucket_mb: float = 64.0
-    log_every_s: float = 10.0
-    fault_injection: FaultInjection | None = None
-    norm_layers: str = "map"  # laplace_core.layers.NORM_LAYER_MODES: "diag" adds normalisation layers (diagonal)
-    layers: str | tuple[str, ...] = "all"  # laplace_core.layer_selection: the layers under the posterior
+    methods: tuple[str, ...] = same_as(PosteriorSpec, "methods", choices=None)  # per-layer ones: _check
+    norm_layers: str = same_as(PosteriorSpec, "norm_layers")
+    layers: str | tuple[str, ...] = same_as(PosteriorSpec, "layers")
+    fault_injection: FaultInjection | None = field(default=None, metadata={"fingerprint": False})
 
-    def __post_init__(self):
+    def _check(self) -> None:
         if isinstance(self.fault_injection, Mapping):
             object.__setattr__(self, "fault_injection", FaultInjection.from_mapping(self.fault_injection))
         object.__setattr__(self, "methods", tuple(self.methods))
-        if self.num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
-        if self.fisher not in FISHER_TYPES:
-            raise ValueError(f"unknown fisher {self.fisher!r}; valid: {', '.join(FISHER_TYPES)}")
-        if self.mc_samples < 1:
-            raise ValueError(f"mc_samples must be >= 1, got {self.mc_samples}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        check_norm_layers(self.norm_layers)
         object.__setattr__(self, "layers", check_selection(self.layers))
         for m in self.methods:
             if m not in METHOD_NAMES:
                 raise ValueError(f"unknown posterior method {m!r}; valid: {', '.join(METHOD_NAMES)}")
-        for name in ("model_dtype", "stats_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(DTYPES)}")
-        if not (0.0 < self.efb_fraction <= 1.0):
-            raise ValueError(f"efb_fraction must be in (0, 1], got {self.efb_fraction}")
-        if self.efb_max_examples is not None and self.efb_max_examples < 1:
-            raise ValueError(f"efb_max_examples must be >= 1, got {self.efb_max_examples}")
-        if self.cpus_per_worker <= 0:
-            raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker}")
-        if self.checkpoint_every_s is not None and not float(self.checkpoint_every_s) >= 0:
-            raise ValueError(f"checkpoint_every_s must be >= 0 (0: after every partition) or None, "
-                             f"got {self.checkpoint_every_s!r}")
-        if self.max_failures < -1:
-            raise ValueError(f"max_failures must be >= -1 (-1 = unlimited), got {self.max_failures}")
 
     @property
     def needs_basis(self) -> bool:
@@ -270,6 +232,12 @@ def efb_partition_ids(
 
 
 # =========================================================================== worker side
+def _eigen_work(stats: CurvatureStatistics) -> str:
+    """``eigendecomposition of N factors (largest n x n)``: what the silent step between the passes does."""
+    dims = [d for k, info in stats.infos.items() if not info.diag_only for d in info.shape]
+    return f"eigendecomposition of {len(dims)} factors (largest {max(dims, default=0)} x {max(dims, default=0)})"
+
+
 def _train_loop(config: dict) -> None:
     """``train_loop_per_worker``: pass 1, eigenbasis, pass 2, reduced statistics."""
     import torch.distributed as dist
@@ -309,12 +277,16 @@ def _train_loop(config: dict) -> None:
             basis = load_eigenbasis(buri, job.store)
             rec["eigenbasis"] = "loaded"
         else:
-            basis = distributed_eigenbasis(stats, rank, world, device, rec)
+            if rank == 0:
+                say(f"[curvature] eigenbasis: {_eigen_work(stats)}, spread over {world} worker(s)")
+            basis = distributed_eigenbasis(stats, rank, world, device, rec, every_s=cfg.log_every_s)
             rec["eigenbasis"] = "computed"
             if rank == 0:
                 save_eigenbasis(buri, basis, stats.count, job.store)
             dist.barrier()
         rec["eigen_s"] = time.perf_counter() - t0
+        if rank == 0:
+            say(f"[curvature] eigenbasis {rec['eigenbasis']} in {rec['eigen_s']:.1f} s")
 
     if run2 is not None:
         dev_basis = Eigenbasis(layers={k: b.to(device=device) for k, b in basis.layers.items()},
@@ -402,7 +374,7 @@ def run_curvature(
               use_gpu=bool(use_gpu), fingerprint=fp, sources=sources)
     trainer = make_trainer(_train_loop, {"job": job}, cfg, bool(use_gpu), f"curvature-{run_id}", output_uri, datasets)
     t0 = time.perf_counter()
-    trainer.fit()
+    fit_interruptibly(trainer, trainer_cpus(cfg, data_config), "curvature")
     fit_s = time.perf_counter() - t0
 
     stats = CurvatureStatistics.load(reduced_uri(output_uri), storage.fsspec_options(output_uri, store))

@@ -11,6 +11,7 @@ LPT's makespan is at most ``4/3 - 1/(3W)`` of the optimum.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Mapping, Sequence
 
@@ -20,6 +21,7 @@ from laplace_core.eigenbasis import Eigenbasis, LayerBasis, layer_eigenbasis
 from laplace_core.io import load_tensors, save_tensors
 from laplace_core.statistics import CurvatureStatistics
 from pipelines.storage import uris as storage
+from pipelines.distributed.progress import say
 
 __all__ = ["eigh_cost", "assign_layers", "loads", "save_eigenbasis", "load_eigenbasis", "distributed_eigenbasis"]
 
@@ -76,9 +78,11 @@ def load_eigenbasis(uri: str, endpoint_url: storage.Store = None) -> Eigenbasis:
 
 
 # --------------------------------------------------------------------------- the eigenbasis, spread over the workers
-def distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, device, rec: dict) -> Eigenbasis:
+def distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, device, rec: dict,
+                           every_s: float | None = None) -> Eigenbasis:
     """Each rank decomposes its layers (:func:`pipelines.passes.eigen.assign_layers`), then every
-    rank broadcasts its packed results (one collective per rank)."""
+    rank broadcasts its packed results (one collective per rank). With ``every_s``, rank 0 says
+    how many of its layers are done whenever that long has passed since its last line."""
     import torch.distributed as dist
 
     shapes = {k: info.shape for k, info in stats.infos.items() if not info.diag_only}  # norm layers: no factors
@@ -86,8 +90,21 @@ def distributed_eigenbasis(stats: CurvatureStatistics, rank: int, world: int, de
     t0 = time.perf_counter()
     # on the worker's device (a GPU's float64 eigh of resnet50's factors: ~1.5 s, against
     # minutes on a few CPU threads); kept on the CPU afterwards like the statistics
-    mine = {k: layer_eigenbasis(stats.layers[k].A.to(device), stats.layers[k].G.to(device), stats.count,
-                                name=k).to(device="cpu") for k in plan[rank]}
+    mine: dict[str, LayerBasis] = {}
+    stop = threading.Event()
+    if rank == 0 and every_s is not None:  # one float64 eigh of a 4608 x 4608 factor takes minutes on CPUs
+        def tick() -> None:
+            while not stop.wait(every_s):
+                say(f"[curvature] eigenbasis: {len(mine)}/{len(plan[rank])} layers of worker 0 done after "
+                    f"{time.perf_counter() - t0:.0f} s")
+
+        threading.Thread(target=tick, name="eigen-progress", daemon=True).start()
+    try:
+        for k in plan[rank]:
+            mine[k] = layer_eigenbasis(stats.layers[k].A.to(device), stats.layers[k].G.to(device), stats.count,
+                                       name=k).to(device="cpu")
+    finally:
+        stop.set()
     rec["eigh_s"] = time.perf_counter() - t0
     rec["eigh_layers"] = list(plan[rank])
     t0 = time.perf_counter()

@@ -74,7 +74,8 @@ def build_and_save(
         )
         t1 = time.perf_counter()
         uri = posterior_uri(output_uri, name)
-        post.save(uri, fsspec_options(uri, endpoint_url))
+        refs = shared_with_basis(post, basis, output_uri) if name in BASIS_METHODS else None
+        post.save(uri, fsspec_options(uri, endpoint_url), refs=refs)
         t2 = time.perf_counter()
         out[name] = {
             "num_stored": int(post.num_stored()),
@@ -87,6 +88,29 @@ def build_and_save(
         if name == "subnet":
             out[name].update({k: post.info[k] for k in ("subnet_size", "d_total", "prior_scale") if k in post.info})
     return out
+
+
+#: where a posterior's shared eigenvectors live, relative to its artifact (<output>/posterior/<method>/)
+BASIS_FROM_POSTERIOR = "../../stats/eigenbasis"
+
+
+def shared_with_basis(post, basis: Eigenbasis | None, output_uri: str) -> dict[str, Any] | None:
+    """``refs`` for :meth:`Posterior.save`: the posterior's tensors that are bit-equal to the
+    run's saved eigenbasis (``<layer>/U_A``, ``<layer>/U_G`` of ``kfac`` and ``efb``), stored once
+    in ``stats/eigenbasis`` and referenced from the posterior; None when nothing is shared."""
+    if basis is None:
+        return None
+    import torch
+
+    tensors = post.state_dict()["tensors"]
+    shared = {}
+    for k, b in basis.layers.items():
+        for part, t in (("U_A", b.U_A), ("U_G", b.U_G)):
+            name = f"{k}/{part}"
+            mine = tensors.get(name)
+            if mine is not None and mine.dtype == t.dtype and mine.shape == t.shape and torch.equal(mine.cpu(), t.cpu()):
+                shared[name] = name
+    return {"uri": BASIS_FROM_POSTERIOR, "tensors": shared} if shared else None
 
 
 def build_posteriors(

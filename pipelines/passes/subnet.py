@@ -61,7 +61,8 @@ from laplace_core.subnet import DEFAULT_MEMORY_BUDGET, SELECTION_RULES, check_su
 
 from pipelines.distributed.progress import say
 from pipelines.storage import uris as storage
-from pipelines.config.schema import SUBNET_FISHER_TYPES
+from pipelines.config.schema import SUBNET_FISHER_TYPES, PosteriorSpec
+from pipelines.config.settings import same_as
 from pipelines.passes.curvature import CurvatureConfig, pass_records, reduced_uri
 from pipelines.distributed import (
     DTYPES,
@@ -70,7 +71,9 @@ from pipelines.distributed import (
     dataset_name,
     fingerprint,
     index_partitions,
+    fit_interruptibly,
     make_trainer,
+    trainer_cpus,
     model_ref,
     put_sources,
     unpack_symmetric,
@@ -154,8 +157,8 @@ class SubnetConfig:
     subnet_size: int
     fisher: str = "mc"
     rule: str = "wasserstein"
-    n_data: float | None = None
-    prior_precision: float = 1.0
+    n_data: float | None = same_as(PosteriorSpec, "n_data")
+    prior_precision: float = same_as(PosteriorSpec, "prior_precision")
     selection_seed: int = 0
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET
     dtype: str = "float64"
@@ -400,7 +403,7 @@ def run_subnet_pass(
                             cfg, bool(use_gpu), run_id, output_uri, datasets)
     say(f"[subnet] S = {S} of {D} weights ({scfg.rule}), {scfg.fisher} Fisher on {cfg.num_workers} worker(s)")
     t0 = time.perf_counter()
-    trainer.fit()
+    fit_interruptibly(trainer, trainer_cpus(cfg, data_config), "subnet")
     fit_s = time.perf_counter() - t0
     written = storage.read_json(storage.join(uri, ckpt.MANIFEST), endpoint_url)["meta"]
     count = int(written["count"])

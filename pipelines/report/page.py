@@ -267,12 +267,29 @@ def _method_rows(mbm: Mapping[str, Mapping[str, Any]], summary: Mapping[str, Any
     return header, rows, notes, methods
 
 
+def _split_lines(skipped: Any) -> list[str]:
+    """``split: n (pass a, pass b)`` per split of a per-split ``skipped_images`` mapping."""
+    if not isinstance(skipped, Mapping) or "count" in skipped:
+        return []
+    return [f"{k}: {d['count']:,}" + (f" ({', '.join(f'{p} {c}' for p, c in d['passes'].items())})"
+                                       if d.get("passes") else "")
+            for k, d in skipped.items() if isinstance(d, Mapping) and d.get("count")]
+
+
 def _counts(summary: Mapping[str, Any], rows: list[dict[str, Any]]) -> list[Count]:
     """The data-quality / numerical counts, with detail lines."""
     out = []
     n, examples = skipped_images(summary)
     out.append(Count("Skipped images (undecodable or unreadable)", _fmt(n, "int"),
-                     [f"{p} — {r}" if r else p for p, r in examples[:_EXAMPLES_SHOWN]]))
+                     _split_lines(summary.get("skipped_images"))
+                     + [f"{p} — {r}" if r else p for p, r in examples[:_EXAMPLES_SHOWN]]))
+    ignored = summary.get("ignored_files")
+    if isinstance(ignored, Mapping):
+        out.append(Count("Ignored files (not an image suffix; data.extensions adds suffixes)",
+                         _fmt(sum(int(d.get("count", 0)) for d in ignored.values()), "int"),
+                         [f"{k}: {d['count']:,} ({', '.join(map(str, d.get('examples', [])))}"
+                          f"{', ...' if d['count'] > len(d.get('examples', [])) else ''})"
+                          for k, d in ignored.items() if d.get("count")]))
     for key, label in (("clipped_d_entries", "Clipped D entries (INF diagonal correction)"),
                        ("clamped_eigenvalues", "Clamped eigenvalues (tiny negatives set to 0)")):
         total, parts = count_with_parts(summary, key)

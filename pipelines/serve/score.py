@@ -48,8 +48,8 @@ class ScoreSettings:
     """What to score with. ``method`` (``map``, a posterior, ``temperature``), ``pred_type``
     (``nn`` / ``glm``), ``n_samples`` / ``seed`` (the run's ``evaluate.mc_samples`` / ``seed``
     by default: the audit's draws), ``top_k``, ``block_size`` (images per output file),
-    ``keep_probs`` (also the full probability vector), ``num_actors`` / ``batch_size``
-    (None: the run's ``evaluate`` values)."""
+    ``keep_probs`` (also the full probability vector), ``pool_size`` / ``map_batch_size``
+    (actors, rows per call; None: the run's ``evaluate.num_actors`` / ``batch_size``)."""
 
     method: str
     pred_type: str
@@ -58,8 +58,8 @@ class ScoreSettings:
     top_k: int = 5
     block_size: int = 1024
     keep_probs: bool = False
-    num_actors: int | None = None
-    batch_size: int | None = None
+    pool_size: int | None = None
+    map_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_samples", "top_k", "block_size"):
@@ -250,7 +250,7 @@ def score_index(info: RunInfo, index: Any, data_cfg: Any, output: str, s: ScoreS
     if not todo:
         return {**out, "seconds": 0.0, "images_per_s": None}
     t0 = time.perf_counter()
-    n_act = s.num_actors or info.config.evaluate.num_actors
+    n_act = s.pool_size or info.config.evaluate.num_actors
     cpus, gpus = _resources(info.config.evaluate, n_act)
     cfg = info.eval_config(num_actors=n_act, cpus_per_actor=cpus, gpus_per_actor=gpus, pred_type=s.pred_type,
                            mc_samples=s.n_samples, seed=s.seed)
@@ -261,7 +261,7 @@ def score_index(info: RunInfo, index: Any, data_cfg: Any, output: str, s: ScoreS
                                locations=tuple(loc for b in todo for loc in b.locations))
     ds = build_dataset(part, data_cfg).map_batches(
         ScoreActor, fn_constructor_args=(info.model, uris, hyper, cfg, info.ep, s, info.temperature),
-        batch_size=s.batch_size or cfg.batch_size, batch_format="numpy",
+        batch_size=s.map_batch_size or cfg.batch_size, batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=n_act), num_cpus=cpus, num_gpus=gpus)
     sink = _Blocks(todo, output, threshold, ep)
     done, last = 0, t0

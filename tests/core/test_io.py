@@ -177,3 +177,28 @@ def test_s3_round_trip_over_http(monkeypatch):
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
         srv.stop()
+
+
+@pytest.mark.parametrize("method", ["kfac", "efb"])
+def test_posterior_shares_the_eigenvectors_with_the_eigenbasis(tmp_path, method):
+    """kfac / efb store U_A, U_G once: in the eigenbasis artifact, referenced from the posterior
+    (relative path); loading gives the same posterior bit for bit; a rewritten eigenbasis is
+    refused in one line, not mixed in."""
+    stats = _stats()
+    basis = eigenbasis(stats)
+    basis_uri = str(tmp_path / "stats" / "eigenbasis")
+    save_tensors(basis_uri, basis.flat_tensors(), {"kind": "eigenbasis"})
+    post = build_posterior(stats, method, basis=basis, n_data=33.0, prior_precision=0.4)
+    uri = str(tmp_path / "posterior" / method)
+    names = {f"{k}/{p}": f"{k}/{p}" for k in basis.layers for p in ("U_A", "U_G")}
+    post.save(uri, refs={"uri": "../../stats/eigenbasis", "tensors": names})
+    manifest = json.loads(open(os.path.join(uri, MANIFEST_FILE)).read())
+    assert set(manifest["refs"]["tensors"]) == set(names) and not set(names) & set(manifest["tensors"])
+    full = tmp_path / "full"
+    post.save(str(full))
+    assert os.path.getsize(os.path.join(uri, TENSORS_FILE)) < os.path.getsize(full / TENSORS_FILE)
+    _assert_same_posterior(post, load_posterior(uri))
+    other = eigenbasis(_stats(seed=1))
+    save_tensors(basis_uri, other.flat_tensors(), {"kind": "eigenbasis"})
+    with pytest.raises(ValueError, match="was rewritten since"):
+        load_posterior(uri)

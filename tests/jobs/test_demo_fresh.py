@@ -90,6 +90,16 @@ def test_make_demo_from_a_fresh_clone(tmp_path):
     assert "running the embedded demo" in res.stdout
     out = clone / "runs" / "demo"
     assert f"report at {out / 'report.html'}" in res.stdout, res.stdout[-2000:]
+    # a log file: plain text, no Ray error line about the PreemptionWatcher (off by configuration)
+    assert "\x1b[" not in res.stdout
+    assert not [ln for ln in lines if "core_worker.cc" in ln or "PreemptionWatcher" in ln], res.stdout[-4000:]
+    for title in ("pass 1 (KFAC factors and diagonal)", "pass 2 (EFB eigenvalues)"):  # progress with images/s
+        assert [ln for ln in lines if title in ln and re.search(r"[\d.]+ images/s", ln)], (title, res.stdout[-4000:])
+    assert [ln for ln in lines if re.search(r"\[search\] .*images scored .*images/s", ln)], res.stdout[-4000:]
+    # it ends with the verdict (the report's summary, 3-6 lines) and the report's path
+    assert lines[-1] == f"infoform: report at {out / 'report.html'}", lines[-8:]
+    verdict = [ln for ln in lines[-7:-1] if ln.startswith("infoform: verdict: ")]
+    assert 3 <= len(verdict) <= 6 and lines[-1 - len(verdict):-1] == verdict, lines[-8:]
     run = json.loads((out / "run.json").read_text())
     assert set(run["results"]) >= {"map", "diag", "kfac", "efb", "inf"}
     for m, r in run["results"].items():

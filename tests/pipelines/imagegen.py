@@ -10,11 +10,12 @@
     root/LOC_val_solution.csv                       ImageId,PredictionString (wnid first token)
 
 and with ``bad=True`` also, under train/ (see ``BAD_CASES``): a corrupt JPEG,
-a truncated JPEG, a zero-byte file, a non-image .txt (all four INVALID), and a
+a truncated JPEG, a zero-byte file, a text file named .JPEG (all four INVALID), and a
 grayscale JPEG, a CMYK JPEG, an RGBA PNG named .JPEG and a palette PNG (all four
 VALID after RGB conversion). The good files are byte-identical whether or not
 ``bad`` is set (each is seeded by its name), so a clean tree and a bad tree
-can be compared file by file.
+can be compared file by file. A bad tree also holds ``IGNORED_FILES`` (a ``notes.txt`` in a class
+folder, a ``README.md`` in val/): not image suffixes, so never indexed (counted as ignored).
 """
 from __future__ import annotations
 
@@ -35,12 +36,17 @@ BAD_CASES: dict[str, tuple[str, bool]] = {
     "n01440764/corrupt.JPEG": ("random bytes", False),
     "n01440764/truncated.JPEG": ("truncated jpeg", False),
     "n01443537/zero.JPEG": ("zero bytes", False),
-    "n01443537/notes.txt": ("text file", False),
+    "n01443537/fake.JPEG": ("text file", False),
     "n01443537/gray.JPEG": ("grayscale L jpeg", True),
     "n01484850/cmyk.JPEG": ("CMYK jpeg", True),
     "n01484850/rgba_png.JPEG": ("RGBA png named .JPEG", True),
     "n01484850/palette.png": ("palette P png", True),
 }
+
+
+#: files a bad tree also holds that are not images by their suffix: rel path under root -> text
+IGNORED_FILES: dict[str, str] = {"train/n01443537/notes.txt": "notes about this class\n",
+                                 "val/README.md": "# validation images\n"}
 
 
 def _rng(name: str) -> np.random.Generator:
@@ -139,6 +145,9 @@ def make_imagenet_tree(
         for rel in BAD_CASES:
             (train / rel).write_bytes(_bad_bytes(rel))
             bad_rel.append(rel)
+        for rel, text in IGNORED_FILES.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
     val = root / "val"
     val.mkdir(parents=True, exist_ok=True)
     val_labels = {}

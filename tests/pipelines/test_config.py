@@ -7,6 +7,7 @@ import pytest
 
 from pipelines.config.load import derive, load_config
 from pipelines.config.schema import ConfigError, CurvatureSpec, DataSpec
+from pipelines.config.settings import fingerprint_fields
 from pipelines.ingest.index import DataConfig
 from pipelines.passes.curvature import CurvatureConfig
 
@@ -19,7 +20,7 @@ def _names(cls) -> set[str]:
 CURVATURE_FROM_ELSEWHERE = {"methods": "posterior.methods", "norm_layers": "posterior.norm_layers",
                             "layers": "posterior.layers",
                             "fault_injection": "tests only"}
-DATA_FROM_ELSEWHERE = {"split", "classes", "classes_file", "extensions", "unlabeled", "format", "endpoint_url",
+DATA_FROM_ELSEWHERE = {"split", "classes", "classes_file", "unlabeled", "format", "endpoint_url",
                        "num_partitions"}  # the run's plan per split; storage.endpoint_url; data.partition_size
 
 
@@ -63,17 +64,22 @@ def test_new_runtime_keys_are_validated_in_one_line(override):
     assert "\n" not in str(e.value) and override.split("=")[0] in str(e.value)
 
 
-def test_posterior_layers_reaches_the_curvature_config_and_only_a_restriction_the_fingerprint():
-    from pipelines.cli.model_run import layer_fingerprint
+def _curvature_config(cfg):
+    """As the run builds it (pipelines.cli.model_run.ModelRun.curvature)."""
+    return derive(CurvatureConfig, cfg.posterior, cfg.curvature, methods=("diag",))
 
+
+def test_posterior_layers_reaches_the_curvature_config_and_its_fingerprint():
     default = load_config("smoke")
-    assert default.posterior.layers == "all" and layer_fingerprint(default.posterior) == {}
+    fp = fingerprint_fields(_curvature_config(default))
+    assert default.posterior.layers == "all" and (fp["layers"], fp["norm_layers"]) == ("all", "map")
     last = load_config("smoke", ["posterior.layers=last"])
-    assert derive(CurvatureConfig, last.curvature, methods=("diag",), layers=last.posterior.layers).layers == "last"
-    assert layer_fingerprint(last.posterior) == {"layers": "last"}
+    assert _curvature_config(last).layers == "last"
+    assert fingerprint_fields(_curvature_config(last))["layers"] == "last"
     some = load_config("smoke", ["posterior.layers=[fc2, 'conv*']", "posterior.norm_layers=diag"])
     assert some.posterior.layers == ("fc2", "conv*")
-    assert layer_fingerprint(some.posterior) == {"norm_layers": "diag", "layers": ["fc2", "conv*"]}
+    fp_some = fingerprint_fields(_curvature_config(some))
+    assert (fp_some["norm_layers"], fp_some["layers"]) == ("diag", ["fc2", "conv*"])
     with pytest.raises(ConfigError, match="posterior.layers must be 'all', 'last' or a non-empty list"):
         load_config("smoke", ["posterior.layers=[]"])
     with pytest.raises(ValueError, match="layers must be"):

@@ -24,7 +24,7 @@ from pipelines.ingest.batches import (
     iter_local_batches,
     iter_valid_batches,
 )
-from pipelines.ingest.index import IMAGENET_MEAN, IMAGENET_STD, DataConfig, DataError, partition
+from pipelines.ingest.index import IMAGE_EXTENSIONS, IMAGENET_MEAN, IMAGENET_STD, DataConfig, DataError, partition
 from pipelines.ingest.parquet import convert_to_parquet
 from pipelines.ingest.scan import scan
 
@@ -260,6 +260,7 @@ def test_bad_inputs_local(bad_tree, clean_tree):
     cfg = DataConfig(root=str(bad_tree.root), **SMALL)
     idx = scan(cfg)
     assert len(idx) == len(bad_tree.train_good) + len(BAD_CASES)
+    assert (idx.ignored, idx.ignored_examples) == (1, ("n01443537/notes.txt",))  # not an image suffix
     got = decode_all(iter_local_batches(idx, cfg, batch_size=5))
     invalid = {p for p, (_, _, v) in got.items() if not v}
     assert invalid == set(bad_tree.train_invalid) and len(invalid) == 4
@@ -280,6 +281,27 @@ def test_bad_inputs_local(bad_tree, clean_tree):
     assert set(skipped.paths) == invalid
     reasons = dict(skipped.examples)
     assert reasons["n01443537/zero.JPEG"] == "empty file" and "truncated" in reasons["n01440764/truncated.JPEG"]
+
+
+def test_files_are_indexed_by_image_suffix(bad_tree, tmp_path):
+    """Image suffixes in any case are indexed; other files are ignored, counted and named (first
+    three); ``extensions`` widens or narrows the set; a folder with no image says what it holds."""
+    val = scan(DataConfig(root=str(bad_tree.root), split="val", classes=tuple(ALL_CLASSES), **SMALL))
+    assert len(val) == len(bad_tree.val_labels) and (val.ignored, val.ignored_examples) == (1, ("README.md",))
+    d = tmp_path / "mixed" / "a"
+    d.mkdir(parents=True)
+    for name in ("x.JPG", "y.Png", "z.tiff", "w.webp", "n1.txt", "n2.json", "n3.md", "n4.heic"):
+        (d / name).write_bytes(b"")
+    idx = scan(DataConfig(root=str(tmp_path / "mixed"), split=None))
+    assert idx.paths == ("a/w.webp", "a/x.JPG", "a/y.Png", "a/z.tiff")
+    assert idx.ignored == 4 and idx.ignored_examples == ("a/n1.txt", "a/n2.json", "a/n3.md")
+    assert idx.summary()["ignored_examples"] == ["a/n1.txt", "a/n2.json", "a/n3.md"]
+    wide = scan(DataConfig(root=str(tmp_path / "mixed"), split=None, extensions=IMAGE_EXTENSIONS + (".heic",)))
+    assert "a/n4.heic" in wide.paths and wide.ignored == 3
+    (tmp_path / "text" / "a").mkdir(parents=True)
+    (tmp_path / "text" / "a" / "notes.txt").write_text("x")
+    with pytest.raises(DataError, match=r"no image files found .*1 other file\(s\), e.g. a/notes.txt"):
+        scan(DataConfig(root=str(tmp_path / "text"), split=None))
 
 
 def test_skip_report_merge_is_order_free():

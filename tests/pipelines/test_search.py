@@ -68,7 +68,7 @@ def test_method_ranges_map_the_same_draws_onto_a_method_s_own_ranges():
     # explicit configurations override every range
     ex = SearchConfig(configs=((1.0, 2.0),), method_ranges=(("kfac", (5.0, 6.0), None),))
     assert sample_configs(ex, "kfac") == sample_configs(ex)
-    with pytest.raises(ValueError, match="names 'kfac' twice"):
+    with pytest.raises(ValueError, match="'kfac' appears twice"):  # the one check (also the config's)
         SearchConfig(method_ranges=(("kfac", None, None), ("kfac", None, (0.0, 1.0))))
     with pytest.raises(ValueError, match=r"method_ranges\[kfac\].log10_tau must be finite with low <= high"):
         SearchConfig(method_ranges=(("kfac", None, (3.0, 1.0)),))
@@ -116,7 +116,7 @@ def test_method_ranges_in_the_run_config():
         load_config("smoke", ["search.method_ranges=[{method: kfc}]"])
     with pytest.raises(ConfigError, match="'kfac' appears twice"):
         load_config("smoke", ["search.method_ranges=[{method: kfac}, {method: kfac}]"])
-    with pytest.raises(ConfigError, match=r"method_ranges\[inf\].log10_n: low must be <= high"):
+    with pytest.raises(ConfigError, match=r"search.method_ranges\[inf\].log10_n must be finite with low <= high"):
         load_config("smoke", ["search.method_ranges=[{method: inf, log10_n: [4, 1]}]"])
 
 
@@ -280,7 +280,7 @@ def test_runtime_configs_copy_every_field_they_share_with_the_specs():
     the run or the tests set are named here."""
     import dataclasses
 
-    from pipelines.config.schema import EvalSpec, SearchSpec
+    from pipelines.config.schema import EvalSpec, SearchSpec, ShiftSpec
     from pipelines.evaluation.runtime import EvalConfig
 
     changed = {"mc_samples": 3, "num_actors": 5, "batch_size": 9, "ece_bins": 4, "ece_mode": "equal_mass",
@@ -289,7 +289,8 @@ def test_runtime_configs_copy_every_field_they_share_with_the_specs():
                "log10_n": (1.0, 2.0), "log10_tau": (-1.0, 0.5), "objective": "ece", "accuracy_floor": 0.3,
                "method_ranges": (("kfac", (0.0, 1.0), (2.0, 3.0)),), "dtype": "float64", "torch_threads": 3,
                "log_every_s": 2.0, "entropy_bins": 7, "ood_exact_limit": 11, "scheduler": "asha",
-               "algorithm": "tpe", "reduction_factor": 3}
+               "algorithm": "tpe", "reduction_factor": 3, "stall_timeout_s": 12.0,
+               "shift": ShiftSpec(corruptions=("contrast",), severities=(2,))}
     for spec_cls, cfg_cls in ((EvalSpec, EvalConfig), (SearchSpec, SearchConfig)):
         shared = {f.name for f in dataclasses.fields(spec_cls)} & {f.name for f in dataclasses.fields(cfg_cls)}
         assert shared <= set(changed), f"give the test a value for {sorted(shared - set(changed))}"
@@ -297,4 +298,5 @@ def test_runtime_configs_copy_every_field_they_share_with_the_specs():
         got = cfg_cls.from_spec(spec)
         assert {k: getattr(got, k) for k in shared} == {k: changed[k] for k in shared}
     run_only = {f.name for f in dataclasses.fields(EvalConfig)} - {f.name for f in dataclasses.fields(EvalSpec)}
-    assert run_only == {"device", "fault_marker", "expected_rows"}  # from gpus_per_actor; tests; the scanned split
+    # from gpus_per_actor; tests; the scanned split; data.decode_num_cpus
+    assert run_only == {"device", "fault_marker", "expected_rows", "decode_cpus"}

@@ -1,0 +1,55 @@
+"""The search's progress lines: a Ray Tune callback on the driver that writes, at least every
+``log_every_s`` and once at the end, the trials finished, the images scored against the most the
+search can score (every trial on every chunk; ASHA stops most trials early, so the ETA is an
+upper bound), images/s and the ETA."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ray import tune
+
+__all__ = ["SearchProgress"]
+
+
+class SearchProgress(tune.Callback):
+    """``[search] trials a/b done, images scored x/y, r images/s, ETA s``."""
+
+    def __init__(self, num_trials: int, images: int, every_s: float):
+        self.num_trials, self.images, self.every_s = int(num_trials), int(images), float(every_s)
+        self.scored: dict[str, int] = {}
+        self.done: set[str] = set()
+        self.t0 = self.last = time.perf_counter()
+
+    def line(self, now: float) -> str:
+        total = self.num_trials * self.images
+        n = sum(self.scored.values())
+        rate = n / max(now - self.t0, 1e-9)
+        eta = "?" if not n else f"<= {max(total - n, 0) / max(rate, 1e-9):.0f} s"
+        return (f"[search] trials {len(self.done)}/{self.num_trials} done, images scored {n}/{total}, "
+                f"{rate:.2f} images/s, ETA {eta}")
+
+    def _maybe(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if force or now - self.last >= self.every_s:
+            self.last = now
+            print(self.line(now), flush=True)
+
+    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+        self.scored[trial.trial_id] = int(result.get("images", 0) or 0)
+        if result.get("done"):
+            self.done.add(trial.trial_id)
+        self._maybe()
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self.done.add(trial.trial_id)
+        self._maybe()
+
+    def on_step_end(self, iteration: int, trials: list, **info: Any) -> None:
+        self._maybe()  # the controller's loop: a line also while no trial reports (a long chunk)
+
+    def on_experiment_end(self, trials: list, **info: Any) -> None:
+        now = time.perf_counter()
+        n = sum(self.scored.values())
+        print(f"[search] {len(self.done)}/{self.num_trials} trials done, {n} images scored in {now - self.t0:.1f} s, "
+              f"{n / max(now - self.t0, 1e-9):.2f} images/s", flush=True)

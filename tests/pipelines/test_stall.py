@@ -1,0 +1,106 @@
+"""No round of actors waits forever (issue: the temperature fit's actors and Ray Data's decode
+tasks starving each other on 2 CPUs).
+
+The planted stall is the one seen in the suite: something else holds CPUs of the node, the
+actors take what is left, and the Ray Data decode tasks that feed them (1 CPU each) can never
+be scheduled. :func:`pipelines.evaluation.actors.round_size` starts fewer actors when that
+leaves the decode tasks a CPU (same results: they do not depend on the number of actors);
+when nothing fits, the stall watchdog of :func:`pipelines.evaluation.actors.await_round`
+ends the round with one line naming what waits for what, within its timeout.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.ray]
+
+
+def _dataset(n: int = 40):
+    import ray.data
+
+    def decode(batch):  # stands in for the decode tasks: 1 CPU each, as data.decode_num_cpus
+        return {"image": np.stack([np.full((3,), float(i), np.float32) for i in batch["id"]]),
+                "label": np.asarray(batch["id"], np.int64)}
+
+    return ray.data.range(n, override_num_blocks=4).map_batches(decode, batch_size=10, num_cpus=1.0)
+
+
+def _actor_class():
+    from pipelines.evaluation.actors import ModelActor
+
+    class RowCounter(ModelActor):
+        """A round's actor without a model: counts the rows of its shard."""
+
+        def _load(self, model, posterior_uris, hyper, cfg, endpoint_url) -> None:
+            self.model, self.posteriors = None, {}
+
+        def run(self, shard, actor_index: int = 0):
+            rows = 0
+            for b in self.watched(shard.iter_batches(batch_size=10)):
+                rows += len(b["label"])
+            return {"rows": rows}
+
+    return RowCounter
+
+
+def _hog(ray, cpus: float):
+    @ray.remote(num_cpus=cpus)
+    class Hog:
+        def ping(self):
+            return 1
+
+    h = Hog.remote()
+    ray.get(h.ping.remote())
+    return h
+
+
+def _cfg(**kw):
+    from pipelines.evaluation.runtime import EvalConfig
+
+    return EvalConfig(num_actors=2, cpus_per_actor=0.5, decode_cpus=1.0, batch_size=10, **kw)
+
+
+def test_fewer_actors_when_others_hold_cpus_and_the_round_finishes(ray_session, capsys):
+    """Half a CPU held elsewhere (the suite's stall: 0.5 of 2 CPUs free once the two actors
+    started): one actor is started, the decode tasks keep their CPU, every row is read."""
+    from pipelines.evaluation.actors import run_actors
+
+    ray = ray_session
+    hog = _hog(ray, 0.5)
+    try:
+        out = run_actors(_actor_class(), ({}, {}, None, _cfg(stall_timeout_s=4.0)), [_dataset()], _cfg())
+    finally:
+        ray.kill(hog)
+    assert sum(r["rows"] for r in out) == 40
+    assert len(out) == 1
+    assert "starting 1 of 2 actor(s)" in capsys.readouterr().out
+
+
+def test_a_stall_ends_the_round_in_one_line_within_its_timeout(ray_session):
+    """1.5 of 2 CPUs held elsewhere: the one actor that fits takes the last half CPU and the
+    decode tasks can never run. The watchdog ends the round after ``stall_timeout_s`` with one
+    line naming the actors, what the decode tasks ask for and what is free."""
+    from pipelines.errors import StageError
+    from pipelines.evaluation.actors import run_actors
+
+    ray = ray_session
+    hog = _hog(ray, 1.5)
+    cfg = _cfg(stall_timeout_s=4.0)
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(StageError) as e:
+            run_actors(_actor_class(), ({}, {}, None, cfg), [_dataset()], cfg)
+    finally:
+        ray.kill(hog)
+    took = time.perf_counter() - t0
+    msg = str(e.value)
+    print(msg)
+    assert "\n" not in msg and "no progress" in msg and "evaluate.stall_timeout_s=4" in msg, msg
+    assert "decode tasks ask for 1 CPU" in msg and "CPUs free" in msg, msg
+    waited = float(re.search(r"no progress for (\d+) s", msg).group(1))
+    assert 4.0 <= waited <= 4.0 + 5.0 + 1.0, msg  # the timeout, plus at most one heartbeat period
+    assert took < 180, took  # and the round did end (actor start-up under load included)
