@@ -466,6 +466,14 @@ class GLMPredictor:
             p = probit_pairwise(f0.to(torch.float64), cov)
         return p.to(f0.dtype)
 
+    def sample_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """``[K, B, C]`` float64: ``softmax(f(x, θ*) + J η_t)`` per sample (``link="mc"``,
+        classification); their mean is :meth:`predict`."""
+        if self.link != "mc" or self.likelihood != "classification":
+            raise ValueError("per-sample probabilities need link='mc' and a classification likelihood")
+        f0, jv = self.logit_directions(x)
+        return torch.softmax((f0[None] + jv).to(torch.float64), dim=-1)
+
     def predict_mean_var(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(f(x, θ*) [B, C], diag(J Σ J^T) [B, C])``: the linearised function's mean and
         variance (regression: add the observation noise variance for the predictive)."""

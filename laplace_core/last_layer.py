@@ -315,6 +315,19 @@ class LastLayerGLMPredictor:
         out = [self.predict_stats(x) for x in batches]
         return None if any(o is None for o in out) else out
 
+    def sample_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """``[K, B, C]`` float64: ``softmax(f + L_f z_t)`` per sample (``link="mc"``); their
+        mean is :meth:`predict`."""
+        if self.link != "mc":
+            raise ValueError("per-sample probabilities need link='mc'")
+        parts = self._rows(x)
+        if len(parts) > 1:
+            return torch.cat([self.sample_probs(p) for p in parts], dim=1)
+        got = self.logit_moments(x)
+        if got is None:
+            return self.fallback.sample_probs(x)
+        return torch.softmax(self._draws(got[0].to(F64), got[1]), dim=-1)
+
     def predict_mean_var(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(f(x, θ*) [B, C], diag Σ_f [B, C])``."""
         got = self.logit_moments(x)

@@ -259,6 +259,16 @@ class MCPredictor:
                 total = p.to(torch.float64) if total is None else total + p.to(torch.float64)
         return (total / self.n_samples).to(p.dtype)
 
+    def sample_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """``[K, B, C]`` float64: ``softmax(f(x; θ* + δ_t))`` for each ``t`` (their mean is
+        :meth:`predict`; per-sample entropies give the expected entropy / mutual information)."""
+        out = []
+        with torch.no_grad(), eval_mode(self.model):
+            for t in range(self.n_samples):
+                with self._applied(t):
+                    out.append(self._forward(x).to(torch.float64))
+        return torch.stack(out)
+
     def predict_batches(self, batches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Samples outer, batches inner: each ``δ_t`` is drawn once. ``batches`` must be
         re-iterable (a list, or a DataLoader yielding input tensors in a fixed order);

@@ -85,6 +85,9 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "infoform sizes --model resnet18 --layers last": ("here", "test_sizes_commands_run"),
     "infoform sizes": ("here", "test_sizes_commands_run (the section heading)"),
     "infoform run ...": ("here", "test_infoform_run_is_the_job"),
+    "infoform score": ("here", "test_infoform_score_parses (the section heading)"),
+    "infoform score --run runs/smoke --data run:test --output runs/smoke-scores --method inf":
+        ("here", "test_infoform_score_parses; run on a smoke run in tests/pipelines/test_score.py"),
     "ray start --head": ("run", "tests/jobs/test_job.py"),
     "python jobs/imagenet_inf.py --data my_data --model resnet18 --weights my_model.pt":
         ("run", "tests/jobs/test_first_run.py"),
@@ -289,6 +292,19 @@ def test_infoform_run_is_the_job(capsys):
 
     assert main(["run", "--preset", "smoke", "--dry-run"]) == 0
     assert "preset: smoke" in capsys.readouterr().out
+
+
+def test_infoform_score_parses():
+    """README's ``infoform score`` lines parse; tests/pipelines/test_score.py runs the command (and
+    README's ``load_run`` block) on a smoke run."""
+    from pipelines.cli.main import build_parser
+
+    cmds = [c for c in EXERCISED if c.startswith("infoform score ")]
+    assert cmds
+    for cmd in cmds:
+        ns = build_parser().parse_args(shlex.split(cmd)[1:])
+        assert ns.command == "score" and ns.run and ns.data and ns.output
+    assert "test_readme_load_run_example_runs" in (ROOT / "tests/pipelines/test_score.py").read_text()
 
 
 def test_python_api_block_runs(tmp_path, monkeypatch):

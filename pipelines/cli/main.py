@@ -11,6 +11,8 @@ its parser). Each parser sets ``func``; ``func(args) -> int`` is the exit code.
           --data s3://bucket/imagenet --weights s3://bucket/resnet50.pt --output s3://bucket/runs/r50
 
   With no data arguments it runs the embedded ``demo`` preset on a local Ray instance.
+* ``infoform score --run URI --data URI --output URI ...``: a finished run's posterior on new
+  images, one Parquet row per image (:mod:`pipelines.cli.score_cmd`, :mod:`pipelines.serve.score`).
 * ``infoform config [--list] [PREFIX]``: every config key with its default, valid range or
   values, and help, from the one place they are written (:mod:`pipelines.config.schema`).
 * ``infoform sizes --model NAME [--rank K] [--stats URI] [--norm-layers map|diag] [--layers all|last|NAMES] [--json]``: numbers stored per
@@ -414,9 +416,16 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_run)
 
 
+def add_score_parser(sub: argparse._SubParsersAction) -> None:
+    from pipelines.cli.score_cmd import add_score_parser as add
+
+    add(sub, _init_ray)
+
+
 SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "run": add_run_parser,
     "sizes": add_sizes_parser,
+    "score": add_score_parser,
     "config": add_config_parser,
 }
 
