@@ -27,7 +27,7 @@ from .base import bin_index
 from .ood import ranking_metrics
 from .perimage import PerImage
 
-__all__ = ["BOOT_METRICS", "LEVEL", "RankedScores", "ood_summary", "weighted_metrics", "bootstrap", "bootstrap_means"]
+__all__ = ["BOOT_METRICS", "LEVEL", "RankedScores", "canonical", "ood_summary", "weighted_metrics", "bootstrap", "bootstrap_means"]
 
 LEVEL = 0.95
 BOOT_METRICS = ("accuracy", "nll", "brier", "ece", "aurc", "acc_at_90", "acc_at_95",
@@ -171,6 +171,26 @@ def _paired(vals: Mapping[str, Mapping[str, torch.Tensor]], point: Mapping[str, 
     return out
 
 
+def canonical(per_method: Mapping[str, PerImage]) -> dict[str, PerImage]:
+    """Every method's vectors in one order that does not depend on how the actors split the
+    images (a lexicographic sort on all methods' per-image values, which are the same whatever
+    the sharding), the same permutation for every method (pairing kept): the resamples then pick
+    the same images for any number of actors."""
+    import numpy as np
+
+    names = sorted(per_method)
+    out = {m: per_method[m] for m in names}
+    for side in ("inp", "out"):
+        keys = [getattr(per_method[m], side)[f].numpy() for m in reversed(names)
+                for f in ("mi", "entropy", "conf", "logp", "correct") if f in getattr(per_method[m], side)]
+        if not keys or not keys[0].size:
+            continue
+        order = torch.from_numpy(np.lexsort(keys))
+        out = {m: PerImage(*((({k: v[order] for k, v in d.items()}) if sd == side else d)
+                             for sd, d in (("inp", p.inp), ("out", p.out))), p.exact_nll) for m, p in out.items()}
+    return {m: out[m] for m in per_method}
+
+
 def bootstrap(per_method: Mapping[str, PerImage], resamples: int = 1000, seed: int = 0,
               refs: tuple[str, ...] = ("map", "temperature"), *, ece_bins: int = 15,
               ece_mode: str = "equal_width", level: float = LEVEL) -> dict[str, dict[str, Any]]:
@@ -188,6 +208,7 @@ def bootstrap(per_method: Mapping[str, PerImage], resamples: int = 1000, seed: i
     n, n_ood = ns.pop()
     if n == 0:
         raise ValueError("bootstrap: no per-image quantities kept")
+    per_method = canonical(per_method)
     prepared = {m: _Method(per_method[m], ece_bins, ece_mode) for m in names}
     ones_out = torch.ones(1, n_ood, dtype=torch.float64) if n_ood else None
     point = {m: {k: float(v[0]) for k, v in p.metrics(torch.ones(1, n, dtype=torch.float64), ones_out).items()}
@@ -218,7 +239,8 @@ def bootstrap_means(cells: list[Mapping[str, PerImage]], resamples: int = 1000, 
     names = [m for m in (cells[0] if cells else {}) if all(m in c and c[m].n for c in cells)]
     if not names:
         return {}
-    prep = [{m: _Method(c[m], ece_bins, ece_mode) for m in names} for c in cells]
+    prep = [{m: _Method(p, ece_bins, ece_mode) for m, p in canonical({m: c[m] for m in names}).items()}
+            for c in cells]
     ns = [c[names[0]].correct.numel() for c in prep]
 
     def means(ws: list[torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:

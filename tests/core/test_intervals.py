@@ -190,3 +190,19 @@ def test_shift_mean_intervals_average_the_cells_and_pair_the_methods():
     assert lo < sum(acc) / 2 < hi
     assert not any(p["significant"] for p in res["diag"]["paired"]["map"].values())
     assert res["inf"]["paired"]["map"]["shift_nll"]["significant"] and res["inf"]["paired"]["map"]["shift_nll"]["hi"] < 0
+
+
+def test_intervals_do_not_depend_on_the_image_order():
+    """Actors concatenate images in a sharding-dependent order; the bootstrap sorts them into one
+    canonical order first, so 1 or 2 actors give the same intervals."""
+    rng = np.random.default_rng(2)
+    n = 150
+    y = torch.tensor(rng.integers(0, 3, n))
+    lp = torch.log_softmax(torch.tensor(rng.normal(size=(n, 3))), -1)
+    lp2 = torch.log_softmax(lp * 2.0, -1)
+    lo = torch.log_softmax(torch.tensor(rng.normal(size=(40, 3))), -1)
+    perm, perm_o = torch.tensor(rng.permutation(n)), torch.tensor(rng.permutation(40))
+    a = bootstrap({"map": _per(lp, y, lo), "x": _per(lp2, y, lo * 2)}, 100, seed=1)
+    b = bootstrap({"map": _per(lp[perm], y[perm], lo[perm_o]), "x": _per(lp2[perm], y[perm], (lo * 2)[perm_o])},
+                  100, seed=1)
+    assert a == b

@@ -38,6 +38,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "jobs" / "imagenet_inf.py"
 METHODS = ("diag", "kfac", "efb", "inf")
+ROWS = ("temperature", *METHODS)  # the preset evaluates temperature scaling too (issue 27), after MAP
 MODELS = ("tiny_cnn", "demo_cnn")
 NUM_CLASSES = 4  # imagegen's 3 wnids + the empty class (its index stays reserved)
 STAGES = ("curvature", "posterior", "search", "evaluate", "report")
@@ -197,8 +198,8 @@ def test_each_model_has_its_own_complete_run(audit_run):
         assert run["model"]["name"] == model and run["model"]["weights"] == str(inputs[model])
         assert run["data"]["num_classes"] == NUM_CLASSES
         assert run["curvature"]["num_workers"] == 1 and run["curvature"]["count"] == 3 * 8
-        assert set(run["results"]) == {"map", *METHODS}
-        for m in ("map", *METHODS):
+        assert set(run["results"]) == {"map", *ROWS}
+        for m in ("map", *ROWS):
             metrics = json.loads((sub / "eval" / m / "metrics.json").read_text())
             assert metrics["status"] == "ok" and 0.0 <= metrics["accuracy"] <= 1.0, (model, m)
             assert isinstance(metrics.get("ood"), dict) and 0.0 <= metrics["ood"]["auroc"] <= 1.0, (model, m)
@@ -259,7 +260,7 @@ def test_metrics_table_row_per_model_and_method(audit_run):
     out, _, _ = audit_run
     page = _page(out)
     t = page.tables["methods-table"]
-    want = [f"{model}/{m}" for model in MODELS for m in ("map", *METHODS)]
+    want = [f"{model}/{m}" for model in MODELS for m in ("map", *ROWS)]
     assert t["keys"] == want, t["keys"]
     h = t["header"]
     for name in ("Model", "Method", "Accuracy", "NLL", "Brier", "OOD AUROC", "Numbers stored", "Size (MB)"):
@@ -289,7 +290,7 @@ def test_markdown_and_figures(audit_run):
     assert md.startswith("# ") and "Table 3" in md
     tables = [ln for ln in md.splitlines() if ln.startswith("|")]
     for model in MODELS:
-        assert sum(1 for ln in tables if ln.startswith(f"| {model.replace('_', chr(92) + '_')} |")) == 1 + 1 + len(METHODS)
+        assert sum(1 for ln in tables if ln.startswith(f"| {model.replace('_', chr(92) + '_')} |")) == 1 + 1 + len(ROWS)
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
     assert "figures/comparison.png" in links
     for model in MODELS:
@@ -310,7 +311,7 @@ def test_top_level_run_json_lists_the_models(audit_run):
     assert sorted(run["models"]) == sorted(MODELS)  # JSON objects are written with sorted keys
     for model in MODELS:
         assert run["models"][model]["output"] == str(out / "models" / model)
-        assert set(run["models"][model]["results"]) == {"map", *METHODS}
+        assert set(run["models"][model]["results"]) == {"map", *ROWS}
     assert run["report"] == {"html": str(out / "audit.html"), "md": str(out / "audit.md")}
 
 
@@ -325,7 +326,7 @@ def test_audit_page_renders_in_headless_chromium(audit_run, tmp_path):
     info = browser.read_check(browser.dump_dom(checked))
     n_img = 1 + 3 * len(MODELS)
     assert info["images"] == n_img and info["loaded"] == n_img, info
-    assert info["keys"] == [f"{model}/{m}" for model in MODELS for m in ("map", *METHODS)]
+    assert info["keys"] == [f"{model}/{m}" for model in MODELS for m in ("map", *ROWS)]
     for _, _, w, h, nw, nh in info["boxes"]:
         assert w > 200 and h > 100 and nw > 0 and nh > 0
 
