@@ -17,7 +17,7 @@ MAX_README_LINES = 220
 #: docs pages with owners of their own (the design notes, the conventions), kept as they are
 NOT_SCANNED = {"design.md", "conventions.md"}
 #: the stages in the order the data flows (the folder names of pipelines/)
-DATA_FLOW = ("cli", "config", "storage", "ingest", "distributed", "passes", "evaluation", "report")
+DATA_FLOW = ("cli", "config", "storage", "ingest", "distributed", "passes", "evaluation", "report", "serve")
 
 
 def _pages() -> list[Path]:
