@@ -25,8 +25,11 @@ __all__ = ["DETERMINISTIC", "is_deterministic", "error_line", "worker_cause", "D
 
 def worker_cause(error: BaseException) -> tuple[int | None, BaseException | None]:
     """``(rank, exception)`` of the first deterministic worker failure in a Ray Train error, else
-    ``(None, None)``."""
+    ``(None, None)``; also ``(None, None)`` when a worker was lost (died, failed its health check),
+    since the other workers' errors may then be collateral."""
     failures: dict[int, Any] = getattr(error, "worker_failures", None) or {}
+    if any(getattr(f, "_base_exc", None) is None for f in failures.values()):
+        return None, None  # a worker was lost (not an error of its code): the others' errors may follow from it
     for rank in sorted(failures):
         if is_deterministic(failures[rank]):
             return rank, root_error(failures[rank])
