@@ -23,10 +23,21 @@ from pipelines.errors import DETERMINISTIC, StageError, cause_line, error_line, 
 __all__ = ["DETERMINISTIC", "is_deterministic", "error_line", "worker_cause", "DeterministicFirst", "Trainer"]
 
 
+def _lost(failure: BaseException) -> bool:
+    """A worker process that died (directly, or seen by the health check), not an error of its code."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(failure, RayActorError) or isinstance(getattr(failure, "health_check_failure", None),
+                                                            RayActorError)
+
+
 def worker_cause(error: BaseException) -> tuple[int | None, BaseException | None]:
     """``(rank, exception)`` of the first deterministic worker failure in a Ray Train error, else
-    ``(None, None)``."""
+    ``(None, None)``; also ``(None, None)`` when a worker was lost (died, failed its health check),
+    since the other workers' errors may then be collateral."""
     failures: dict[int, Any] = getattr(error, "worker_failures", None) or {}
+    if any(_lost(f) for f in failures.values()):
+        return None, None  # a worker was lost (not an error of its code): the others' errors may follow from it
     for rank in sorted(failures):
         if is_deterministic(failures[rank]):
             return rank, root_error(failures[rank])

@@ -47,11 +47,21 @@ def test_the_policy_tells_errors_of_the_input_from_lost_workers():
 
     assert is_deterministic(KeyError("x")) and is_deterministic(ValueError("x"))
     assert not is_deterministic(RuntimeError("gloo: connection closed")) and not is_deterministic(OSError("net"))
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+
+    def user(e):  # how Ray Train hands over an exception raised by the worker's code
+        return UserExceptionWithTraceback(e, traceback_str=f"Traceback ...\n{type(e).__name__}: {e}")
+
     policy = DeterministicFirst(FailureConfig(max_failures=2))
     lost = WorkerGroupError("worker died", {0: RayActorError()})
     assert policy.make_decision(lost) == FailureDecision.RETRY  # retried, as before
-    bad = WorkerGroupError("bad input", {0: RuntimeError("collective aborted"), 1: ValueError("bad key")})
+    bad = WorkerGroupError("bad input", {0: user(RuntimeError("collective aborted")), 1: user(ValueError("bad key"))})
     assert policy.make_decision(bad) == FailureDecision.RAISE
+    # a worker lost and a ValueError on another (collateral): retried
+    both = WorkerGroupError("lost", {0: RayActorError(), 1: user(ValueError("stream ended"))})
+    assert DeterministicFirst(FailureConfig(max_failures=2)).make_decision(both) == FailureDecision.RETRY
+    flaky = WorkerGroupError("flaky", {0: user(OSError("connection reset"))})
+    assert DeterministicFirst(FailureConfig(max_failures=2)).make_decision(flaky) == FailureDecision.RETRY
 
 
 def test_value_error_in_a_search_trial_ends_the_search_at_once(tmp_path, ray_session):
