@@ -232,19 +232,23 @@ class MCPredictor:
         with torch.no_grad(), eval_mode(self.model):
             for t in range(self.n_samples):
                 with self._applied(t):
-                    j = -1
-                    for j, x in enumerate(batches):
-                        p = self._forward(x)
-                        if t == 0:
-                            totals.append(p.to(torch.float64))
-                            dtypes.append(p.dtype)
-                        elif j >= len(totals):
-                            raise ValueError("batches yielded more batches on a later pass")
-                        else:
-                            totals[j] = totals[j] + p.to(torch.float64)
-                    if j + 1 != len(totals):
-                        raise ValueError(f"batches yielded {j + 1} batches on pass {t}, {len(totals)} on the first")
+                    self._add_sample(t, batches, totals, dtypes)
         return [(s / self.n_samples).to(dt) for s, dt in zip(totals, dtypes)]
+
+    def _add_sample(self, t: int, batches, totals: list[torch.Tensor], dtypes: list[torch.dtype]) -> None:
+        """Add sample ``t``'s predictions on every batch to ``totals`` (float64)."""
+        j = -1
+        for j, x in enumerate(batches):
+            p = self._forward(x)
+            if t == 0:
+                totals.append(p.to(torch.float64))
+                dtypes.append(p.dtype)
+            elif j >= len(totals):
+                raise ValueError("batches yielded more batches on a later pass")
+            else:
+                totals[j] = totals[j] + p.to(torch.float64)
+        if j + 1 != len(totals):
+            raise ValueError(f"batches yielded {j + 1} batches on pass {t}, {len(totals)} on the first")
 
 
 def mc_predict(
