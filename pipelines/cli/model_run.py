@@ -125,7 +125,8 @@ class ModelRun:
                                layers=cfg.posterior.layers,
                                torch_threads=c.torch_threads or 1)
         self.curv_fp = {"model": to_dict(self.spec), "train": self.splits.train.fingerprint,
-                        "curvature": {k: v for k, v in to_dict(c).items() if k not in NOT_IN_FINGERPRINT},
+                        "curvature": {k: v for k, v in to_dict(c).items() if k not in NOT_IN_FINGERPRINT
+                                      and not (k == "precision" and v == "fp32")},  # fp32 runs keep their fingerprint
                         "image": [cfg.data.image_size, cfg.data.resize_size], "methods": list(self.post_methods)}
         self.curv_fp.update(layer_fingerprint(cfg.posterior))
         if self.subnet_cfg is not None:  # the selection (S, n_data, tau) and the Fisher type shape the subnet pass

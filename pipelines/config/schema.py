@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from laplace_core.batch_loop import PRECISIONS
 from laplace_core.methods import method_names
 
 __all__ = [
@@ -121,6 +122,7 @@ class CurvatureSpec:
     efb_max_examples: int | None = None  # cap on the EFB pass's examples (after efb_fraction)
     model_dtype: str = "float32"  # the model's dtype in the passes (float64 for dense checks)
     stats_dtype: str = "float64"  # the dtype of the summed statistics
+    precision: str = "fp32"  # fp32 | bf16 | fp16: passes 1-2 forward/backward under autocast (sums stay float64)
     bucket_mb: float = 64.0  # all-reduce bucket size (MiB)
     log_every_s: float = 10.0  # progress line interval (seconds)
 
@@ -300,6 +302,8 @@ class RunConfig:
                 raise ConfigError(f"unknown curvature.{name} {getattr(c, name)!r}; valid: {', '.join(DTYPES)}")
         if c.efb_max_examples is not None and c.efb_max_examples < 1:
             raise ConfigError("curvature.efb_max_examples must be >= 1 (or null: no cap)")
+        if c.precision not in PRECISIONS:
+            raise ConfigError(f"unknown curvature.precision {c.precision!r}; valid: {', '.join(PRECISIONS)}")
         for key, v in (("curvature.bucket_mb", c.bucket_mb), ("curvature.log_every_s", c.log_every_s),
                        ("curvature.gpus_per_worker", c.gpus_per_worker), ("data.decode_num_cpus", d.decode_num_cpus)):
             if not v > 0:

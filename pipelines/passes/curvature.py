@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 
+from laplace_core.batch_loop import PRECISIONS
 from laplace_core.eigenbasis import Eigenbasis
 from laplace_core.layer_selection import check_selection
 from laplace_core.layers import check_norm_layers, find_layers
@@ -144,6 +145,7 @@ class CurvatureConfig:
     torch_threads: int | None = 1
     model_dtype: str = "float32"
     stats_dtype: str = "float64"
+    precision: str = "fp32"  # laplace_core.batch_loop.PRECISIONS: autocast dtype of passes 1-2 (sums stay stats_dtype)
     bucket_mb: float = 64.0
     log_every_s: float = 10.0
     fault_injection: FaultInjection | None = None
@@ -170,6 +172,8 @@ class CurvatureConfig:
         for name in ("model_dtype", "stats_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r}; valid: {', '.join(DTYPES)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; valid: {', '.join(PRECISIONS)}")
         if not (0.0 < self.efb_fraction <= 1.0):
             raise ValueError(f"efb_fraction must be in (0, 1], got {self.efb_fraction}")
         if self.efb_max_examples is not None and self.efb_max_examples < 1:
@@ -350,6 +354,7 @@ def curvature_fingerprint(model, ids: Sequence[int], efb_ids: Sequence[int], row
         "model": dataclasses.asdict(model), "partitions": list(ids), "efb": list(efb_ids),
         "rows": [rows[p] for p in ids], "data": [getattr(by_id[p], "fingerprint", None) for p in ids],
         **{k: getattr(cfg, k) for k in ("fisher", "mc_samples", "seed", "model_dtype", "stats_dtype", "needs_basis")},
+        **({} if cfg.precision == "fp32" else {"precision": cfg.precision}),  # fp32 checkpoints keep their fingerprint
     })
 
 
