@@ -152,8 +152,15 @@ class LayerSums:
     U_G: torch.Tensor | None
     force_order: str | None
 
+    @property
+    def names(self) -> list[str]:
+        return [self.name]
+
     def accumulators(self) -> list[Accumulator]:
         return [x for x in (self.A, self.G, self.diag, self.efb) if x is not None]
+
+    def totals(self) -> dict[str, tuple]:
+        return {self.name: tuple(None if a is None else a.total for a in (self.A, self.G, self.diag, self.efb))}
 
     def add(self, x: torch.Tensor, grads: list[torch.Tensor], max_chunk: int) -> None:
         """Add one batch: ``x`` the module input, ``grads`` one output gradient per label draw."""
@@ -163,52 +170,51 @@ class LayerSums:
                     self.diag.add(norm_grads(self.module, x, g).square_().sum(0), 1.0 / len(grads))
             return
         m, n = self.info.shape
-        S = len(grads)
         B = x.shape[0]
         T = num_positions(self.module, x)
         kfac = self.A is not None
-        efb = self.efb is not None
         pairs = T <= PAIRS_MAX_T and self.force_order != "form"
         order = None
-        if efb:
+        if self.efb is not None:
             order = "rotate" if pairs else (self.force_order or efb_contraction_order(m, n, T, have_d=kfac))
         need_d = (kfac and not pairs) or order == "form"
         per = max(T * n, T * m, m * n if need_d else 0, (T * (T + 1) // 2) * max(m, n) if pairs else 0, 1)
         bs = max(1, min(B, max_chunk // per))
-        inv_S = 1.0 / S
         for i0 in range(0, B, bs):
             i1 = min(B, i0 + bs)
-            b = i1 - i0
             a3 = layer_inputs(self.module, x[i0:i1] if bs < B else x)  # (b, T, n)
-            ar = a3.reshape(b * T, n)
+            ar = a3.reshape(-1, n)
             if kfac:
                 self.A.syrk(ar, 1.0 / T)
-            if order == "rotate":
-                a3_rot = (ar @ self.U_A).view(b, T, n)
+            a3_rot = (ar @ self.U_A).view(a3.shape) if order == "rotate" else None
             for g in grads:
                 g3 = layer_output_grads(self.module, g[i0:i1] if bs < B else g)  # (b, T, m)
-                gr = g3.reshape(b * T, m)
-                if kfac:
-                    self.G.mm(gr.T, gr, inv_S)
-                    if pairs:
-                        _square_sum(self.diag, g3, a3, inv_S)
-                d = torch.bmm(g3.transpose(1, 2), a3) if need_d else None  # (b, m, n) per-example gradients
-                if efb:
-                    if order == "form":
-                        d_rot = torch.matmul(self.U_G.T, torch.matmul(d, self.U_A))
-                        self.efb.add(d_rot.square_().sum(0), inv_S)
-                        del d_rot
-                    else:
-                        g3_rot = (gr @ self.U_G).view(b, T, m)
-                        if pairs:
-                            _square_sum(self.efb, g3_rot, a3_rot, inv_S)
-                        else:
-                            d_rot = torch.bmm(g3_rot.transpose(1, 2), a3_rot)
-                            self.efb.add(d_rot.square_().sum(0), inv_S)
-                            del d_rot
-                if kfac and not pairs:
-                    self.diag.add(d.square_().sum(0), inv_S)
-                del d
+                self._add_draw(a3, a3_rot, g3, 1.0 / len(grads), pairs=pairs, order=order, need_d=need_d)
+
+    def _add_draw(self, a3, a3_rot, g3, weight: float, *, pairs: bool, order: str | None, need_d: bool) -> None:
+        """One label draw's output gradients ``g3`` (b, T, m) against the inputs ``a3`` (b, T, n)."""
+        kfac = self.A is not None
+        gr = g3.reshape(-1, g3.shape[2])
+        if kfac:
+            self.G.mm(gr.T, gr, weight)
+            if pairs:
+                _square_sum(self.diag, g3, a3, weight)
+        d = torch.bmm(g3.transpose(1, 2), a3) if need_d else None  # (b, m, n) per-example gradients
+        if order == "form":
+            d_rot = torch.matmul(self.U_G.T, torch.matmul(d, self.U_A))
+            self.efb.add(d_rot.square_().sum(0), weight)
+            del d_rot
+        elif order == "rotate":
+            g3_rot = (gr @ self.U_G).view(g3.shape)
+            if pairs:
+                _square_sum(self.efb, g3_rot, a3_rot, weight)
+            else:
+                d_rot = torch.bmm(g3_rot.transpose(1, 2), a3_rot)
+                self.efb.add(d_rot.square_().sum(0), weight)
+                del d_rot
+        if kfac and not pairs:
+            self.diag.add(d.square_().sum(0), weight)
+        del d
 
 
 class GroupedConvSums:
@@ -240,7 +246,7 @@ class GroupedConvSums:
             self.conv.bias is not None)
         per = max(1, T * g * n, T * g * m, g * m * n * 2)
         bs = max(1, min(B, max_chunk // per))
-        inv_S = 1.0 / len(grads)
+        per_draw = 1.0 / len(grads)
         for i0 in range(0, B, bs):
             i1 = min(B, i0 + bs)
             a = group_rows(self.conv, x[i0:i1])  # (b, T, g, n)
@@ -250,10 +256,10 @@ class GroupedConvSums:
                 q = group_output_grads(self.conv, gr[i0:i1])  # (b, T, g, m)
                 d = torch.einsum("btgm,btgn->bgmn", q, a)  # per-example gradients of every group
                 if self.G is not None:
-                    self.G.add(torch.einsum("btgi,btgj->gij", q, q), inv_S)
-                    self.diag.add(d.square().sum(0), inv_S)
+                    self.G.add(torch.einsum("btgi,btgj->gij", q, q), per_draw)
+                    self.diag.add(d.square().sum(0), per_draw)
                 if self.efb is not None:
-                    self.efb.add(torch.matmul(self.U_G.transpose(1, 2), torch.matmul(d, self.U_A)).square_().sum(0), inv_S)
+                    self.efb.add(torch.matmul(self.U_G.transpose(1, 2), torch.matmul(d, self.U_A)).square_().sum(0), per_draw)
                 del d
 
     def totals(self) -> dict[str, tuple]:

@@ -259,6 +259,11 @@ def _info(name: str, module, kind: LayerKind) -> LayerInfo:
     )
 
 
+def _register(modules: dict, infos: dict, name: str, layer, kind: LayerKind) -> None:
+    modules[name] = layer
+    infos[name] = _info(name, layer, kind)
+
+
 def find_layers(model: nn.Module, norm_layers: str = "map",
                 layers="all") -> tuple[dict[str, object], dict[str, LayerInfo], dict[str, str]]:
     """Return ``(layers, infos, excluded)`` in ``model.named_modules()`` order.
@@ -291,10 +296,7 @@ def find_layers(model: nn.Module, norm_layers: str = "map",
             elif not all(p.requires_grad for p in own):
                 excluded[name] = "parameters are frozen (requires_grad=False)"
             else:
-                view = InProjView(mod, name)
-                vname = f"{name}.in_proj" if name else "in_proj"
-                modules[vname] = view
-                infos[vname] = _info(vname, view, LayerKind.LINEAR)
+                _register(modules, infos, f"{name}.in_proj" if name else "in_proj", InProjView(mod, name), LayerKind.LINEAR)
             continue
         if norm_layers == "diag" and (isinstance(mod, NORM_TYPES) or (
                 (type(mod).__module__, type(mod).__name__) in _LAYER_SCALE_PARENTS and len(own) == 1)):
@@ -305,10 +307,8 @@ def find_layers(model: nn.Module, norm_layers: str = "map",
             if reason is not None:
                 excluded[name] = reason
                 continue
-            layer = ScaleView(mod, name) if scale else mod
             lname = (f"{name}.layer_scale" if name else "layer_scale") if scale else name
-            modules[lname] = layer
-            infos[lname] = _info(lname, layer, LayerKind.NORM)
+            _register(modules, infos, lname, ScaleView(mod, name) if scale else mod, LayerKind.NORM)
             continue
         entry = LAYER_REGISTRY.get(type(mod))
         if entry is None:
@@ -324,14 +324,9 @@ def find_layers(model: nn.Module, norm_layers: str = "map",
             continue
         if kind is LayerKind.CONV2D and mod.groups > 1:
             for k in range(mod.groups):
-                view = GroupView(mod, name, k)
-                vname = f"{name}.group{k}" if name else f"group{k}"
-                modules[vname] = view
-                infos[vname] = _info(vname, view, kind)
+                _register(modules, infos, f"{name}.group{k}" if name else f"group{k}", GroupView(mod, name, k), kind)
             continue
-        layer = TapView(mod, name) if parent_of.get(id(mod)) in tappers else mod
-        modules[name] = layer
-        infos[name] = _info(name, layer, kind)
+        _register(modules, infos, name, TapView(mod, name) if parent_of.get(id(mod)) in tappers else mod, kind)
     if layers != "all":
         modules, infos = _restrict(modules, infos, excluded, select_layers(list(modules), layers))
     return modules, infos, excluded

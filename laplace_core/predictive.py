@@ -298,17 +298,22 @@ class MCPredictor:
         with torch.no_grad(), eval_mode(self.model):
             for t in range(self.n_samples):
                 with self._applied(t):
-                    j = -1
-                    for j, x in enumerate(batches):
-                        if t == 0:
-                            states.append(start(x))
-                        elif j >= len(states):
-                            raise ValueError("batches yielded more batches on a later pass")
-                        else:
-                            states[j] = add(states[j], x)
-                    if j + 1 != len(states):
-                        raise ValueError(f"batches yielded {j + 1} batches on pass {t}, {len(states)} on the first")
+                    self._fold_sample(t, batches, states, start, add)
         return states
+
+    @staticmethod
+    def _fold_sample(t: int, batches, states: list, start: Callable, add: Callable) -> None:
+        """Fold sample ``t``'s outputs on every batch into ``states`` (``start`` on sample 0)."""
+        j = -1
+        for j, x in enumerate(batches):
+            if t == 0:
+                states.append(start(x))
+            elif j >= len(states):
+                raise ValueError("batches yielded more batches on a later pass")
+            else:
+                states[j] = add(states[j], x)
+        if j + 1 != len(states):
+            raise ValueError(f"batches yielded {j + 1} batches on pass {t}, {len(states)} on the first")
 
 
 def mc_predict(

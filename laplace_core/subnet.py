@@ -27,6 +27,7 @@ a layer ascending ``vec`` (column-stacking) position of ``W~``.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Iterable, Mapping
@@ -34,10 +35,9 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from .collect import split_batch
-from .likelihoods import check_fisher, likelihood_for, output_gradients, sample_targets
+from .batch_loop import ModelBatch, PassOptions, draw_targets, model_batches
+from .likelihoods import check_fisher, likelihood_for
 from .hooks import capture, layer_inputs, layer_output_grads, norm_grads
-from .keyed_rng import KeyedSampler
 from .layers import LayerKind, find_layers, layer_kind
 from .statistics import CurvatureStatistics
 from .structures.base import Posterior, vec
@@ -286,21 +286,62 @@ def _layer_selected_grads(mod, x_in, g_out, rows, cols, max_chunk: int) -> torch
     return torch.cat(out, 0)
 
 
+def _fisher_buffer(out, size: int, dtype, device) -> torch.Tensor:
+    if out is None:
+        return torch.zeros(size, size, dtype=dtype, device=device)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (size, size) or out.dtype != dtype or out.device != device:
+        raise ValueError(f"out must be an {size} x {size} {dtype} tensor on {device}, got "
+                         f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out))} on {getattr(out, 'device', None)}")
+    return out
+
+
+def _subnet_output_grads(batch: ModelBatch, opts: PassOptions) -> tuple[torch.Tensor, float]:
+    """Output-gradient seeds ``(R, B, C)`` and their weight: the GGN's ``Λ`` rows (weight 1)
+    or one label draw each (weight ``1 / draws``)."""
+    logits = batch.logits
+    if logits.dim() != 2:
+        raise ValueError(f"batch {batch.index}: model output must be (B, C), got {tuple(logits.shape)}")
+    if opts.fisher == "ggn":
+        return _ggn_output_grads(logits, opts.likelihood), 1.0
+    lik = likelihood_for(opts.likelihood)
+    draws = check_fisher(opts.fisher, opts.mc_samples)
+    labels = lik.check(logits, batch.labels, opts.fisher)
+    seeds = lik.output_grad(logits, draw_targets(lik, batch, labels, draws, opts))
+    return seeds, 1.0 / seeds.shape[0]
+
+
+def _add_subnet_batch(fisher_sum: torch.Tensor, batch: ModelBatch, modules, selected, opts: PassOptions) -> None:
+    """``fisher_sum += w Σ_s d_s^T d_s`` with ``d_s`` (B, S) the selected per-example gradients."""
+    seeds, weight = _subnet_output_grads(batch, opts)
+    seeds = seeds.to(batch.outputs.dtype)
+    cap = batch.capture
+    for s in range(seeds.shape[0]):
+        grads = cap.backward(batch.outputs, seeds[s], retain_graph=s < seeds.shape[0] - 1)
+        parts = [
+            _layer_selected_grads(modules[k], cap.inputs[k].to(modules[k].weight.dtype),
+                                  grads[k].to(modules[k].weight.dtype), rows, cols, int(opts.max_chunk_elements))
+            for k, (rows, cols) in selected.items()
+        ]
+        d = torch.cat(parts, 1).to(fisher_sum.dtype)  # (B, S)
+        fisher_sum.addmm_(d.T, d, alpha=weight)
+    batch.outputs = None
+
+
 def collect_subnet_fisher(
     model: nn.Module,
     batches: Iterable,
     masks: Mapping[str, torch.Tensor],
     *,
-    fisher: str = "mc",
-    mc_samples: int = 1,
-    generator: torch.Generator | KeyedSampler | None = None,
-    dtype: torch.dtype = torch.float64,
-    likelihood: str = "classification",
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
-    max_chunk_elements: int = 2**26,
     out: torch.Tensor | None = None,
+    options: PassOptions | None = None,
+    **option_values,
 ) -> tuple[torch.Tensor, int]:
     """``(F_sum, count)``: ``F_sum = Σ_k w_s Σ_s d_{s,k,S} d_{s,k,S}^T`` (``S x S``, in ``dtype``).
+
+    Options: a :class:`~laplace_core.batch_loop.PassOptions` and/or its fields as keywords
+    (``fisher="mc"``, ``mc_samples=1``, ``generator=None``, ``dtype=torch.float64``,
+    ``likelihood="classification"``, ``max_chunk_elements=2**26``, ``precision="fp32"``).
 
     ``d_{s,k,S}`` = per-example gradient of ``log p(y_s | x_k)`` at the selected weights
     (subnetwork order, module docstring). ``fisher="mc"``: ``mc_samples`` labels drawn
@@ -318,83 +359,37 @@ def collect_subnet_fisher(
     sum into (returned as ``F_sum``; ``count`` is still this call's): a sum over several
     calls, e.g. one per data partition, then holds a single ``S x S`` matrix.
     """
-    if fisher not in SUBNET_FISHER_TYPES:
-        raise ValueError(f"unknown subnet fisher {fisher!r}; valid: {', '.join(SUBNET_FISHER_TYPES)}")
-    if likelihood not in ("classification", "regression"):
-        raise ValueError(f"unknown likelihood {likelihood!r}; valid: classification, regression")
+    opts = PassOptions.build(options, **option_values)
+    if opts.fisher not in SUBNET_FISHER_TYPES:
+        raise ValueError(f"unknown subnet fisher {opts.fisher!r}; valid: {', '.join(SUBNET_FISHER_TYPES)}")
+    if opts.likelihood not in ("classification", "regression"):
+        raise ValueError(f"unknown likelihood {opts.likelihood!r}; valid: classification, regression")
     modules, infos, _ = find_layers(model, norm_layers="diag")  # masks may select normalisation weights too
     names = _check_masks(masks, modules, infos)
-    S = subnet_size({k: masks[k] for k in names})
-    if S == 0:
+    size = subnet_size({k: masks[k] for k in names})
+    if size == 0:
         raise ValueError("the masks select no weight (S = 0)")
-    check_subnet_memory(S, memory_budget, dtype)
-    first = next(iter(modules.values())).weight
-    cdtype, device = first.dtype, first.device
-    sel = {}
+    check_subnet_memory(size, memory_budget, opts.dtype)
+    device = next(iter(modules.values())).weight.device
+    selected = {}
     for k in names:
         nz = masks[k].to(device).T.nonzero()  # (j, i) pairs in vec (column-stacking) order
         if nz.shape[0]:
-            sel[k] = (nz[:, 1], nz[:, 0])
-    if out is None:
-        F = torch.zeros(S, S, dtype=dtype, device=device)
-    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != (S, S) or out.dtype != dtype or out.device != device:
-        raise ValueError(f"out must be an {S} x {S} {dtype} tensor on {device}, got "
-                         f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out))} on {getattr(out, 'device', None)}")
-    else:
-        F = out
+            selected[k] = (nz[:, 1], nz[:, 0])
+    fisher_sum = _fisher_buffer(out, size, opts.dtype, device)
     count = 0
-    modes = {mod: mod.training for mod in model.modules()}
-    model.eval()
-    try:
-        # only the layers with selected weights are captured: the backward stops at the lowest of
-        # them (a last-layer subnetwork back-propagates to the last layer only)
-        with capture(model, {k: modules[k] for k in sel}) as cap, torch.enable_grad():
-            for i, batch in enumerate(batches):
-                x, y, keys = split_batch(batch, i)
-                x = torch.as_tensor(x)
-                x = x.to(device=device, dtype=cdtype if x.dtype.is_floating_point else x.dtype)
-                out = model(x)
-                if out.dim() != 2:
-                    raise ValueError(f"batch {i}: model output must be (B, C), got {tuple(out.shape)}")
-                od = out.detach()
-                if fisher == "ggn":
-                    go = _ggn_output_grads(od, likelihood)
-                    w = 1.0
-                elif fisher == "mc" and isinstance(generator, KeyedSampler):
-                    if keys is None:
-                        raise ValueError(f"batch {i}: a KeyedSampler needs per-example keys ((x, y, keys) or dict key 'key')")
-                    keys = torch.as_tensor(keys).reshape(-1)
-                    if keys.shape[0] != x.shape[0]:
-                        raise ValueError(f"batch {i}: {keys.shape[0]} keys for {x.shape[0]} examples")
-                    lik = likelihood_for(likelihood)
-                    lik.check(od, y, fisher)
-                    targets = lik.sample_keyed(od, check_fisher(fisher, mc_samples), generator.seed, keys)
-                else:
-                    targets = sample_targets(od, y, fisher=fisher, mc_samples=mc_samples, generator=generator,
-                                             likelihood=likelihood)
-                if fisher != "ggn":
-                    go = output_gradients(od, targets, likelihood)
-                    w = 1.0 / go.shape[0]
-                go = go.to(out.dtype)
-                for s in range(go.shape[0]):
-                    grads = cap.backward(out, go[s], retain_graph=s < go.shape[0] - 1)
-                    parts = [
-                        _layer_selected_grads(modules[k], cap.inputs[k], grads[k], r, c, int(max_chunk_elements))
-                        for k, (r, c) in sel.items()
-                    ]
-                    d = torch.cat(parts, 1).to(dtype)  # (B, S)
-                    F.addmm_(d.T, d, alpha=w)
-                del out
-                count += x.shape[0]
-                cap.clear()
-    finally:
-        for mod, mode in modes.items():
-            mod.training = mode
+    # only the layers with selected weights are captured: the backward stops at the lowest of
+    # them (a last-layer subnetwork back-propagates to the last layer only)
+    with contextlib.closing(model_batches(model, batches, {k: modules[k] for k in selected}, opts)) as stream:
+        for batch in stream:
+            _add_subnet_batch(fisher_sum, batch, modules, selected, opts)
+            count += batch.size
+            batch.capture.clear()
     if count == 0:
         raise ValueError("no batches: the data iterable was empty")
-    if not bool(torch.isfinite(F).all()):
+    if not bool(torch.isfinite(fisher_sum).all()):
         raise FloatingPointError("subnet Fisher is not finite (overflow in the model's dtype?); run in float64")
-    return F, count
+    return fisher_sum, count
 
 
 # =========================================================================== posterior

@@ -19,6 +19,7 @@ import torch
 from laplace_core.layer_selection import check_selection
 from laplace_core.layers import NORM_LAYER_MODES
 from laplace_core.likelihoods import FISHER_TYPES
+from laplace_core.batch_loop import PRECISIONS
 from laplace_core.methods import method_names
 from laplace_core.metrics.base import DEFAULT_ECE_BINS, ECE_STRATEGIES, ENTROPY_BINS
 from laplace_core.subnet import SELECTION_RULES, check_subnet_memory
@@ -192,6 +193,8 @@ class CurvatureSpec(Checked):
     model_dtype: str = setting("float32", "the model's dtype in the passes (float64 for dense checks)",
                                choices=DTYPES)
     stats_dtype: str = setting("float64", "the dtype of the summed statistics", choices=DTYPES)
+    precision: str = setting("fp32", "passes 1-2 forward/backward under autocast in this precision (the sums stay "
+                                     "float64)", choices=PRECISIONS)
     bucket_mb: float = setting(64.0, "all-reduce bucket size (MiB)", range=POSITIVE, fingerprint=False)
     log_every_s: float = setting(30.0, "progress line interval (seconds), as evaluate.log_every_s", range=POSITIVE,
                                  fingerprint=False)

@@ -39,6 +39,15 @@ def efb_payload_numbers(shapes: Sequence[tuple[int, int]]) -> int:
     return int(sum(m * n for m, n in shapes))
 
 
+def _precision(cfg, model: torch.nn.Module) -> dict[str, Any]:
+    """``precision`` of the curvature config (``fp32`` when the config has none), and channels-last
+    convolutions under a half precision on a GPU (NHWC is what its tensor cores run)."""
+    precision = getattr(cfg, "precision", "fp32")
+    weight = next(model.parameters())
+    conv = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    return {"precision": precision, "channels_last": precision != "fp32" and conv and weight.device.type == "cuda"}
+
+
 class Pass1Kind(PassKind):
     """Pass 1. State: per layer ``[A upper triangle, G upper triangle, diag]`` in ``stats_dtype``
     (a normalisation layer under ``norm_layers: diag``: ``[diag]`` alone,
@@ -81,7 +90,7 @@ class Pass1Kind(PassKind):
         c = self.cfg
         local = collect_statistics(self.model, batches, fisher=c.fisher, mc_samples=c.mc_samples,
                                    generator=KeyedSampler(c.seed), dtype=DTYPES[c.stats_dtype],
-                                   norm_layers=c.norm_layers, layers=c.layers)
+                                   norm_layers=c.norm_layers, layers=c.layers, **_precision(c, self.model))
         for s, (k, f) in zip(state, self._slots()):
             t = getattr(local.layers[k], f).to(s.device)
             s.add_(t if f == "diag" else pack_symmetric(t))
@@ -143,7 +152,7 @@ class EfbKind(PassKind):
         c = self.cfg
         efb, n = collect_efb(self.model, batches, self.basis, fisher=c.fisher, mc_samples=c.mc_samples,
                              generator=KeyedSampler(c.seed), dtype=DTYPES[c.stats_dtype], norm_layers=c.norm_layers,
-                             layers=c.layers)
+                             layers=c.layers, **_precision(c, self.model))
         for s, k in zip(state, self.infos):
             s.add_(efb[k].to(s.device))
         return (n,)

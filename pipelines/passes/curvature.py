@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 
+from laplace_core.batch_loop import PRECISIONS
 from laplace_core.eigenbasis import Eigenbasis
 from laplace_core.layer_selection import check_selection
 from laplace_core.layers import find_layers
@@ -322,6 +323,7 @@ def curvature_fingerprint(model, ids: Sequence[int], efb_ids: Sequence[int], row
         "model": dataclasses.asdict(model), "partitions": list(ids), "efb": list(efb_ids),
         "rows": [rows[p] for p in ids], "data": [getattr(by_id[p], "fingerprint", None) for p in ids],
         **{k: getattr(cfg, k) for k in ("fisher", "mc_samples", "seed", "model_dtype", "stats_dtype", "needs_basis")},
+        **({} if cfg.precision == "fp32" else {"precision": cfg.precision}),  # fp32 checkpoints keep their fingerprint
     })
 
 
