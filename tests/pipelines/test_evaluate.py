@@ -135,7 +135,10 @@ def test_one_and_two_actors_and_a_killed_actor_agree_and_match_a_direct_computat
     for m in r1:  # the merged accumulators themselves (sums, counts, histograms)
         a1 = storage.read_json(f"{out1}/eval/{m}/accumulators.json")
         a2 = storage.read_json(f"{out2}/eval/{m}/accumulators.json")
+        p1, p2 = a1.pop("per_image"), a2.pop("per_image")  # per-image vectors: in actor order
         _assert_close(a1, a2, m)
+        for side in ("inp", "out"):  # the same images, each with the same numbers, in another order
+            _assert_close({k: sorted(v) for k, v in p1[side].items()}, {k: sorted(v) for k, v in p2[side].items()}, m)
         assert storage.read_json(f"{out2}/eval/{m}/metrics.json")["ece"] == r2[m]["ece"]
 
     # independent single-process computation: MCPredictor on the whole split at once
