@@ -14,6 +14,9 @@
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import json
 
 import pytest
@@ -32,7 +35,9 @@ from laplace_core.posterior import build_posterior
 from laplace_core.predictive import sample_generator
 from laplace_core.sizes import model_sizes
 from laplace_core.subnet import build_subnet_posterior, collect_subnet_fisher, select_subnetwork
-from tests.core.fisher_reference import dense_covariance, dense_jacobian
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # not ``tests.core...``: a wheel may ship a ``tests``
+from fisher_reference import dense_covariance, dense_jacobian  # noqa: E402
 
 F64 = torch.float64
 EXACT_TOL = 1e-10  # relative to max |J Σ J^T|
