@@ -222,7 +222,8 @@ def await_round(refs: Sequence[Any], actors: Sequence[Any], cfg: RuntimeFields, 
     ``actors`` (aligned with ``refs``) are given: every ``beat_s`` seconds the unfinished
     actors' :meth:`ModelActor.heartbeat` s are read; when every one of them has been waiting
     for data, with no batch read, for ``cfg.stall_timeout_s`` seconds, the round ends with a
-    :class:`pipelines.errors.StageError` naming what waits for what."""
+    :class:`pipelines.errors.StageError` naming what waits for what. A call that failed (its
+    actor died, its code raised) raises as soon as it is seen, as a plain ``ray.get`` would."""
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -230,7 +231,9 @@ def await_round(refs: Sequence[Any], actors: Sequence[Any], cfg: RuntimeFields, 
     last, moved = None, time.perf_counter()
     next_beat = moved + beat_s
     while pending:
-        _, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=poll_s)
+        if done:
+            ray.get(done)  # an actor that died or raised ends the wait now, as a plain ray.get would
         now = time.perf_counter()
         if not pending or not actors or now < next_beat:
             continue
