@@ -21,6 +21,7 @@ from .workers import (
     fingerprint,
     gpu_shortfall,
     index_partitions,
+    decode_cpus_that_fit,
     fit_interruptibly,
     make_trainer,
     trainer_cpus,
@@ -34,7 +35,7 @@ from .workers import (
 __all__ = [
     "DTYPES", "FaultInjection", "Job", "ModelRef", "PassKind", "PassResult", "PassRun", "Progress",
     "allreduce_sum", "broadcast_object", "buckets", "dataset_name", "fingerprint", "gpu_shortfall",
-    "index_partitions", "list_checkpoints", "load_checkpoint", "make_trainer", "fit_interruptibly", "trainer_cpus",
+    "index_partitions", "list_checkpoints", "load_checkpoint", "make_trainer", "fit_interruptibly", "trainer_cpus", "decode_cpus_that_fit",
     "model_ref", "pack_symmetric", "packed_size", "partition_dataset", "path_keys", "put_sources", "save_checkpoint",
     "say", "unpack_symmetric", "worker_setup",
 ]

@@ -305,6 +305,33 @@ def index_partitions(partitions: Sequence[Any]) -> tuple[list[int], dict[int, An
     return ids, by_id, {pid: _partition_rows(p) for pid, p in by_id.items()}
 
 
+def decode_cpus_that_fit(cfg, data_config, what: str, settle_s: float = 30.0):
+    """``data_config`` with its decode tasks' CPU ask lowered to what is free beside the pass's
+    workers, when less than a whole ask is (after up to ``settle_s`` seconds for resources of
+    finished work to come back): the workers read their shards through those tasks, and a
+    decode task that can never be scheduled would hold the pass for ever. Said in one line;
+    the sums do not depend on it. ``data_config`` as it is when it fits or has no decode ask."""
+    import dataclasses
+
+    import ray
+
+    ask = float(getattr(data_config, "decode_num_cpus", 0.0) or 0.0)
+    workers = cfg.num_workers * float(cfg.cpus_per_worker)
+    if ask <= 0:
+        return data_config
+    deadline = time.perf_counter() + settle_s
+    free = float(ray.available_resources().get("CPU", 0.0))
+    while free + 1e-9 < workers + ask and time.perf_counter() < deadline:
+        time.sleep(0.5)
+        free = float(ray.available_resources().get("CPU", 0.0))
+    left = round(free - workers, 4)
+    if free + 1e-9 >= workers + ask or left <= 0:
+        return data_config
+    print(f"[{what}] {free:g} of {float(ray.cluster_resources().get('CPU', 0.0)):g} CPUs are free: the decode tasks "
+          f"ask for {left:g} CPU instead of {ask:g} so that they fit beside the workers ({workers:g} CPU)", flush=True)
+    return dataclasses.replace(data_config, decode_num_cpus=left)
+
+
 def fit_interruptibly(trainer, need_cpus: float, what: str, settle_s: float = 30.0):
     """``trainer.fit()``, run on a helper thread while the driver's main thread waits in
     one-second steps: Ray Train's own ``fit`` blocks in one ``ray.get`` that no signal handler

@@ -73,6 +73,7 @@ from pipelines.distributed import (
     gpu_shortfall,
     index_partitions,
     load_checkpoint,
+    decode_cpus_that_fit,
     fit_interruptibly,
     make_trainer,
     trainer_cpus,
@@ -368,6 +369,7 @@ def run_curvature(
     # index partitions: each rank builds the dataset of its share when its pass reaches the
     # partition (every partition is there, should a rank resume from an older checkpoint);
     # ready-made Ray Datasets go to the trainer as they are
+    data_config = decode_cpus_that_fit(cfg, data_config, "curvature")
     sources, ready = put_sources(by_id, ids, data_config, cfg.num_workers)
     datasets = {dataset_name(name, pid): ready[pid] for name, pids in passes.items() for pid in pids
                 if pid in ready and pid not in done[name]}

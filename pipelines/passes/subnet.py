@@ -71,6 +71,7 @@ from pipelines.distributed import (
     dataset_name,
     fingerprint,
     index_partitions,
+    decode_cpus_that_fit,
     fit_interruptibly,
     make_trainer,
     trainer_cpus,
@@ -394,6 +395,7 @@ def run_subnet_pass(
     found = ckpt.load_checkpoint(partial, fp, endpoint_url, PARTIAL_FORMAT, tag="subnet")
     done = set(found[1]["done"]) if found is not None else set()
     del found
+    data_config = decode_cpus_that_fit(cfg, data_config, "subnet")
     sources, ready = put_sources(by_id, ids, data_config, cfg.num_workers)  # index partitions: read by the ranks when reached
     datasets = {dataset_name(SubnetFisherKind.name, pid): ready[pid] for pid in ids if pid in ready and pid not in done}
     job = Job(model=model, cfg=cfg, output_uri=output_uri, store=endpoint_url, passes={SubnetFisherKind.name: tuple(ids)},

@@ -125,6 +125,8 @@ class AuditPage:
     models: list[ModelSection]
     summary: Table | None = None
     verdict: list[str] = field(default_factory=list)
+    sample: str = ""  # the report's summary macro reads these; the audit's per-model pages carry them
+    paired: Table | None = None
 
 
 def figure_ref(name: str, png: bytes | None = None, link: str | None = None, caption: str | None = None,
