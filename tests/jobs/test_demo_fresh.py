@@ -70,7 +70,10 @@ def test_make_demo_from_a_fresh_clone(tmp_path):
         pytest.skip("git and make are needed")
     clone = tmp_path / "infoform"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=300)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH", "RAY_ADDRESS"))}
+    # a new user's shell: not inside this suite's `make test` (MAKELEVEL would add make's
+    # "Entering/Leaving directory" lines around the demo's own)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH", "RAY_ADDRESS", "MAKELEVEL", "MAKEFLAGS", "MFLAGS"))}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if "/.venv/" not in p)
     t0 = time.time()
     inst = subprocess.run(["make", "install"], cwd=clone, env=env, capture_output=True, text=True, timeout=1200)

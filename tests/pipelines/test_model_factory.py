@@ -105,7 +105,7 @@ def test_data_mean_std_from_set_and_yaml(tmp_path):
     y = tmp_path / "p.yaml"
     y.write_text("data:\n  demo: true\n  mean: [0.1, 0.2, 0.3]\n  std: [1, 1, 1]\n")
     assert load_config(str(y)).data.mean == (0.1, 0.2, 0.3)
-    with pytest.raises(ConfigError, match="data.std must be positive"):
+    with pytest.raises(ConfigError, match="data.std must be > 0"):
         load_config("smoke", ["data.std=[1, 0, 1]"])
     with pytest.raises(ConfigError, match="data.mean"):
         load_config("smoke", ["data.mean=[1, 2]"])

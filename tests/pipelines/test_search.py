@@ -289,7 +289,7 @@ def test_runtime_configs_copy_every_field_they_share_with_the_specs():
                "log10_n": (1.0, 2.0), "log10_tau": (-1.0, 0.5), "objective": "ece", "accuracy_floor": 0.3,
                "method_ranges": (("kfac", (0.0, 1.0), (2.0, 3.0)),), "dtype": "float64", "torch_threads": 3,
                "log_every_s": 2.0, "entropy_bins": 7, "ood_exact_limit": 11, "scheduler": "asha",
-               "algorithm": "tpe", "reduction_factor": 3, "stall_timeout_s": 12.0,
+               "algorithm": "tpe", "reduction_factor": 3, "stall_timeout_s": 12.0, "bootstrap": 50,
                "shift": ShiftSpec(corruptions=("contrast",), severities=(2,))}
     for spec_cls, cfg_cls in ((EvalSpec, EvalConfig), (SearchSpec, SearchConfig)):
         shared = {f.name for f in dataclasses.fields(spec_cls)} & {f.name for f in dataclasses.fields(cfg_cls)}
