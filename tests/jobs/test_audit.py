@@ -43,6 +43,8 @@ MODELS = ("tiny_cnn", "demo_cnn")
 NUM_CLASSES = 4  # imagegen's 3 wnids + the empty class (its index stays reserved)
 STAGES = ("curvature", "posterior", "search", "evaluate", "report")
 MB = 2**20
+#: figures per model on the audit page: reliability, entropy, hyper-parameter map, risk-coverage
+PER_MODEL_FIGURES = 4
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -275,7 +277,7 @@ def test_metrics_table_row_per_model_and_method(audit_run):
         assert _number(cells["NLL"]) == pytest.approx(metrics["nll"], abs=6e-5)
         assert _number(cells["OOD AUROC"]) == pytest.approx(metrics["ood"]["auroc"], abs=6e-4)
         assert math.isfinite(_number(cells["Brier"]))
-        if meth == "map":
+        if meth in ("map", "temperature"):  # no posterior stored, no (N, tau) chosen
             assert cells["Numbers stored"] == "—"
         else:
             run = json.loads((out / "models" / model / "run.json").read_text())
@@ -294,13 +296,13 @@ def test_markdown_and_figures(audit_run):
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
     assert "figures/comparison.png" in links
     for model in MODELS:
-        for fig in ("reliability", "entropy", "hyper"):
+        for fig in ("reliability", "entropy", "hyper", "risk_coverage"):
             assert f"figures/{model}/{fig}.png" in links, (model, fig, links)
     for link in links:
         p = out / link
         assert p.is_file() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", link
     page = _page(out)
-    assert len(page.imgs) == 1 + 3 * len(MODELS)
+    assert len(page.imgs) == 1 + PER_MODEL_FIGURES * len(MODELS)
     assert all(s.startswith("data:image/png;base64,") for s in page.imgs)
     assert f"report at {out / 'audit.html'}" in log
 
@@ -324,7 +326,7 @@ def test_audit_page_renders_in_headless_chromium(audit_run, tmp_path):
     checked = tmp_path / "audit_checked.html"
     checked.write_text(browser.with_check_script((out / "audit.html").read_text(encoding="utf-8")), encoding="utf-8")
     info = browser.read_check(browser.dump_dom(checked))
-    n_img = 1 + 3 * len(MODELS)
+    n_img = 1 + PER_MODEL_FIGURES * len(MODELS)
     assert info["images"] == n_img and info["loaded"] == n_img, info
     assert info["keys"] == [f"{model}/{m}" for model in MODELS for m in ("map", *ROWS)]
     for _, _, w, h, nw, nh in info["boxes"]:

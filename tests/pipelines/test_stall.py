@@ -119,7 +119,13 @@ def test_a_pass_asks_its_decode_tasks_for_what_is_free_beside_its_workers(ray_se
     ray = ray_session
     cfg = SimpleNamespace(num_workers=2, cpus_per_worker=0.5)
     data = DataConfig(root="/nowhere", decode_num_cpus=1.0)
-    hog = _hog(ray, 0.5)
+    deadline = time.perf_counter() + 60  # the shared instance: earlier tests' actors give their CPUs back
+    while ray.available_resources().get("CPU", 0) < 2 and time.perf_counter() < deadline:
+        time.sleep(0.2)
+    free = ray.available_resources().get("CPU", 0)
+    if free < 1.75:
+        pytest.skip(f"the shared Ray instance holds {2 - free:g} CPU: no room to plant the shortage")
+    hog = _hog(ray, round(free - 1.5, 4))  # 1.5 CPUs left: the workers' 1 and half a decode task
     try:
         fitted = decode_cpus_that_fit(cfg, data, "curvature", settle_s=0.0)
     finally:
