@@ -94,12 +94,10 @@ class Job:
 def put_sources(by_id: dict, pids, data_config, world: int = 1) -> tuple[Any, dict]:
     """``(object ref of the sources of the index partitions among pids, Ray Datasets among them by
     pid)``. Each index partition (``pipelines.ingest.index`` Partition / DatasetIndex) is put in the
-    object store as ``world`` objects, one per rank's share (:func:`~pipelines.ingest.index.rank_share`,
-    pickled), so that a worker fetches only its own files (:func:`fetch_share`); the ref is to a small
+    object store as ``world`` objects, one per rank's share (:func:`~pipelines.ingest.index.rank_share`),
+    so that a worker fetches only its own files (:func:`fetch_share`); the ref is to a small
     dict ``{"data_config", "world", "shares": {pid: [ref per rank]}, "bytes": [bytes per rank]}``.
     Ready-made Ray Datasets go to the trainer as they are."""
-    import pickle
-
     import ray
     import ray.data
 
@@ -115,9 +113,9 @@ def put_sources(by_id: dict, pids, data_config, world: int = 1) -> tuple[Any, di
     for pid, part in lazy.items():
         refs = []
         for rank in range(world):
-            blob = pickle.dumps(rank_share(part, rank, world), protocol=pickle.HIGHEST_PROTOCOL)
-            nbytes[rank] += len(blob)
-            refs.append(ray.put(blob))
+            share = rank_share(part, rank, world)
+            nbytes[rank] += share_bytes(share)
+            refs.append(ray.put(share))
         shares[pid] = refs
     return ray.put({"data_config": data_config, "world": world, "shares": shares, "bytes": nbytes}), ready
 
@@ -126,19 +124,24 @@ def fetch_share(src: dict, pid: int, rank: int, world: int) -> tuple[Any, int]:
     """``(this rank's share of partition pid or None, bytes fetched)`` from :func:`put_sources`'s
     dict: the rank's own object when the job runs with the planned number of workers; otherwise
     every share of the partition, put back together and split for ``world`` ranks."""
-    import pickle
-
     import ray
 
     from pipelines.ingest.index import merge_shares, rank_share
 
     refs = src["shares"][pid]
     if src["world"] == world:
-        blob = ray.get(refs[rank])
-        return pickle.loads(blob), len(blob)
-    blobs = ray.get(list(refs))
-    whole = merge_shares([pickle.loads(b) for b in blobs])
-    return rank_share(whole, rank, world), sum(len(b) for b in blobs)
+        share = ray.get(refs[rank])
+        return share, share_bytes(share)
+    shares = ray.get(list(refs))
+    return rank_share(merge_shares(shares), rank, world), sum(share_bytes(s) for s in shares)
+
+
+def share_bytes(share: Any) -> int:
+    """The bytes of a share's file list: its paths' buffer (a ``PathList``, or the UTF-8 of a
+    tuple of paths) plus 8 per label."""
+    paths = share.paths
+    size = paths.nbytes if hasattr(paths, "nbytes") else sum(len(p.encode()) for p in paths)
+    return int(size) + 8 * len(share.labels)
 
 
 def fingerprint(obj: Any) -> str:

@@ -210,10 +210,8 @@ def test_index_partitions_reach_the_workers_as_indexes_not_datasets(bad_tree, ra
     split coordinator per partition up front): one small object with the decode settings and
     one object ref per partition and rank, each holding only that rank's share (a worker never
     fetches the whole index); only ready-made Ray Datasets go to the trainer."""
-    import pickle
-
     from pipelines.distributed import put_sources
-    from pipelines.distributed.workers import fetch_share
+    from pipelines.distributed.workers import fetch_share, share_bytes
     from pipelines.ingest.index import rank_share
 
     cfg = DataConfig(root=str(bad_tree.root))
@@ -224,13 +222,13 @@ def test_index_partitions_reach_the_workers_as_indexes_not_datasets(bad_tree, ra
     got = ray_session.get(ref)
     assert got["data_config"] == cfg and got["world"] == 2 and list(got["shares"]) == [p.id for p in parts]
     for p in parts:
-        mine = [pickle.loads(ray_session.get(r)) for r in got["shares"][p.id]]
+        mine = ray_session.get(list(got["shares"][p.id]))
         assert [s.paths for s in mine] == [rank_share(p, r, 2).paths for r in range(2)]
         assert [fetch_share(got, p.id, r, 2)[0].paths for r in range(2)] == [s.paths for s in mine]
         # a job that runs with another number of workers still gets the right shares
         assert [fetch_share(got, p.id, r, 3)[0].paths for r in range(3)] == [rank_share(p, r, 3).paths for r in range(3)]
-    assert sum(got["bytes"]) == sum(len(pickle.dumps(rank_share(p, r, 2), protocol=pickle.HIGHEST_PROTOCOL))
-                                    for p in parts for r in range(2))
+    assert sum(got["bytes"]) == sum(share_bytes(rank_share(p, r, 2)) for p in parts for r in range(2)) > 0
+    assert share_bytes(rank_share(parts[0], 0, 2)) < share_bytes(parts[0])  # a share, not the whole partition
     ds = build_dataset(parts[0], cfg)
     ref, ready = put_sources({0: ds, 1: parts[1]}, [0, 1], cfg)
     assert list(ready) == [0] and ready[0] is ds and list(ray_session.get(ref)["shares"]) == [1]
