@@ -308,6 +308,19 @@ def index_partitions(partitions: Sequence[Any]) -> tuple[list[int], dict[int, An
     return ids, by_id, {pid: _partition_rows(p) for pid, p in by_id.items()}
 
 
+def free_cpus(need: float, settle_s: float) -> tuple[float, float]:
+    """``(free, total)`` CPUs of the cluster once ``need`` are free, or after ``settle_s`` seconds
+    of waiting for the resources of work that just ended to come back (polled every 0.5 s)."""
+    import ray
+
+    deadline = time.perf_counter() + settle_s
+    free = float(ray.available_resources().get("CPU", 0.0))
+    while free + 1e-9 < need and time.perf_counter() < deadline:
+        time.sleep(0.5)
+        free = float(ray.available_resources().get("CPU", 0.0))
+    return free, float(ray.cluster_resources().get("CPU", 0.0))
+
+
 def decode_cpus_that_fit(cfg, data_config, what: str, settle_s: float = 30.0):
     """``data_config`` with its decode tasks' CPU ask lowered to what is free beside the pass's
     workers, when less than a whole ask is (after up to ``settle_s`` seconds for resources of
@@ -316,21 +329,15 @@ def decode_cpus_that_fit(cfg, data_config, what: str, settle_s: float = 30.0):
     the sums do not depend on it. ``data_config`` as it is when it fits or has no decode ask."""
     import dataclasses
 
-    import ray
-
     ask = float(getattr(data_config, "decode_num_cpus", 0.0) or 0.0)
     workers = cfg.num_workers * float(cfg.cpus_per_worker)
     if ask <= 0:
         return data_config
-    deadline = time.perf_counter() + settle_s
-    free = float(ray.available_resources().get("CPU", 0.0))
-    while free + 1e-9 < workers + ask and time.perf_counter() < deadline:
-        time.sleep(0.5)
-        free = float(ray.available_resources().get("CPU", 0.0))
+    free, total = free_cpus(workers + ask, settle_s)
     left = round(free - workers, 4)
     if free + 1e-9 >= workers + ask or left <= 0:
         return data_config
-    print(f"[{what}] {free:g} of {float(ray.cluster_resources().get('CPU', 0.0)):g} CPUs are free: the decode tasks "
+    print(f"[{what}] {free:g} of {total:g} CPUs are free: the decode tasks "
           f"ask for {left:g} CPU instead of {ask:g} so that they fit beside the workers ({workers:g} CPU)", flush=True)
     return dataclasses.replace(data_config, decode_num_cpus=left)
 
@@ -345,15 +352,8 @@ def fit_interruptibly(trainer, need_cpus: float, what: str, settle_s: float = 30
     them. Returns what ``fit`` returns and raises what it raises."""
     import threading
 
-    import ray
-
-    deadline = time.perf_counter() + settle_s
-    free = float(ray.available_resources().get("CPU", 0.0))
-    while free + 1e-9 < need_cpus and time.perf_counter() < deadline:
-        time.sleep(0.5)
-        free = float(ray.available_resources().get("CPU", 0.0))
+    free, total = free_cpus(need_cpus, settle_s)
     if free + 1e-9 < need_cpus:
-        total = float(ray.cluster_resources().get("CPU", 0.0))
         print(f"[{what}] only {free:g} of {total:g} CPUs are free, the workers and their decode tasks ask for "
               f"{need_cpus:g}: it runs once other work gives CPUs back", flush=True)
     box: dict[str, Any] = {}

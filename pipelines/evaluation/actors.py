@@ -20,6 +20,7 @@ import torch
 from ray import method as ray_method
 
 from pipelines.distributed.malloc import tune_malloc
+from pipelines.distributed.workers import free_cpus
 from pipelines.errors import StageError, cause_line, is_deterministic
 from pipelines.evaluation.predictors import load_eval_model, load_posteriors
 from pipelines.evaluation.runtime import RuntimeFields
@@ -174,13 +175,6 @@ def wait_for_actors(ready: Sequence[Any], cfg: RuntimeFields, what: str) -> None
               "(on a cluster without GPUs, set evaluate.gpus_per_actor=0)", flush=True)
 
 
-def _cpus() -> tuple[float, float]:
-    """``(free, total)`` CPUs of the cluster now."""
-    import ray
-
-    return float(ray.available_resources().get("CPU", 0.0)), float(ray.cluster_resources().get("CPU", 0.0))
-
-
 def round_size(cfg: RuntimeFields, what: str, settle_s: float | None = None) -> int:
     """How many actors a round starts so that the Ray Data decode tasks feeding them keep a
     CPU: ``cfg.num_actors`` when the free CPUs cover them plus one decode task
@@ -194,11 +188,7 @@ def round_size(cfg: RuntimeFields, what: str, settle_s: float | None = None) -> 
     if each <= 0 or cfg.decode_cpus <= 0:
         return n
     need = n * each + cfg.decode_cpus
-    deadline = time.perf_counter() + (min(30.0, cfg.stall_timeout_s) if settle_s is None else settle_s)
-    free, total = _cpus()
-    while free + 1e-9 < need and time.perf_counter() < deadline:
-        time.sleep(0.5)
-        free, total = _cpus()
+    free, total = free_cpus(need, min(30.0, cfg.stall_timeout_s) if settle_s is None else settle_s)
     if free + 1e-9 >= need:
         return n
     fit = max(1, min(n, int((free - cfg.decode_cpus + 1e-9) // each)))
@@ -208,7 +198,7 @@ def round_size(cfg: RuntimeFields, what: str, settle_s: float | None = None) -> 
 
 
 def _stall_line(what: str, cfg: RuntimeFields, n: int, waited: float) -> str:
-    free, total = _cpus()
+    free, total = free_cpus(0.0, 0.0)
     return (f"{what}: no progress for {waited:.0f} s (evaluate.stall_timeout_s={cfg.stall_timeout_s:g}): "
             f"{n} actor(s) holding {n * cfg.cpus_per_actor:g} CPU wait for their data, whose decode tasks ask "
             f"for {cfg.decode_cpus:g} CPU each; the cluster has {free:g} of {total:g} CPUs free "
