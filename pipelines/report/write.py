@@ -38,8 +38,11 @@ def _output(output: Any) -> str:
 
 def write_report(output_dir_or_uri: str, run_summary: Mapping[str, Any],
                  metrics_by_method: Mapping[str, Mapping[str, Any]], search_table: Any = None,
-                 figures: Mapping[str, str] | None = None, endpoint_url: str | None = None) -> dict[str, str]:
+                 figures: Mapping[str, str] | None = None, endpoint_url: str | None = None,
+                 sections: Sequence[Any] = ()) -> dict[str, str]:
     """Write ``report.html``, ``report.md`` and ``figures/<name>.png`` under ``output_dir_or_uri``.
+    ``sections`` (:class:`~pipelines.report.page.Section`) are shown after the OOD and
+    selective-prediction tables (e.g. the history of a scheduled audit, :mod:`pipelines.report.history`).
 
     ``figures`` maps figure names to existing PNG paths/URIs that are used (inlined, linked) as
     they are; the standard figures not given are rendered from the data (``hyper`` only when
@@ -68,7 +71,7 @@ def write_report(output_dir_or_uri: str, run_summary: Mapping[str, Any],
         if name not in pngs:
             paths[name], pngs[name] = uri, storage.read_bytes(uri, endpoint_url)
     page = dataclasses.replace(page, figures=[figure_ref(n, png=pngs[n], link=_relative_link(out, u))
-                                              for n, u in paths.items()])
+                                              for n, u in paths.items()], practice=page.practice + list(sections))
     paths["html"] = storage.join(out, "report.html")
     paths["md"] = storage.join(out, "report.md")
     storage.write_bytes_atomic(paths["html"], render_html(page).encode("utf-8"), endpoint_url)
