@@ -275,7 +275,10 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
     audit = {"preset": cfg.preset, "config": to_dict(cfg), "models": listing, "report": None}
     paths = {}
     if per_model:
-        paths = write_audit_report(output, per_model, search_tables=tables, endpoint_url=ep)
+        from pipelines.report.history import audit_trends
+
+        paths = write_audit_report(output, per_model, search_tables=tables, endpoint_url=ep,
+                                   model_figures=audit_trends(output, list(per_model), ep))  # scheduled audits
         audit["report"] = {"html": paths["html"], "md": paths["md"]}
         audit["figures"] = {k: v for k, v in paths.items() if k not in ("html", "md")}
     else:

@@ -28,7 +28,7 @@ from pipelines.report.verdict import METRICS
 from pipelines.storage import uris as storage
 
 __all__ = ["HISTORY_FILE", "history_uri", "data_fingerprint", "run_rows", "read_history", "append_run",
-           "render_trend", "trend_parts"]
+           "render_trend", "trend_parts", "audit_trends"]
 
 HISTORY_FILE = "history.parquet"
 _TEXT = ("run", "model", "method", "data_fingerprint", "reused_from")
@@ -201,7 +201,9 @@ def trend_parts(root: str | None, output: str, model: str, store: Any = None) ->
     runs = _runs(rows)
     if len(runs) < 2:
         return {}, []
-    uri = storage.join(output, "figures", "trend.png")
+    from pipelines.storage.layout import figure_uri
+
+    uri = figure_uri(output, "trend")
     storage.write_bytes_atomic(uri, render_trend(rows), store)
     section = Section(title=f"Over time: {len(runs)} runs in {history_uri(root)}",
                       table=Table(["Method", "Metric", "This run [95% CI]", "Since the previous run",
@@ -209,3 +211,12 @@ def trend_parts(root: str | None, output: str, model: str, store: Any = None) ->
                       note=f"First run {runs[0]}; the figure 'trend' shows every run. A change is a difference of "
                            "point estimates on different data: compare it with the intervals.")
     return {"trend": uri}, [section]
+
+
+def audit_trends(output: str, models: Sequence[str], store: Any = None) -> dict[str, dict[str, str]]:
+    """``{model: {"trend": uri}}`` for the models of an audit whose own report drew a trend
+    (``<output>/models/<model>/figures/trend.png``), for the audit page's model sections."""
+    from pipelines.storage.layout import figure_uri, model_dir
+
+    found = {m: figure_uri(model_dir(output, m), "trend") for m in models}
+    return {m: {"trend": uri} for m, uri in found.items() if storage.exists(uri, store)}

@@ -81,7 +81,8 @@ def write_report(output_dir_or_uri: str, run_summary: Mapping[str, Any],
 
 def write_audit_report(output: str, per_model: Mapping[str, tuple[Mapping[str, Any], Mapping[str, Mapping[str, Any]]]],
                        search_tables: Mapping[str, Any] | None = None, title: str | None = None,
-                       endpoint_url: str | None = None) -> dict[str, str]:
+                       endpoint_url: str | None = None,
+                       model_figures: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, str]:
     """Several models in one comparison report: ``audit.html`` + ``audit.md`` under ``output``.
 
     ``per_model``: ``{model_name: (run_summary, metrics_by_method)}``; ``search_tables``:
@@ -89,6 +90,8 @@ def write_audit_report(output: str, per_model: Mapping[str, tuple[Mapping[str, A
     (one row per model, numbers stored / MB / Corr per method), one metrics table with a row per
     (model, method), the comparison figure (``figures/comparison.png``), and per model its
     reliability / entropy (/ hyper) figures (``figures/<model>/<name>.png``) and counts.
+    ``model_figures``: ``{model: {figure name: existing PNG URI}}`` shown in that model's section too
+    (e.g. the scheduled audit's ``trend``, :mod:`pipelines.report.history`).
     Returns ``{"html", "md", "comparison", "<model>/<figure>": uri, ...}``.
     """
     if not isinstance(per_model, Mapping) or not per_model:
@@ -120,6 +123,10 @@ def write_audit_report(output: str, per_model: Mapping[str, tuple[Mapping[str, A
             storage.write_bytes_atomic(uri, png, endpoint_url)
             paths[f"{model}/{name}"] = uri
             figs.append(figure_ref(name, png=png, link=_relative_link(out, uri), alt=f"{model} {name}"))
+        for name, uri in (model_figures or {}).get(model, {}).items():
+            paths[f"{model}/{name}"] = uri
+            figs.append(figure_ref(name, png=storage.read_bytes(uri, endpoint_url), link=_relative_link(out, uri),
+                                   alt=f"{model} {name}"))
         sections.append(model_section(model, safe[model], summary, rows, figs))
     comparison = figure_ref("comparison", png=comp, link=_relative_link(out, paths["comparison"]),
                             caption="NLL, ECE, OOD AUROC and posterior size per model and method.")

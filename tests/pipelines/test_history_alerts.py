@@ -133,6 +133,14 @@ def test_trend_figure_and_change_table_from_two_runs(tmp_path):
     assert row[2].startswith("85.0%") and row[3].startswith("-5.0 pts") and row[4].startswith("-5.0 pts")
 
 
+def test_audit_page_finds_each_models_trend(tmp_path):
+    from pipelines.report.history import audit_trends, trend_parts
+
+    _append_twice(str(tmp_path / "root"))
+    figures, _ = trend_parts(str(tmp_path / "root"), str(tmp_path / "audit" / "models" / "resnet50"), "resnet50")
+    assert audit_trends(str(tmp_path / "audit"), ["resnet50", "resnet18"]) == {"resnet50": figures}
+
+
 # --------------------------------------------------------------------------- reuse
 def test_first_difference_names_the_setting():
     from pipelines.cli.reuse import first_difference
