@@ -143,7 +143,8 @@ def render_trend(rows: Sequence[Mapping[str, Any]]) -> bytes:
     fig.subplots_adjust(left=0.07, right=0.84, bottom=0.16 / nrows, top=1 - 0.5 / (2.9 * nrows + 0.9),
                         wspace=0.35, hspace=0.55)
     methods = order_methods({r["method"] for r in rows})
-    labels = [dates[u].strftime("%Y-%m-%d") if hasattr(dates[u], "strftime") else str(dates[u]) for u in runs]
+    labels = [(dates[u].strftime("%Y-%m-%d") if hasattr(dates[u], "strftime") else str(dates[u]))
+              + "\n" + str(u).rstrip("/").rsplit("/", 1)[-1] for u in runs]  # the date and the run's folder
     for k, m in enumerate(metrics):
         ax = fig.add_subplot(nrows, ncols, k + 1)
         for i, meth in enumerate(methods):
