@@ -5,7 +5,7 @@ one's own data and weights (``--data``, ``--weights``), the way a weekly job run
 Two runs under one audit root (``--history ROOT``), the same weights, two data drops: week 1 on the
 demo's clean test split, week 2 on a drop of the same images under Gaussian noise at severity 5
 (ImageNet-C's ``c = 0.38``, :mod:`pipelines.ingest.corruptions`). Both carry ``--alert
-accuracy<0.6``. Checked:
+accuracy<0.9``. Checked:
 
 * week 2 computes no curvature pass: its ``run.json`` names week 1 as the origin of the curvature,
   posterior and search stages, its output holds no statistics and no marker of those stages, its
@@ -30,7 +30,7 @@ import pytest
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-RULE = "accuracy<0.6"  # the demo CNN is ~90% accurate on clean digits, near chance under heavy noise
+RULE = "accuracy<0.9"  # the demo CNN: 96-98% on the clean test digits, 78-81% under the noise (seeded)
 REUSED = ("curvature", "posterior", "search")
 DEMO_NORM = ["--set", "data.mean=[0.5, 0.5, 0.5]", "--set", "data.std=[0.5, 0.5, 0.5]"]
 
@@ -109,7 +109,7 @@ def test_second_run_takes_the_fitted_stages_and_only_evaluates(weeks):
     assert info2.posterior_uris == info1.posterior_uris and all(u.startswith(w1) for u in info2.posterior_uris.values())
     assert info2.hyper == info1.hyper and info2.temperature == info1.temperature
     # the evaluation ran on the new drop: other numbers than week 1's on the same weights
-    assert run2["results"]["map"]["accuracy"] < run1["results"]["map"]["accuracy"] - 0.2
+    assert run2["results"]["map"]["accuracy"] < run1["results"]["map"]["accuracy"] - 0.1
 
 
 def test_history_holds_both_runs_rows(weeks):
@@ -151,7 +151,8 @@ def test_alert_fires_on_the_second_drop_only(weeks):
     assert fired and {f["rule"] for f in fired} == {RULE}
     results = _run_json(weeks["w2"])["results"]
     for f in fired:
-        assert f["value"] == results[f["method"]]["accuracy"] < 0.6 and f["n"] == 100
+        assert f["value"] == results[f["method"]]["accuracy"] < 0.9 and f["n"] == 100
+    assert {f["method"] for f in fired} == set(results)  # every method lost accuracy on the noisy drop
         assert f["ci"] == pytest.approx(results[f["method"]]["intervals"]["ci"]["accuracy"])
     assert f"alert: {RULE} fired for map: accuracy = " in weeks["second"][1]
 
