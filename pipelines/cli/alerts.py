@@ -61,13 +61,14 @@ def parse_rules(rules: Sequence[str]) -> list[Rule]:
     for raw in rules:
         text = "".join(str(raw).split())
         m = _RULE.match(text)
+        where = f"--alert (schedule.alert) {raw!r}"
         if m is None:
-            raise ValueError(f"--alert {raw!r}: not a rule; write METRIC>NUMBER or METRIC<NUMBER (also >=, <=; "
+            raise ValueError(f"{where}: not a rule; write METRIC>NUMBER or METRIC<NUMBER (also >=, <=; "
                              f"METHOD.METRIC for one method), e.g. ece>0.05; metrics: {', '.join(valid)}")
         if m["metric"] not in valid:
-            raise ValueError(f"--alert {raw!r}: unknown metric {m['metric']!r}; valid: {', '.join(valid)}")
+            raise ValueError(f"{where}: unknown metric {m['metric']!r}; valid: {', '.join(valid)}")
         if m["method"] is not None and m["method"] not in methods:
-            raise ValueError(f"--alert {raw!r}: unknown method {m['method']!r}; valid: {', '.join(methods)}")
+            raise ValueError(f"{where}: unknown method {m['method']!r}; valid: {', '.join(methods)}")
         out.append(Rule(text, m["method"], m["metric"], m["op"], float(m["num"])))
     return out
 

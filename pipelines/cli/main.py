@@ -82,9 +82,11 @@ def get_args_parser(add_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--reuse", metavar="URI|auto|none",
                    help="take the curvature, posteriors and search of this earlier run (read in place) and evaluate "
                         "only; auto (default): a matching run under --history (docs/scheduled-audits.md)")
-    p.add_argument("--history", metavar="ROOT", help="audit root: append to ROOT/history.parquet; auto reuse looks there")
-    p.add_argument("--alert", metavar="RULES", help="e.g. 'ece>0.05,accuracy<0.70,inf.ood_auroc<0.8': exit code 3 "
-                                                    "and <output>/alerts.json when one fires")
+    p.add_argument("--history", metavar="ROOT",
+                   help="audit root: append to ROOT/history.parquet; auto reuse looks there")
+    p.add_argument("--alert", metavar="RULES",
+                   help="e.g. 'ece>0.05,accuracy<0.70,inf.ood_auroc<0.8': exit code 3 and <output>/alerts.json "
+                        "when one fires")
     p.add_argument("--address", help="Ray address (default: RAY_ADDRESS, else a local instance)")
     p.add_argument("--dry-run", action="store_true", help="parse and validate the config, print it, and exit")
     p.add_argument("--verbose", action="store_true", help="also show Ray's own log lines (Train, Data, the local instance)")

@@ -70,8 +70,9 @@ def run_rows(summary: Mapping[str, Any], splits: Any, when: _dt.datetime) -> lis
         if not isinstance(head, Mapping) or head.get("status") not in (None, "ok"):
             continue
         iv = head.get("intervals") if isinstance(head.get("intervals"), Mapping) else {}
-        row: dict[str, Any] = {"date": when, "run": summary.get("output"), "model": (summary.get("model") or {}).get("name"),
-                               "method": method, "data_fingerprint": data_fingerprint(splits), "reused_from": reused,
+        row: dict[str, Any] = {"date": when, "run": summary.get("output"),
+                               "model": (summary.get("model") or {}).get("name"), "method": method,
+                               "data_fingerprint": data_fingerprint(splits), "reused_from": reused,
                                "n": iv.get("n"), "n_ood": iv.get("n_ood"), "test_images": len(splits.test),
                                "ood_images": None if ood is None else len(ood)}
         for m in METRICS:

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _infra():
-    spec = importlib.util.spec_from_file_location("infoform_test_infra_helpers", ROOT / "tests" / "jobs" / "test_infra.py")
+    path = ROOT / "tests" / "jobs" / "test_infra.py"
+    spec = importlib.util.spec_from_file_location("infoform_test_infra_helpers", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)

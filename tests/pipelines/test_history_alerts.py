@@ -58,7 +58,8 @@ def test_rules_fire_per_method_and_write_alerts_json(tmp_path):
 
     lines: list[str] = []
     summary = _summary(str(tmp_path), acc=0.65, ece=0.08)
-    code = finish(["ece>0.05", "accuracy<0.70", "map.nll>1", "ood_auroc<0.8"], summary, str(tmp_path), log=lines.append)
+    rules = ["ece>0.05", "accuracy<0.70", "map.nll>1", "ood_auroc<0.8"]
+    code = finish(rules, summary, str(tmp_path), log=lines.append)
     assert code == ALERT_EXIT_CODE == 3
     doc = json.loads((tmp_path / "alerts.json").read_text())
     fired = {(f["rule"], f["method"]) for f in doc["fired"]}
@@ -79,7 +80,8 @@ def test_audit_listing_rules_name_the_model(tmp_path):
 
     listing = {"models": {"a": {"results": {"map": _head(0.9, 0.01)}}, "b": {"results": {"map": _head(0.5, 0.01)}}}}
     assert finish(["accuracy<0.7"], listing, str(tmp_path), log=lambda s: None) == 3
-    assert [(f["model"], f["method"]) for f in json.loads((tmp_path / "alerts.json").read_text())["fired"]] == [("b", "map")]
+    fired = json.loads((tmp_path / "alerts.json").read_text())["fired"]
+    assert [(f["model"], f["method"]) for f in fired] == [("b", "map")]
 
 
 # --------------------------------------------------------------------------- history

@@ -117,13 +117,13 @@ def test_history_holds_both_runs_rows(weeks):
 
     rows = pq.read_table(weeks["root"] / "history.parquet").to_pylist()
     methods = set(_run_json(weeks["w1"])["results"])
-    by_run = {r: [x for x in rows if x["run"] == r] for r in (str(weeks["w1"]), str(weeks["w2"]))}
-    assert {r["method"] for r in by_run[str(weeks["w1"])]} == methods == {r["method"] for r in by_run[str(weeks["w2"])]}
+    w1, w2 = str(weeks["w1"]), str(weeks["w2"])
+    by_run = {r: [x for x in rows if x["run"] == r] for r in (w1, w2)}
+    assert {r["method"] for r in by_run[w1]} == methods == {r["method"] for r in by_run[w2]}
     assert len(rows) == 2 * len(methods)
-    assert by_run[str(weeks["w1"])][0]["date"] <= by_run[str(weeks["w2"])][0]["date"]
-    assert {r["data_fingerprint"] for r in by_run[str(weeks["w1"])]} != {r["data_fingerprint"] for r in by_run[str(weeks["w2"])]}
-    assert {r["reused_from"] for r in by_run[str(weeks["w2"])]} == {str(weeks["w1"])}
-    assert {r["reused_from"] for r in by_run[str(weeks["w1"])]} == {None}
+    assert by_run[w1][0]["date"] <= by_run[w2][0]["date"]
+    assert {r["data_fingerprint"] for r in by_run[w1]} != {r["data_fingerprint"] for r in by_run[w2]}
+    assert {r["reused_from"] for r in by_run[w2]} == {w1} and {r["reused_from"] for r in by_run[w1]} == {None}
     for run, rs in by_run.items():
         results = _run_json(Path(run))["results"]
         for r in rs:
@@ -152,8 +152,8 @@ def test_alert_fires_on_the_second_drop_only(weeks):
     results = _run_json(weeks["w2"])["results"]
     for f in fired:
         assert f["value"] == results[f["method"]]["accuracy"] < 0.9 and f["n"] == 100
-    assert {f["method"] for f in fired} == set(results)  # every method lost accuracy on the noisy drop
         assert f["ci"] == pytest.approx(results[f["method"]]["intervals"]["ci"]["accuracy"])
+    assert {f["method"] for f in fired} == set(results)  # every method lost accuracy on the noisy drop
     assert f"alert: {RULE} fired for map: accuracy = " in weeks["second"][1]
 
 
