@@ -3,7 +3,7 @@
 
 Each run with ``schedule.history`` (``--history ROOT``) appends one row per (model, method) to
 ``ROOT/history.parquet``: when (UTC), the run's output URI, the model, the method, a fingerprint of
-the evaluation data (test split and OOD set listings), the run its fitted stages were read from,
+the evaluation data (test split and OOD set: location and listing), the run its fitted stages were read from,
 and every headline metric (:data:`pipelines.report.verdict.METRICS`) with its 95% bootstrap
 interval (``<metric>_lo``, ``<metric>_hi``) and the images behind it (``n``, ``n_ood``). The file
 is read, changed and written whole with an atomic write (:func:`pipelines.storage.uris.write_bytes_atomic`:
@@ -51,9 +51,11 @@ def _schema():
 
 
 def data_fingerprint(splits: Any) -> str:
-    """The evaluation data's fingerprint: the test split's listing and the OOD set's (when any)."""
+    """The evaluation data's fingerprint: where the test split and the OOD set are, and their
+    listings (relative paths and labels; a listing alone is the same for a copy of the images)."""
     ood = getattr(splits, "ood", None)
-    text = f"{splits.test.fingerprint}|{'' if ood is None else ood.fingerprint}"
+    parts = [splits.test] + ([] if ood is None else [ood])
+    text = "|".join(f"{getattr(p, 'root', '')}:{p.fingerprint}" for p in parts)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -33,6 +33,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 RULE = "accuracy<0.9"  # the demo CNN: 96-98% on the clean test digits, 78-81% under the noise (seeded)
 REUSED = ("curvature", "posterior", "search")
 DEMO_NORM = ["--set", "data.mean=[0.5, 0.5, 0.5]", "--set", "data.std=[0.5, 0.5, 0.5]"]
+#: fewer methods and samples than the preset, as tests/pipelines/test_score.py: the runs' cost is the point here
+SMALL = ["--set", "posterior.methods=[temperature, diag, inf]", "--set", "evaluate.mc_samples=4"]
 
 
 def _write_inputs(base: Path) -> dict[str, Path]:
@@ -66,7 +68,8 @@ def _main(*args: str) -> tuple[int, str, str]:
 def _week(inputs: dict[str, Path], root: Path, name: str, split: str, *extra: str) -> tuple[int, str, str]:
     return _main("--preset", "smoke", "--data", str(inputs["data"]), "--ood", str(inputs["ood"]),
                  "--model", "demo_cnn", "--weights", str(inputs["weights"]), "--output", str(root / name),
-                 "--history", str(root), "--alert", RULE, "--set", f"data.test_split={split}", *DEMO_NORM, *extra)
+                 "--history", str(root), "--alert", RULE, "--set", f"data.test_split={split}", *DEMO_NORM, *SMALL,
+                 *extra)
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +194,22 @@ def test_reuse_with_other_posterior_settings_is_refused_before_cluster_work(week
     inputs = weeks["inputs"]
     code, out, err = _main("--preset", "smoke", "--data", str(inputs["data"]), "--ood", str(inputs["ood"]),
                            "--model", "demo_cnn", "--weights", str(inputs["weights"]), "--output",
-                           str(tmp_path / "out"), "--reuse", str(weeks["w1"]), "--set", "posterior.rank=5", *DEMO_NORM)
+                           str(tmp_path / "out"), "--reuse", str(weeks["w1"]), "--set", "posterior.rank=5", *DEMO_NORM,
+                           *SMALL)
     _one_line_refusal(code, err, tmp_path / "out", f"--reuse {weeks['w1']}", "rank: 20 there, 5 here")
     assert "stage " not in out
+
+
+def test_reuse_of_a_run_made_with_other_weights_is_refused_in_one_line(weeks, tmp_path):
+    """The same model name, other weights' bytes: refused in preflight (the path alone never decides)."""
+    import torch
+
+    from pipelines.ingest.demo_data import small_cnn
+
+    inputs = weeks["inputs"]
+    torch.save(small_cnn(10, seed=1).state_dict(), tmp_path / "retrained.pt")
+    code, _, err = _main("--preset", "smoke", "--data", str(inputs["data"]), "--model", "demo_cnn",
+                         "--weights", str(tmp_path / "retrained.pt"), "--output", str(tmp_path / "out"),
+                         "--reuse", str(weeks["w1"]), *DEMO_NORM)
+    _one_line_refusal(code, err, tmp_path / "out", f"--reuse {weeks['w1']}: made with other weights")
+    assert not (tmp_path / "out" / "config.json").exists()
