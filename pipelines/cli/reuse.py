@@ -34,7 +34,7 @@ from pipelines.storage import layout
 from pipelines.storage import uris as storage
 
 __all__ = ["REUSED_STAGES", "ReusePlan", "record_uri", "weights_identity", "stage_trees", "plan_reuse",
-           "first_difference", "read_record", "run_dir_for"]
+           "first_difference", "read_record", "run_dir_for", "history_source"]
 
 #: The stages a run may take from an earlier one; the evaluation always runs on the new data.
 REUSED_STAGES = ("curvature", "posterior", "search")
@@ -194,7 +194,7 @@ def _explicit_source(uri: str, model: str, audit: bool, trees: dict[str, Any], k
     return origin
 
 
-def _history_source(root: str, output: str, model: str, audit: bool, keyed: dict[str, Any],
+def history_source(root: str, output: str, model: str, audit: bool, keyed: dict[str, Any],
                     store: Any) -> str | None:
     """The origin of the newest run under ``root`` whose keys all equal this run's."""
     want = {s: fingerprint(keyed[s]) for s in REUSED_STAGES}
@@ -234,7 +234,7 @@ def plan_reuse(model_run: Any, stages: Any) -> ReusePlan:
     if mode != "none" and not _computes_itself(cfg, output, store):
         if mode == "auto":
             if cfg.schedule.history:
-                origin = _history_source(cfg.schedule.history, output, spec.name, audit, keyed, store)
+                origin = history_source(cfg.schedule.history, output, spec.name, audit, keyed, store)
                 log(f"reuse: taking curvature, posteriors and search from {origin} (same weights, data and settings)"
                     if origin else f"reuse: no run under {cfg.schedule.history} has this run's weights, curvature "
                                    "data and settings; computing them")

@@ -176,3 +176,36 @@ def test_bad_schedule_flags_are_one_line_exit_2(flags, needle, capsys, tmp_path)
     assert main(["run", "--preset", "smoke", "--output", str(tmp_path / "o"), "--dry-run", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0]
+
+
+def _fake_run(run_dir, keys: dict, written_at: str, origin=None) -> None:
+    """A run folder as reuse reads it: reuse.json and the three stage markers (their content unused)."""
+    for stage in ("curvature", "posterior", "search"):
+        (run_dir / "stages").mkdir(parents=True, exist_ok=True)
+        (run_dir / "stages" / f"{stage}.json").write_text("{}")
+    origin = str(origin or run_dir)
+    (run_dir / "reuse.json").write_text(json.dumps({"keys": keys, "written_at": written_at,
+                                                    "origin": {s: origin for s in ("curvature", "posterior", "search")}}))
+
+
+def test_auto_reuse_takes_the_newest_matching_run_under_the_root(tmp_path):
+    from pipelines.cli.reuse import REUSED_STAGES, history_source
+    from pipelines.cli.stages import fingerprint
+
+    keyed = {s: {"stage": s, "model": {"weights": "sha256:1"}} for s in REUSED_STAGES}
+    keys = {s: fingerprint(keyed[s]) for s in REUSED_STAGES}
+    other = {**keys, "posterior": "0" * 16}
+    _fake_run(tmp_path / "w1", keys, "2026-11-02T03:00:00+00:00")
+    _fake_run(tmp_path / "w2", keys, "2026-11-09T03:00:00+00:00", origin=tmp_path / "w1")  # reused w1 itself
+    _fake_run(tmp_path / "w3", other, "2026-11-16T03:00:00+00:00")  # other posterior settings: never taken
+    out = str(tmp_path / "w4")
+    assert history_source(str(tmp_path), out, "m", False, keyed, None) == str(tmp_path / "w1")
+    _fake_run(tmp_path / "w5", keys, "2026-11-23T03:00:00+00:00")  # computed again later: the newest wins
+    assert history_source(str(tmp_path), out, "m", False, keyed, None) == str(tmp_path / "w5")
+    assert history_source(str(tmp_path), str(tmp_path / "w5"), "m", False, keyed, None) == str(tmp_path / "w1")
+    (tmp_path / "w5" / "stages" / "search.json").unlink()  # an origin missing a stage is not taken
+    assert history_source(str(tmp_path), out, "m", False, keyed, None) == str(tmp_path / "w1")
+    # an audit of several models: each model's folder under models/<name>
+    _fake_run(tmp_path / "a1" / "models" / "m", keys, "2026-11-30T03:00:00+00:00")
+    assert history_source(str(tmp_path), out, "m", True, keyed, None) == str(tmp_path / "a1" / "models" / "m")
+    assert history_source(str(tmp_path / "empty"), out, "m", False, keyed, None) is None
