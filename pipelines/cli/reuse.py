@@ -228,10 +228,14 @@ def plan_reuse(model_run: Any, stages: Any) -> ReusePlan:
     trees = stage_trees(model_run)
     identity = weights_identity(spec.weights, store)
     tc = model_run.splits.train_config
-    keyed = _keyed_trees(trees, identity, [list(tc.mean), list(tc.std)])
+    norm = [None if v is None else [float(x) for x in v] for v in (getattr(tc, "mean", None), getattr(tc, "std", None))]
+    keyed = _keyed_trees(trees, identity, norm)
     audit = bool(cfg.models)
     origin = None
-    if mode != "none" and not _computes_itself(cfg, output, store):
+    own = _computes_itself(cfg, output, store)
+    if own and mode not in ("auto", "none"):
+        log(f"reuse: {output} holds its own curvature stage already; --reuse {mode} is not used for it")
+    if mode != "none" and not own:
         if mode == "auto":
             if cfg.schedule.history:
                 origin = history_source(cfg.schedule.history, output, spec.name, audit, keyed, store)
