@@ -45,6 +45,7 @@ __all__ = [
     "ShiftSpec",
     "ActorSpec",
     "EvalSpec",
+    "ScheduleSpec",
     "method_range_entry",
     "RunConfig",
     "STAGES",
@@ -373,6 +374,22 @@ class EvalSpec(ActorSpec):
 
 
 @dataclass(frozen=True)
+class ScheduleSpec(Checked):
+    """Scheduled audits (docs/scheduled-audits.md, :mod:`pipelines.cli.reuse`, :mod:`pipelines.report.history`,
+    :mod:`pipelines.cli.alerts`): reuse an earlier run's fitted stages, append to a history, alert."""
+
+    reuse: str = setting("auto", "an earlier run's output URI whose curvature, posteriors and search this run reads in "
+                                 "place; auto: the newest matching run under schedule.history; none: compute them",
+                         fingerprint=False)
+    history: str | None = setting(None, "the audit root: each run appends its rows to <history>/history.parquet and "
+                                        "auto reuse looks at the runs in its sub-folders (null: neither)",
+                                  fingerprint=False)
+    alert: tuple[str, ...] = setting((), "rules like ece>0.05, accuracy<0.70 or inf.ood_auroc<0.8: a rule that "
+                                         "fires writes <output>/alerts.json and the job exits with code 3",
+                                     item="rule", fingerprint=False)
+
+
+@dataclass(frozen=True)
 class RunConfig(Checked):
     preset: str = setting("custom", "the preset's name")
     description: str = setting("", "one line on what the preset is for")
@@ -385,6 +402,7 @@ class RunConfig(Checked):
     posterior: PosteriorSpec = setting(help="the posteriors", factory=PosteriorSpec)
     search: SearchSpec = setting(help="the (N, tau) search", factory=SearchSpec)
     evaluate: EvalSpec = setting(help="the evaluation and the actors", factory=EvalSpec)
+    schedule: ScheduleSpec = setting(help="scheduled audits: reuse, history, alerts", factory=ScheduleSpec)
     stages: tuple[str, ...] = setting(STAGES, "stages to run", choices=STAGES, item="stage")
     force: tuple[str, ...] = setting((), "stages to redo even when their artifacts exist", choices=STAGES,
                                      item="stage")
