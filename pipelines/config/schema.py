@@ -335,6 +335,8 @@ class ActorSpec(Checked):
     torch_threads: int | None = setting(None, "intra-op threads per actor (null: max(1, round(cpus_per_actor)))",
                                         range=COUNT, fingerprint=False)
     dtype: str = setting("float32", "the actors' model and input dtype (float64 for exact checks)", choices=DTYPES)
+    precision: str = setting("fp32", "the actors' forwards (search, evaluation, scoring) under autocast in this "
+                                     "precision (pred_type nn); draws formed outside it, metrics in float64", choices=PRECISIONS)
     max_failures: int = setting(2, "the actors' round starts again this often when an actor dies",
                                 range=NON_NEGATIVE, fingerprint=False)
     log_every_s: float = setting(30.0, "progress line interval of the actors (seconds)", range=POSITIVE,
@@ -349,6 +351,11 @@ class ActorSpec(Checked):
     ece_bins: int = setting(DEFAULT_ECE_BINS, "bins of the headline ECE", range=COUNT)
 
     def _check(self) -> None:
+        if self.precision != "fp32" and self.dtype != "float32":
+            raise ValueError(f"precision {self.precision} runs a float32 model under autocast; dtype is {self.dtype}")
+        if self.precision != "fp32" and self.pred_type != "nn":
+            raise ValueError(f"precision {self.precision} applies to pred_type nn; pred_type glm (Jacobian-vector "
+                             "products, the closed-form last layer) runs in fp32")
         if self.gpus_per_actor is not None:
             from pipelines.distributed.cluster import check_gpu_request
 

@@ -199,7 +199,8 @@ class LoadedRun:
 
         self.info, self.device = info, device
         self.ev = info.eval_config()
-        self.model = load_eval_model(info.model, dtype=self.ev.torch_dtype, device=device, endpoint_url=info.ep)
+        self.model = load_eval_model(info.model, dtype=self.ev.torch_dtype, device=device, endpoint_url=info.ep,
+                                     precision=self.ev.precision)
         posts = load_posteriors(info.posterior_uris, info.hyper or None, info.ep)
         self.posteriors = {m: p if torch.device(device).type == "cpu" else p.to(device) for m, p in posts.items()}
         self.hyper, self.temperature = dict(info.hyper), info.temperature
