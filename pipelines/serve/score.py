@@ -104,7 +104,7 @@ class ScoreActor(ModelActor):
             raise RuntimeError(f"ScoreActor could not start: {self.init_error}")
         x = torch.from_numpy(np.ascontiguousarray(batch["image"])).to(self.cfg.resolved_device,
                                                                       self.cfg.torch_dtype)
-        cols = predict_columns(self.model, self.predictor, x, self.settings.top_k, self.settings.keep_probs)
+        cols = self._fixed_size_columns(x, predict_columns)
         bad = ~np.asarray(batch["valid"], dtype=bool)
         if bad.any():  # undecodable images: a row each, no scores
             for k, v in cols.items():
@@ -114,6 +114,25 @@ class ScoreActor(ModelActor):
                     v[bad] = -1
         return {"path": batch["path"], "label": batch["label"], "valid": batch["valid"], "error": batch["error"],
                 **cols}
+
+
+    def _fixed_size_columns(self, x, predict_columns) -> dict[str, np.ndarray]:
+        """The columns of ``x``, every forward on exactly ``batch_size`` rows (the last piece
+        zero-padded, its padding dropped), as the evaluation's actors do
+        (:mod:`pipelines.evaluation.chunks`): an image's numbers then do not depend on which
+        rows Ray Data put beside it, so a resumed run writes the same bytes as an uninterrupted one."""
+        import torch
+
+        size = self.settings.map_batch_size or self.cfg.batch_size
+        pieces = []
+        for i in range(0, x.shape[0], size):
+            part = x[i:i + size]
+            real = part.shape[0]
+            if real < size:
+                part = torch.cat([part, part.new_zeros((size - real, *part.shape[1:]))])
+            cols = predict_columns(self.model, self.predictor, part, self.settings.top_k, self.settings.keep_probs)
+            pieces.append({k: v[:real] for k, v in cols.items()})
+        return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
 
 
 # --------------------------------------------------------------------------- output files
