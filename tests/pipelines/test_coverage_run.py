@@ -22,8 +22,8 @@ MODELS = ("vit_tiny_test", "convnext_tiny_test")
 
 def test_smoke_job_on_vit_and_convnext_shaped_models(ray_session, tmp_path):
     from laplace_core.io import load_tensors
-    from laplace_core.layers import find_layers
-    from laplace_core.structures.base import Posterior
+    from laplace_core.curvature.layers import find_layers
+    from laplace_core.posteriors.structures.base import Posterior
     from pipelines.config.load import load_config
     from pipelines.ingest.models import load_model
     from pipelines.cli.run import run

@@ -18,7 +18,7 @@ Four ``TorchTrainer.fit`` calls in all (each costs ~11-16 s of Ray Train overhea
   partitions 2 and 3 are computed, same statistics as one process.
 
 The MC Fisher draws each label from ``(seed, key of the image's path, draw)``
-(:class:`laplace_core.keyed_rng.KeyedSampler`), so 2 workers, a restarted worker and
+(:class:`laplace_core.curvature.keyed_rng.KeyedSampler`), so 2 workers, a restarted worker and
 one process all draw the same labels and the sums agree to round-off.
 """
 from __future__ import annotations
@@ -30,10 +30,10 @@ import pytest
 import torch
 
 import imagegen
-from laplace_core.collect import collect_efb, collect_statistics
-from laplace_core.structures.base import load_posterior
-from laplace_core.keyed_rng import KeyedSampler
-from laplace_core.posterior import build_posterior
+from laplace_core.curvature.collect import collect_efb, collect_statistics
+from laplace_core.posteriors.structures.base import load_posterior
+from laplace_core.curvature.keyed_rng import KeyedSampler
+from laplace_core.posteriors.build import build_posterior
 from pipelines.config.schema import ModelSpec
 from pipelines.storage import uris as storage
 from pipelines.passes.curvature import (

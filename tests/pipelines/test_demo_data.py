@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from laplace_core.layers import find_layers
+from laplace_core.curvature.layers import find_layers
 from pipelines.ingest import demo_data as dd
 
 pytest.importorskip("sklearn")

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torchvision
 
-from laplace_core.layers import find_layers
+from laplace_core.curvature.layers import find_layers
 from pipelines.passes.eigen import assign_layers, eigh_cost, loads
 
 

@@ -16,7 +16,7 @@ import torch
 
 import laplace_core as lc
 from laplace_core.metrics.suite import MetricSuite
-from laplace_core.predictive import MCPredictor
+from laplace_core.predictive.monte_carlo import MCPredictor
 from pipelines.evaluation.evaluate import evaluate
 from pipelines.evaluation.predictors import MAP
 from pipelines.evaluation.runtime import EvalConfig, SearchConfig
@@ -208,8 +208,8 @@ def test_actors_sharing_a_gpu_match_a_direct_cuda_computation(ray_session, digit
 
 def test_glm_predictive_in_evaluation_matches_glm_predictor(digits):
     """pred_type="glm": the evaluation path (fixed-size batches, accumulators) gives the
-    metrics of laplace_core.glm.GLMPredictor (MC-GLM, Banerjee Alg. 4) run directly."""
-    from laplace_core.glm import GLMPredictor
+    metrics of laplace_core.predictive.glm.GLMPredictor (MC-GLM, Banerjee Alg. 4) run directly."""
+    from laplace_core.predictive.glm import GLMPredictor
     from pipelines.evaluation.evaluate import evaluate_shard
     from pipelines.ingest.models import load_model
 

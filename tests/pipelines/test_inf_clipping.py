@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from laplace_core.posterior import build_posterior
+from laplace_core.posteriors.build import build_posterior
 from pipelines.passes.posterior import inf_clipping_at
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "core"))

@@ -138,7 +138,7 @@ def test_s3_weights(request, tmp_path):
 def test_model_coverage_lists_the_layers_a_selection_leaves_at_map():
     """posterior.layers: the run's coverage line names the selected layers and those left at
     MAP (first and last few of many); the default ("all") line is unchanged."""
-    from laplace_core.layer_selection import LayerSelectionError
+    from laplace_core.curvature.layer_selection import LayerSelectionError
     from pipelines.ingest.models import model_coverage
 
     cov = model_coverage("resnet18", 10, "map", "last")

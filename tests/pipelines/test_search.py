@@ -79,7 +79,7 @@ def test_method_ranges_map_the_same_draws_onto_a_method_s_own_ranges():
 def test_search_shard_scores_each_method_at_its_own_configurations(tiny):
     """Without Ray: ``search_shard`` under ``method_ranges`` gives every method the accumulators
     of a search over exactly that method's configurations."""
-    from laplace_core.structures.base import load_posterior
+    from laplace_core.posteriors.structures.base import load_posterior
     from pipelines.evaluation.search import search_shard
     from pipelines.ingest.models import tiny_cnn
     from safetensors.torch import load_file

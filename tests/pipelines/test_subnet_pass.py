@@ -1,6 +1,6 @@
 """pipelines.passes.subnet on a real local Ray: 2 Train workers over 2 partitions, one fit.
 
-The single-process reference is :func:`laplace_core.subnet.collect_subnet_fisher` over the
+The single-process reference is :func:`laplace_core.posteriors.subnet.collect_subnet_fisher` over the
 valid images with the MC labels drawn independently here (``keyed_categorical`` on the
 model's softmax, ``(seed, key of the image path, draw)``, 2 draws). Checks, float64:
 
@@ -23,10 +23,10 @@ import pytest
 import torch
 
 import imagegen
-from laplace_core.collect import collect_statistics
-from laplace_core.keyed_rng import KeyedSampler, keyed_categorical
-from laplace_core.structures.base import vec
-from laplace_core.subnet import collect_subnet_fisher, marginal_variances
+from laplace_core.curvature.collect import collect_statistics
+from laplace_core.curvature.keyed_rng import KeyedSampler, keyed_categorical
+from laplace_core.posteriors.structures.base import vec
+from laplace_core.posteriors.subnet import collect_subnet_fisher, marginal_variances
 from pipelines.config.schema import ConfigError, ModelSpec
 from pipelines.config.load import load_config
 from pipelines.passes.curvature import CurvatureConfig, path_keys, reduced_uri
@@ -148,7 +148,7 @@ def test_selection_is_wasserstein_on_reduced_stats(setup, ray_run):
 def test_posterior_from_artifact(setup, ray_run):
     out = build_and_save(setup["stats"], None, ["subnet"], None, setup["out"], n_data=50.0, prior_precision=2.0)
     F, count, _, meta = load_subnet_fisher(subnet_uri(setup["out"]))
-    from laplace_core.structures.base import load_posterior
+    from laplace_core.posteriors.structures.base import load_posterior
 
     post = load_posterior(out["subnet"]["uri"])
     D = meta["d_total"]

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_core.methods import REGISTRY, TEMPERATURE, layer_methods, method_info, posterior_methods
+from laplace_core.posteriors.methods import REGISTRY, TEMPERATURE, layer_methods, method_info, posterior_methods
 from laplace_core.metrics.calibration import Calibration
-from laplace_core.posterior import resolve_method
+from laplace_core.posteriors.build import resolve_method
 from pipelines.evaluation.temperature import T_BOUNDS, TemperaturePredictor, fit_temperature, temperature_nll
 
 

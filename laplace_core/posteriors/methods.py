@@ -1,8 +1,8 @@
 """The method registry: every posterior method's name written once, with what it needs.
 
 One :class:`MethodInfo` per method, read by everything that must know about methods:
-:func:`laplace_core.posterior.build_posterior` (the builder, whether an eigenbasis and the
-EFB pass are needed), :mod:`laplace_core.sizes` (which methods Lee et al.'s Table 3 counts
+:func:`laplace_core.posteriors.build.build_posterior` (the builder, whether an eigenbasis and the
+EFB pass are needed), :mod:`laplace_core.posteriors.sizes` (which methods Lee et al.'s Table 3 counts
 from the layer shapes), the run configuration's validation and the curvature passes in
 ``pipelines`` (which passes a method list requires), and the report (labels, colours,
 whether a method models weight correlations, the "Corr" column of Table 3).
@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from .eigenbasis import LayerBasis
+from ..basis.eigenbasis import LayerBasis
 from .sparsify import sparsify
 from .structures.base import LayerPosterior
 from .structures.diag import DiagLayer

@@ -2,7 +2,7 @@
 diagonal and the EFB sums of one layer (or all groups of a grouped convolution) for one
 batch of captured inputs and output gradients.
 
-The sums and their cost are those stated in :mod:`laplace_core.collect` (which runs
+The sums and their cost are those stated in :mod:`laplace_core.curvature.collect` (which runs
 the pass and owns the batching, label draws and finiteness checks); this module holds
 the arithmetic: :class:`LayerSums` for a layer ``W~`` (``m x n``) over ``T`` positions,
 :class:`GroupedConvSums` for the groups of one grouped convolution, both accumulating

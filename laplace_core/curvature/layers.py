@@ -22,7 +22,7 @@ owning parameters along dim 0, so in-place updates reach the module):
   ``F.linear`` instead of calling the module (``nn.MultiheadAttention.out_proj``,
   torchvision Swin's ``qkv`` / ``proj``).
 
-The views of the last two kinds are *tapped*: :mod:`laplace_core.hooks` sees their
+The views of the last two kinds are *tapped*: :mod:`laplace_core.curvature.hooks` sees their
 ``F.linear`` calls through a ``TorchFunctionMode`` (module hooks never fire for them).
 
 **Normalisation layers** (``find_layers(model, norm_layers="diag")``; the default
@@ -33,7 +33,7 @@ included) and ``nn.GroupNorm``, and ConvNeXt's layer scale (:class:`ScaleView`
 ``<block>.layer_scale``), kind ``"norm"``: ``W~ = [γ, β]`` is ``C x 2`` (``C x 1``
 without a bias). They get only the exact Fisher diagonal, and a **diagonal** posterior
 block whatever the method chosen for the other layers (see
-:mod:`laplace_core.posterior`).
+:mod:`laplace_core.posteriors.build`).
 
 ``W~`` has shape ``m x n``: ``m`` = output channels/features, ``n`` = fan-in
 (``c_in * kh * kw`` for a conv, in ``weight.reshape(m, -1)`` order, which is also
@@ -274,7 +274,7 @@ def find_layers(model: nn.Module, norm_layers: str = "map",
     trainable parameters to a reason. Modules whose parameters are frozen
     (``requires_grad=False``) are excluded too. ``norm_layers="diag"`` adds the
     normalisation layers (kind ``"norm"``, module docstring); ``"map"`` excludes them.
-    ``layers``: ``"all"``, ``"last"`` or names / globs (:func:`laplace_core.layer_selection.select_layers`,
+    ``layers``: ``"all"``, ``"last"`` or names / globs (:func:`laplace_core.curvature.layer_selection.select_layers`,
     resolved over the curvature layers above); the layers it leaves out are point estimates,
     in ``excluded`` under their owning module's name (under the view's name when only some
     views of a module are left out).

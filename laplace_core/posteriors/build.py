@@ -13,7 +13,7 @@ method         per-layer precision                                              
 =============  ===============================================================  =====================
 
 Normalisation layers (kind ``"norm"``, collected with ``norm_layers="diag"``; see
-:mod:`laplace_core.layers`) carry only the exact Fisher diagonal: their block is always
+:mod:`laplace_core.curvature.layers`) carry only the exact Fisher diagonal: their block is always
 ``diag`` (``P = N diag/M + τ``), whatever the method of the other layers, so every
 method's posterior then has a diagonal part for them.
 
@@ -30,9 +30,9 @@ from typing import Mapping
 
 import torch
 
-from .eigenbasis import Eigenbasis, LayerBasis, eigenbasis
+from ..basis.eigenbasis import Eigenbasis, LayerBasis, eigenbasis
 from .methods import REGISTRY, Builder, LayerInput, layer_methods, method_info, posterior_methods
-from .statistics import CurvatureStatistics, LayerStatistics
+from ..curvature.statistics import CurvatureStatistics, LayerStatistics
 from .structures.base import LayerPosterior, Posterior
 from .structures.diag import check_hyper
 from .structures.inf import MAX_L
@@ -48,7 +48,7 @@ Method = Enum("Method", {n.upper(): n for n in layer_methods()}, type=str)
 METHODS: dict[str, Builder] = {n: m.builder for n, m in REGISTRY.items() if m.per_layer}
 # Whole-network structures (covariance couples layers), built from extra inputs rather than
 # per layer from ``stats``: "subnet" (Daxberger et al. 2021) needs
-# ``subnet_fisher=(F_sum, count, masks)`` from laplace_core.subnet.collect_subnet_fisher.
+# ``subnet_fisher=(F_sum, count, masks)`` from laplace_core.posteriors.subnet.collect_subnet_fisher.
 WHOLE_METHODS: tuple[str, ...] = tuple(n for n, m in REGISTRY.items() if m.posterior and not m.per_layer)
 #: Every method with a posterior (the registry's ``temperature`` has none: nothing to build).
 ALL_METHODS: tuple[str, ...] = posterior_methods()
@@ -114,8 +114,8 @@ def build_posterior(
     eigenvalues clamped by the eigenbasis) and, for ``inf``, ``kept`` (``L`` per layer).
 
     ``method="subnet"`` (Daxberger et al. 2021) needs ``subnet_fisher=(F_sum, count, masks)``
-    from :func:`laplace_core.subnet.collect_subnet_fisher` / ``select_subnetwork`` and
-    builds :func:`laplace_core.subnet.build_subnet_posterior` (prior ``τ S / D_total``,
+    from :func:`laplace_core.posteriors.subnet.collect_subnet_fisher` / ``select_subnetwork`` and
+    builds :func:`laplace_core.posteriors.subnet.build_subnet_posterior` (prior ``τ S / D_total``,
     ``N`` default ``count``; ``stats`` may be None, else its layers must match the masks).
     """
     name = resolve_method(method)
@@ -191,7 +191,7 @@ def _build_subnet(stats, subnet_fisher, rank, n_data, prior_precision, dtype) ->
     if subnet_fisher is None or not isinstance(subnet_fisher, (tuple, list)) or len(subnet_fisher) != 3:
         raise ValueError(
             "method 'subnet' needs subnet_fisher=(F_sum, count, masks): masks from "
-            "laplace_core.subnet.select_subnetwork, (F_sum, count) from collect_subnet_fisher"
+            "laplace_core.posteriors.subnet.select_subnetwork, (F_sum, count) from collect_subnet_fisher"
         )
     F_sum, count, masks = subnet_fisher
     if stats is not None:

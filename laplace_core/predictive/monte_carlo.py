@@ -10,7 +10,7 @@ type only: sample ``t`` is ``posterior.sample(1, g_t)`` with a fresh
 ``torch.Generator`` seeded by :func:`sample_seed` (a BLAKE2b hash of
 ``(seed, t)``, stable across processes and Python versions). Every actor, every
 batch and every shard therefore sees the same ``θ_t``, whatever the batch order.
-Each draw is applied by :func:`laplace_core.sample_apply.applied`: added to the weights
+Each draw is applied by :func:`laplace_core.predictive.sample_apply.applied`: added to the weights
 (``W + δ`` in place, the MAP values restored exactly from saved copies), or, for the
 factored draws of KFAC / EFB / exact-prior KFAC on layers that see fewer input columns
 than they have outputs, added to the layer's output as ``δ x~`` without forming ``δ``
@@ -39,9 +39,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from .layers import find_layers, get_matrix
+from ..curvature.layers import find_layers, get_matrix
 from .sample_apply import SAMPLE_SPACES, applied
-from .structures.base import Posterior, ScaleFactors
+from ..posteriors.structures.base import Posterior, ScaleFactors
 
 __all__ = [
     "LIKELIHOODS",
@@ -133,7 +133,7 @@ def draw_sample(posterior: Posterior, seed: int, t: int) -> dict[str, torch.Tens
 
 def draw_sample_factored(posterior: Posterior, seed: int, t: int) -> dict[str, Any]:
     """Sample ``t`` as :func:`draw_sample`, with the layers that have one as
-    :class:`~laplace_core.structures.base.ScaleFactors` (core ``(1, m, n)``;
+    :class:`~laplace_core.posteriors.structures.base.ScaleFactors` (core ``(1, m, n)``;
     ``factors.matrix()[0]`` is ``draw_sample``'s delta bit for bit), the others as deltas."""
     g = sample_generator(seed, t, _posterior_device(posterior))
     return {k: v if isinstance(v, ScaleFactors) else v[0] for k, v in posterior.sample_factored(1, g).items()}
@@ -200,11 +200,11 @@ class MCPredictor:
     """MC predictive of ``model`` under ``posterior`` with ``n_samples`` weight samples.
 
     ``modules`` maps the posterior's layer names to the model's modules (default:
-    :func:`laplace_core.layers.find_layers`). Every posterior layer must exist there
+    :func:`laplace_core.curvature.layers.find_layers`). Every posterior layer must exist there
     with a ``W~`` of the same shape. ``cache_bytes``: keep the ``n_samples`` deltas
     in memory after first use when they need at most this many bytes (default 0:
     redraw per call). ``sample_space``: where factored draws go
-    (:data:`laplace_core.sample_apply.SAMPLE_SPACES`; ``"auto"``, the default, takes the
+    (:data:`laplace_core.predictive.sample_apply.SAMPLE_SPACES`; ``"auto"``, the default, takes the
     cheaper of weights and inputs per layer and call). Probabilities are summed over
     samples in float64 and returned in the model's output dtype.
     """

@@ -3,7 +3,7 @@
 Per layer ``P = A' ⊗ G'`` with ``A' = √N A/M + √τ I`` (n x n) and
 ``G' = √N G/M + √τ I`` (m x m). Stored through the eigendecompositions
 ``A/M = U_A diag(S_A) U_A^T``, ``G/M = U_G diag(S_G) U_G^T`` (from the
-:class:`~laplace_core.eigenbasis.Eigenbasis`), so ``A' = U_A diag(a) U_A^T`` with
+:class:`~laplace_core.basis.eigenbasis.Eigenbasis`), so ``A' = U_A diag(a) U_A^T`` with
 ``a = √N S_A + √τ`` and likewise ``g``.
 
 * ``P vec(V) = vec(G' V A')`` (``(A ⊗ G) vec(X) = vec(G X A^T)``).

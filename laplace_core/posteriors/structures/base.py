@@ -13,7 +13,7 @@ Per layer (:class:`LayerPosterior`):
 * ``scale_factors(Z)`` -> ``(L, C, R)`` with ``F Z = L C R^T`` for the structures whose
   ``F Z`` ends in two basis products (KFAC, EFB, exact-prior KFAC); ``None`` for the
   others. A predictor can then apply ``F Z`` to a layer's inputs instead of its weights
-  (``laplace_core.sample_apply``) without forming the ``m x n`` delta.
+  (``laplace_core.predictive.sample_apply``) without forming the ``m x n`` delta.
 * ``to_dense()`` -> ``P`` as an ``(mn) x (mn)`` matrix in ``vec`` (column-stacking)
   order, for small layers in tests only.
 * ``num_stored()`` -> numbers stored (Table 3 counting).
@@ -113,7 +113,7 @@ class LayerPosterior(abc.ABC):
     def covariance_matvec(self, v: torch.Tensor) -> torch.Tensor:
         """``P^{-1} v`` (the posterior covariance applied) for ``v`` of shape ``(m, n)`` or
         ``(k, m, n)``. Default: dense solve (small layers, tests); structures override it
-        with their closed forms (used by the GLM predictive, ``laplace_core.glm``)."""
+        with their closed forms (used by the GLM predictive, ``laplace_core.predictive.glm``)."""
         m, n = self.shape
         P = self.to_dense()
         x = vec(v).reshape(-1, m * n).T
@@ -253,7 +253,7 @@ class Posterior:
     def load(cls, uri: str, storage_options: Mapping[str, Any] | None = None) -> "Posterior":
         """The posterior saved with :meth:`save` at ``uri`` (checked by
         :func:`laplace_core.io.load_tensors`: format, size, SHA-256); ``storage_options`` as there."""
-        from ..io import load_tensors
+        from ...io import load_tensors
 
         tensors, meta = load_tensors(uri, storage_options)
         if not isinstance(meta, dict) or meta.get("format") != "infoform.posterior":
@@ -272,7 +272,7 @@ class Posterior:
         fsspec's keyword arguments for a remote ``uri`` (ignored for local paths). ``refs``:
         tensors stored in another artifact instead (e.g. the eigenbasis), as
         :func:`laplace_core.io.save_tensors` takes them; :meth:`load` reads them from there."""
-        from ..io import save_tensors
+        from ...io import save_tensors
 
         sd = self.state_dict()
         save_tensors(uri, sd["tensors"], sd["meta"], storage_options, refs=refs)

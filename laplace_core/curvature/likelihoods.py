@@ -8,7 +8,7 @@ Two likelihoods on the model output ``f`` of one example:
 The Fisher is ``E_y[∇ log p ∇ log p^T]``: with ``fisher="mc"`` the labels ``y`` are
 ``mc_samples`` draws from the model's predictive (the MC Fisher, averaged over draws),
 with ``fisher="empirical"`` the true labels (the empirical Fisher).
-:func:`sample_targets` is exactly what :func:`laplace_core.collect.collect_statistics`
+:func:`sample_targets` is exactly what :func:`laplace_core.curvature.collect.collect_statistics`
 draws for a batch.
 """
 from __future__ import annotations
@@ -142,7 +142,7 @@ def sample_targets(
     outputs ``out`` (classification: ``Categorical(softmax(out))`` via
     ``torch.multinomial(..., generator)``; regression: ``out + N(0, I)``).
     ``fisher="empirical"``: the labels, ``S = 1``. This is exactly what
-    :func:`laplace_core.collect.collect_statistics` draws for a batch, so a test can reproduce its labels
+    :func:`laplace_core.curvature.collect.collect_statistics` draws for a batch, so a test can reproduce its labels
     with a generator in the same state.
     """
     lik = likelihood_for(likelihood)

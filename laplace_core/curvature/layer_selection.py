@@ -1,7 +1,7 @@
 """Which curvature layers carry the posterior: ``layers = "all" | "last" | (names or globs)``.
 
 One pure function, :func:`select_layers`, resolves a selection against the curvature
-layer names of :func:`laplace_core.layers.find_layers` (model order), so that every pass
+layer names of :func:`laplace_core.curvature.layers.find_layers` (model order), so that every pass
 (pass 1, the EFB pass, the subnet pass) and every predictive sees the same set; the other
 layers stay point estimates at the MAP and are reported as such (``excluded``).
 
@@ -54,7 +54,7 @@ def _examples(names: Sequence[str], k: int = 6) -> str:
 def select_layers(names: Sequence[str], layers="all") -> tuple[str, ...]:
     """The selected curvature layer names, in the order of ``names`` (model order).
 
-    ``names``: the curvature layer names (:func:`laplace_core.layers.find_layers`).
+    ``names``: the curvature layer names (:func:`laplace_core.curvature.layers.find_layers`).
     :class:`LayerSelectionError` (a ``ValueError``; one line, with a few valid names) when a
     name or glob matches no layer.
     """

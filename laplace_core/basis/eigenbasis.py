@@ -12,7 +12,7 @@ from typing import Mapping
 
 import torch
 
-from .statistics import CurvatureStatistics
+from ..curvature.statistics import CurvatureStatistics
 
 __all__ = ["LayerBasis", "Eigenbasis", "factor_eigh", "layer_eigenbasis", "eigenbasis"]
 

@@ -2,11 +2,11 @@
 
 A draw gives each layer a delta ``δ = F z`` (``m x n``) for ``W~ = [W, b]``. For the
 structures whose ``F z`` ends in two basis products, ``δ = L C R^T``
-(:class:`~laplace_core.structures.base.ScaleFactors`: KFAC, EFB, exact-prior KFAC), there
+(:class:`~laplace_core.posteriors.structures.base.ScaleFactors`: KFAC, EFB, exact-prior KFAC), there
 are two exact ways to compute ``f(x; θ* + δ)`` at that layer:
 
 * **weights**: form ``δ = (L C) R^T`` (``m²n + mn²`` multiply-adds) and add it to the
-  weights in place (:func:`laplace_core.layers.perturbed`, the MAP restored from a copy);
+  weights in place (:func:`laplace_core.curvature.layers.perturbed`, the MAP restored from a copy);
 * **inputs**: keep the MAP weights and add ``δ x~`` to the layer's output, ``x~`` being
   the layer's input columns (``[x; 1]`` for ``nn.Linear``, ``[unfold(x); 1]`` for
   ``nn.Conv2d``, one column per example and output position):
@@ -25,23 +25,23 @@ The GEMMs run in the posterior's dtype, like the weight-space delta, and the res
 cast to the layer's output dtype. Nothing of size ``(mn) x anything`` is formed; the
 extra memory is ``r x n`` per input-space layer.
 
-Layer views (:mod:`laplace_core.layers`) have input-space routes of their own:
+Layer views (:mod:`laplace_core.curvature.layers`) have input-space routes of their own:
 
-* **conv groups** (:class:`~laplace_core.layers.GroupView`): one hook pair on the grouped
+* **conv groups** (:class:`~laplace_core.curvature.layers.GroupView`): one hook pair on the grouped
   convolution; for every factored group ``k``, ``δ_k x~_k`` with ``x~_k`` the patches of
   that group's input channels (``[unfold(x[:, group k]); 1]``, the convolution's stride,
-  padding and dilation, :func:`laplace_core.hooks.group_rows`), added to the group's output
+  padding and dilation, :func:`laplace_core.curvature.hooks.group_rows`), added to the group's output
   channels; the groups run as batched products. The convolution goes one way for all its
   factored groups, the cheaper by the summed :func:`draw_costs` (a group is rarely cheaper
   in input space: ``m/g`` outputs against ``T`` columns; depthwise: one output).
-* **tapped projections** (:class:`~laplace_core.layers.InProjView`, the packed q/k/v
-  projection of ``nn.MultiheadAttention``; :class:`~laplace_core.layers.TapView`, a linear
+* **tapped projections** (:class:`~laplace_core.curvature.layers.InProjView`, the packed q/k/v
+  projection of ``nn.MultiheadAttention``; :class:`~laplace_core.curvature.layers.TapView`, a linear
   layer its parent applies with ``F.linear``): a ``TorchFunctionMode`` active inside the
   block sees every ``F.linear`` call whose weight is such a layer's parameter (by identity)
   and adds ``δ x~`` (``x~ = [x; 1]`` over the last axis, any leading shape) to its result,
   or, when the weights are cheaper for that call, calls it with ``W + δ``. Inside the mode,
   ``F.multi_head_attention_forward`` of an attention block with such a layer runs as
-  :func:`laplace_core.hooks.mha_forward` (the same attention with visible ``F.linear``
+  :func:`laplace_core.curvature.hooks.mha_forward` (the same attention with visible ``F.linear``
   calls); the calls that one does not handle (cross-attention, separate q/k/v weights,
   ``bias_k``, zero attention, dropout in training, unbatched inputs) take the weight route,
   ``W + δ`` passed as the projection arguments of the library function.
@@ -60,9 +60,9 @@ import torch.nn.functional as tF
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .hooks import group_rows, mha_forward, num_positions
-from .layers import GroupView, LayerView, is_tapped, perturbed
-from .structures.base import ScaleFactors
+from ..curvature.hooks import group_rows, mha_forward, num_positions
+from ..curvature.layers import GroupView, LayerView, is_tapped, perturbed
+from ..posteriors.structures.base import ScaleFactors
 
 __all__ = ["SAMPLE_SPACES", "input_space_cheaper", "draw_costs", "applied"]
 
@@ -131,7 +131,7 @@ def _output_delta(module: nn.Module, x: torch.Tensor, positions: tuple[int, ...]
 def _group_delta(conv: nn.Conv2d, x: torch.Tensor, groups: list[tuple[int, ScaleFactors]]) -> torch.Tensor:
     """``δ_k x~_k`` of the listed groups ``(k, factors)`` of a grouped convolution, in its
     output layout ``(B, m, T)`` (zero in the other groups' channels): the group rows
-    ``(B, T, g, n)`` (:func:`~laplace_core.hooks.group_rows`, bias column included) times
+    ``(B, T, g, n)`` (:func:`~laplace_core.curvature.hooks.group_rows`, bias column included) times
     ``R_k``, ``C_k^T``, ``L_k^T``, one batched product over the groups each."""
     idx = [k for k, _ in groups]
     a = group_rows(conv, x)
@@ -156,7 +156,7 @@ _MHA_SIGNATURE = inspect.signature(mha_forward)
 
 
 def _mha_handled(a: Mapping[str, Any]) -> bool:
-    """Whether :func:`~laplace_core.hooks.mha_forward` runs this attention call (bound
+    """Whether :func:`~laplace_core.curvature.hooks.mha_forward` runs this attention call (bound
     arguments of ``F.multi_head_attention_forward``)."""
     q = a["query"]
     return (q is a["key"] and q is a["value"] and isinstance(q, torch.Tensor) and q.dim() == 3
@@ -171,7 +171,7 @@ class _TapApply(TorchFunctionMode):
     columns, device)`` decides a call's route, ``delta(name)`` forms a draw's ``m x n`` delta
     (once per block), ``note(name, mode)`` records the route. An attention call whose tapped
     layers all take the weight route runs the library function with ``W + δ`` (its fused
-    attention), not :func:`~laplace_core.hooks.mha_forward`."""
+    attention), not :func:`~laplace_core.curvature.hooks.mha_forward`."""
 
     def __init__(self, taps: Mapping[int, tuple[str, LayerView, ScaleFactors]], prefer_inputs: Callable,
                  delta: Callable[[str], torch.Tensor], note: Callable[[str, str], None]):
@@ -239,7 +239,7 @@ def applied(
     used: dict[str, str] | None = None,
 ) -> Iterator[None]:
     """Run ``modules``' model inside this block under ``draw``: ``name ->`` delta ``(m, n)``
-    (added to the weights, as :func:`~laplace_core.layers.perturbed`) or
+    (added to the weights, as :func:`~laplace_core.curvature.layers.perturbed`) or
     :class:`ScaleFactors` with a ``(1, m, n)`` or ``(m, n)`` core (weights or inputs, per
     ``space`` and each call's input shape; layer views as in the module docstring).
     ``used`` (optional) receives ``name -> "weights" / "inputs"`` for the factored layers'

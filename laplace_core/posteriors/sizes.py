@@ -30,7 +30,7 @@ depend on the EFB eigenvalues, i.e. on data. Without statistics only a **lower b
 available: the smallest ``a m + b n + a b + mn`` over all row/column counts ``a <= m``,
 ``b <= n`` that can hold ``K`` entries (``a b >= K``), see :func:`inf_lower_bound`.
 With statistics (``efb`` sums), :func:`count_sizes` uses the real ``I``/``J`` from
-:func:`laplace_core.sparsify.sparsify`.
+:func:`laplace_core.posteriors.sparsify.sparsify`.
 
 Pure functions of shapes: no data, no weights, no Ray; a model on the ``meta`` device works.
 """
@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from .methods import layer_methods, table3_methods
-from .statistics import CurvatureStatistics, LayerInfo
+from ..curvature.statistics import CurvatureStatistics, LayerInfo
 
 __all__ = [
     "METHODS",
@@ -172,7 +172,7 @@ class SizeReport:
     inf_from_statistics: bool = False
     at_map: dict[str, int] | None = None  # module type -> parameters left at MAP (None: no model given)
     norm_layers: str = "map"
-    selection: str = "all"  # the layer selection (laplace_core.layer_selection.selection_label)
+    selection: str = "all"  # the layer selection (laplace_core.curvature.layer_selection.selection_label)
 
     @property
     def totals(self) -> dict[str, int | None]:
@@ -272,7 +272,7 @@ def count_sizes(
     ``infos``: layer name -> :class:`LayerInfo` (``m = out_features``, ``n = in_features``).
     ``eigenvalues``: optional layer name -> EFB eigenvalues ``Λ`` (``m x n``, any positive scale);
     with ``rank`` given, INF's ``I``/``J`` come from ``sparsify(Λ, K) -> (rows, cols)``
-    (Algorithm 1, default :func:`laplace_core.sparsify.sparsify`) and the INF count is exact.
+    (Algorithm 1, default :func:`laplace_core.posteriors.sparsify.sparsify`) and the INF count is exact.
     """
     if rank is not None:
         rank = _check_rank(rank)
@@ -342,14 +342,14 @@ def model_sizes(
     """Counts for ``model``'s curvature layers (``find_layers``; works on the meta device).
 
     With ``stats`` (same layers and shapes as the model, else ``ValueError``) and ``rank``,
-    the INF count is exact. ``norm_layers``, ``layers``: as in :func:`laplace_core.layers.find_layers`
+    the INF count is exact. ``norm_layers``, ``layers``: as in :func:`laplace_core.curvature.layers.find_layers`
     (a layer selection counts the selected layers only; the others are at MAP).
     The report's coverage counts the parameters left at MAP per module type.
     """
     import dataclasses
 
-    from .layer_selection import selection_label
-    from .layers import find_layers
+    from ..curvature.layer_selection import selection_label
+    from ..curvature.layers import find_layers
 
     _, infos, excluded = find_layers(model, norm_layers=norm_layers, layers=layers)
     label = selection_label(layers)

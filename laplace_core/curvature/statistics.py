@@ -13,7 +13,7 @@ With ``mc_samples = S`` sampled labels per example, every output-gradient
 quantity (``G``, ``diag``, ``efb``) is averaged over the ``S`` draws, so each
 example still counts once in ``count``.
 
-Normalisation layers (kind ``"norm"``, :mod:`laplace_core.layers`) carry only ``diag``
+Normalisation layers (kind ``"norm"``, :mod:`laplace_core.curvature.layers`) carry only ``diag``
 (``A``, ``G`` and ``efb`` are ``None``): their posterior is diagonal whatever the method.
 
 ``count`` is ``M`` for ``A``, ``G`` and ``diag``; ``efb_count`` is the number of
@@ -282,7 +282,7 @@ class CurvatureStatistics:
         are fsspec's keyword arguments for a remote ``uri``. An exactly symmetric ``A`` / ``G`` is
         stored as its upper triangle (``<layer>/A_triu``, row-major; half the bytes), restored
         bit for bit by :meth:`load`."""
-        from .io import save_tensors
+        from ..io import save_tensors
 
         flat = {}
         for name, t in self.flat_tensors().items():
@@ -295,7 +295,7 @@ class CurvatureStatistics:
 
     @classmethod
     def load(cls, uri: str, storage_options: Mapping[str, Any] | None = None) -> "CurvatureStatistics":
-        from .io import load_tensors
+        from ..io import load_tensors
 
         tensors, meta = load_tensors(uri, storage_options)
         for name in [k for k in tensors if k.endswith(("/A_triu", "/G_triu"))]:

@@ -27,7 +27,7 @@ __all__ = ["KeyedSampler", "keyed_uniform", "keyed_categorical", "keyed_normal"]
 
 
 class KeyedSampler:
-    """Pass as ``generator=`` to :func:`laplace_core.collect.collect_statistics` to draw
+    """Pass as ``generator=`` to :func:`laplace_core.curvature.collect.collect_statistics` to draw
     the MC-Fisher labels from ``(seed, example key, draw)`` instead of a stream; every
     batch must then carry integer keys (dict batches: ``"key"``)."""
 

@@ -1,7 +1,7 @@
 """Explicit registry ``method name -> LayerPosterior class``.
 
 Handed to :mod:`.base` when this package is imported (:func:`.base.register_structures`), so
-that :meth:`~laplace_core.structures.base.Posterior.from_state_dict` rebuilds layers from
+that :meth:`~laplace_core.posteriors.structures.base.Posterior.from_state_dict` rebuilds layers from
 their saved ``method`` tag without :mod:`.base` importing the structures built on it.
 """
 from __future__ import annotations

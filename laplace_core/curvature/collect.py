@@ -8,7 +8,7 @@ per-example log-likelihood ``log p(y_k | x_k)`` over ``T`` positions:
 * ``G    = Σ_{k,t} g g^T``                           (m x m)
 * ``diag = Σ_k d_k ∘ d_k``, ``d_k = Σ_t g_{k,t} a_{k,t}^T`` (m x n, exact)
 * ``efb  = Σ_k (U_G^T d_k U_A)^2``                   (m x n, George et al. 2018;
-  with a basis from :func:`laplace_core.eigenbasis.eigenbasis`)
+  with a basis from :func:`laplace_core.basis.eigenbasis.eigenbasis`)
 
 Labels ``y_k`` are sampled from the model's predictive (``fisher="mc"``,
 ``mc_samples`` draws per example, output-gradient quantities averaged over the draws)
@@ -31,10 +31,10 @@ examples so that no intermediate exceeds ``max_chunk_elements`` elements; sums o
 about ``flush_examples`` examples stay in the compute dtype (inside the GEMMs) before
 being added to the ``dtype`` totals.
 
-The per-layer arithmetic is in :mod:`laplace_core.accumulate`, the likelihoods and label
-draws in :mod:`laplace_core.likelihoods`, the batch loop and the options
-(:class:`~laplace_core.batch_loop.PassOptions`, including ``precision``) in
-:mod:`laplace_core.batch_loop`; this module runs the pass.
+The per-layer arithmetic is in :mod:`laplace_core.curvature.accumulate`, the likelihoods and label
+draws in :mod:`laplace_core.curvature.likelihoods`, the batch loop and the options
+(:class:`~laplace_core.curvature.batch_loop.PassOptions`, including ``precision``) in
+:mod:`laplace_core.curvature.batch_loop`; this module runs the pass.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from torch import nn
 
 from .accumulate import EFB_ORDERS, Accumulator, GroupedConvSums, LayerSums, sym_blocks
 from .batch_loop import ModelBatch, PassOptions, draw_targets, model_batches, split_batch
-from .eigenbasis import Eigenbasis, LayerBasis
+from ..basis.eigenbasis import Eigenbasis, LayerBasis
 from .layers import GroupView, check_norm_layers, find_layers
 from .likelihoods import check_fisher, likelihood_for
 from .statistics import CurvatureStatistics, LayerInfo, LayerStatistics
@@ -226,7 +226,7 @@ def collect_statistics(
     """KFAC sums ``A``, ``G``, the exact Fisher diagonal and the count ``M`` in one pass;
     with ``basis`` also the EFB sums ``efb`` (and ``efb_count = M``).
 
-    Options: a :class:`~laplace_core.batch_loop.PassOptions` and/or its fields as keywords
+    Options: a :class:`~laplace_core.curvature.batch_loop.PassOptions` and/or its fields as keywords
     (``fisher="mc"``, ``mc_samples=1``, ``generator=None``, ``dtype=torch.float64``,
     ``likelihood="classification"``, ``progress=None``, ``max_chunk_elements=2**26``,
     ``flush_examples=256``, ``norm_layers="map"``, ``layers="all"``,
@@ -236,7 +236,7 @@ def collect_statistics(
     (or ``"x"``/``"y"``); ``y`` may be ``None`` for ``fisher="mc"``. The model runs in
     ``eval()`` mode (each module's mode is restored afterwards); parameters keep
     ``requires_grad`` and ``.grad`` is never written. ``generator`` drives the label
-    sampling (see :func:`sample_targets`); a :class:`~laplace_core.keyed_rng.KeyedSampler`
+    sampling (see :func:`sample_targets`); a :class:`~laplace_core.curvature.keyed_rng.KeyedSampler`
     instead draws each label from ``(seed, example key, draw)`` so that the sums do not
     depend on batching, sharding or restarts (batches then carry keys: ``"key"`` in dict
     batches or ``(x, y, keys)``). A batch whose outputs, log-likelihood,
@@ -247,16 +247,16 @@ def collect_statistics(
     before being added into the ``dtype`` sums. ``_efb_order`` (``"form"`` /
     ``"rotate"``, tests only) forces the EFB contraction order. ``precision="bf16"``
     (or ``"fp16"``) runs the forward and backward under autocast
-    (:mod:`laplace_core.batch_loop`); the products and sums stay as described.
+    (:mod:`laplace_core.curvature.batch_loop`); the products and sums stay as described.
 
     Shapes per layer (``W~`` is ``m x n``): ``A`` (n, n), ``G`` (m, m), ``diag`` and
     ``efb`` (m, n). Identities: docs/design.md §1; KFC (Grosse & Martens 2016) for convs.
 
-    ``norm_layers="diag"`` adds the normalisation layers (:mod:`laplace_core.layers`):
+    ``norm_layers="diag"`` adds the normalisation layers (:mod:`laplace_core.curvature.layers`):
     only their exact Fisher diagonal ``Σ_k d_k ∘ d_k`` (``d_k`` from
-    :func:`laplace_core.hooks.norm_grads`), no ``A``, ``G`` or ``efb``. ``layers``: which
+    :func:`laplace_core.curvature.hooks.norm_grads`), no ``A``, ``G`` or ``efb``. ``layers``: which
     curvature layers to collect (``"all"``, ``"last"``, names / globs;
-    :func:`laplace_core.layer_selection.select_layers`); the others stay at MAP (``excluded``).
+    :func:`laplace_core.curvature.layer_selection.select_layers`); the others stay at MAP (``excluded``).
     """
     opts = PassOptions.build(options, **option_values)
     res = _run(model, batches, kfac=True, basis=basis, opts=opts)

@@ -1,6 +1,6 @@
 """Capture layer inputs ``a`` and output gradients ``g`` for the registered layers.
 
-For every layer of :func:`laplace_core.layers.find_layers` (``nn.Linear``, ``nn.Conv2d``
+For every layer of :func:`laplace_core.curvature.layers.find_layers` (``nn.Linear``, ``nn.Conv2d``
 and the layer views: conv groups, attention projections) one forward pass records
 
 * the module's input ``x`` (a reference to the tensor autograd saves anyway), from
@@ -24,7 +24,7 @@ edges only, so autograd never computes weight gradients (``.grad`` is untouched)
 A module called twice in one forward pass (weight sharing) has no single
 ``(a, g)`` pair per example; it raises a ``ValueError`` naming the layer.
 
-Layer views (:mod:`laplace_core.layers`): the ``g`` groups of a grouped convolution
+Layer views (:mod:`laplace_core.curvature.layers`): the ``g`` groups of a grouped convolution
 share one forward hook on the convolution and one output edge; each group's rows are
 its channel slices of that input and output gradient. *Tapped* layers (the packed
 q/k/v projection of ``nn.MultiheadAttention``, its ``out_proj``, Swin's ``qkv`` /
@@ -154,7 +154,7 @@ def _conv_rows(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
 
 def group_rows(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     """Patch rows of every group of a grouped ``Conv2d`` at once, ``(B, T, g, n)``: entry
-    ``[:, :, k]`` is :func:`layer_inputs` of group ``k``'s :class:`~laplace_core.layers.GroupView`
+    ``[:, :, k]`` is :func:`layer_inputs` of group ``k``'s :class:`~laplace_core.curvature.layers.GroupView`
     (its input channels' patches, then the ones column when there is a bias)."""
     pads = conv_padding(conv)
     if any(pads):
@@ -185,7 +185,7 @@ def layer_output_grads(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
     """Rows ``g_{k,t}`` of the output gradient, shape ``(B, T, m)``.
 
     Conv2d: ``(B, m, H', W')`` becomes the view ``(B, m, T).transpose(1, 2)``; a conv group
-    (:class:`~laplace_core.layers.GroupView`) takes its output channels of the whole
+    (:class:`~laplace_core.curvature.layers.GroupView`) takes its output channels of the whole
     convolution's gradient first. Linear: ``(B, *, m)`` becomes ``(B, T, m)``.
     """
     if layer_kind(module) is LayerKind.CONV2D:

@@ -1,5 +1,5 @@
 """The batch loop shared by every pass over the data: pass 1 and the EFB pass
-(:mod:`laplace_core.collect`) and the subnetwork Fisher (:mod:`laplace_core.subnet`).
+(:mod:`laplace_core.curvature.collect`) and the subnetwork Fisher (:mod:`laplace_core.posteriors.subnet`).
 
 :func:`model_batches` runs the model on each batch with the layer capture installed and
 yields a :class:`ModelBatch` (inputs, outputs, labels, keys); the passes draw their labels
@@ -12,7 +12,7 @@ own dtype (bit for bit what the passes computed before the option existed); ``"b
 gradients are captured in the compute dtype. The logits are read in float32 for the label
 draws and the output gradient; the consumers cast the captured rows to the model's dtype
 (float32) before the products, which accumulate in float32 and are added to the float64
-sums (:class:`laplace_core.accumulate.Accumulator`).
+sums (:class:`laplace_core.curvature.accumulate.Accumulator`).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class PassOptions:
     called after each batch with the examples seen; ``max_chunk_elements``: the largest
     intermediate; ``flush_examples``: examples summed in the compute dtype before being added
     to the ``dtype`` sums; ``efb_order``: force the EFB contraction order (tests);
-    ``norm_layers`` / ``layers``: which layers (:func:`laplace_core.layers.find_layers`);
+    ``norm_layers`` / ``layers``: which layers (:func:`laplace_core.curvature.layers.find_layers`);
     ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (module docstring);
     ``channels_last``: run convolutions on channels-last inputs and weights.
     """

@@ -10,7 +10,7 @@ the ``W~`` layout: a dict ``name -> (m, n)`` delta per curvature layer.
   shape and bias column); batched deltas ``(k, m, n)`` are ``vmap``-ed.
 * :func:`glm_covariance`: exact ``J Σ J^T`` ``[B, C, C]``. Per layer, with the layer
   inputs ``a_{k,t}`` and the output Jacobian rows ``g_{k,t,c} = ∂f_c/∂z_{k,t}`` (one
-  backward pass per output ``c``, captured with :mod:`laplace_core.hooks`):
+  backward pass per output ``c``, captured with :mod:`laplace_core.curvature.hooks`):
   - Linear layers with one position (``T = 1``), closed forms (never forming ``J``):
     KFAC (Banerjee eq. 15): ``Σ_l = A'^{-1} ⊗ G'^{-1}`` gives
     ``J_l Σ_l J_l^T = (a^T A'^{-1} a) (Γ^T G'^{-1} Γ)``, ``Γ = [g_1 .. g_C]`` (m x C);
@@ -22,7 +22,7 @@ the ``W~`` layout: a dict ``name -> (m, n)`` delta per curvature layer.
   Cross-layer terms vanish for the block-diagonal structures; the subnet posterior
   couples layers and is handled as a whole.
 * MC-GLM (Banerjee Alg. 4): ``η_t ~ N(0, Σ)`` from the posterior's own sampler, keyed by
-  ``(seed, t)`` exactly like :func:`laplace_core.predictive.draw_sample` (so every batch
+  ``(seed, t)`` exactly like :func:`laplace_core.predictive.monte_carlo.draw_sample` (so every batch
   and shard sees the same ``η_t``), pushed through one JVP each:
   ``logits_t = f(x, θ*) + J η_t``. The paper's finite-difference form
   ``J η ≈ (f(θ* + ε η) − f(θ*)) / ε`` is the option ``fd_eps=ε``.
@@ -45,13 +45,13 @@ import torch
 from torch import nn
 from torch.func import functional_call, jvp, vmap
 
-from .hooks import capture, layer_inputs, layer_output_grads, norm_grads, reference_attention
-from .layers import LayerKind, find_layers, get_matrix, layer_kind, owner_params, perturbed
-from .predictive import SampleCache, check_layers, draw_stats, eval_mode, sample_seed
-from .structures.base import LayerPosterior, Posterior
-from .structures.diag import DiagLayer
-from .structures.efb import EigenDiagLayer
-from .structures.kron import KronLayer
+from ..curvature.hooks import capture, layer_inputs, layer_output_grads, norm_grads, reference_attention
+from ..curvature.layers import LayerKind, find_layers, get_matrix, layer_kind, owner_params, perturbed
+from .monte_carlo import SampleCache, check_layers, draw_stats, eval_mode, sample_seed
+from ..posteriors.structures.base import LayerPosterior, Posterior
+from ..posteriors.structures.diag import DiagLayer
+from ..posteriors.structures.efb import EigenDiagLayer
+from ..posteriors.structures.kron import KronLayer
 
 __all__ = [
     "LINKS",
@@ -208,7 +208,7 @@ def output_jacobian_pieces(
     (examples are independent in eval mode). ``J_l[k, c] = Σ_t g[c, k, t] a[k, t]^T``.
     One forward and ``C`` backward passes. A normalisation layer (kind ``"norm"``) has no
     ``(a, g)`` factorisation: its entry is ``(None, J [C, B, m, n])``, the per-example
-    Jacobian rows from :func:`laplace_core.hooks.norm_grads`.
+    Jacobian rows from :func:`laplace_core.curvature.hooks.norm_grads`.
     """
     modules = _modules(model, modules)
     with eval_mode(model), capture(model, modules) as cap, torch.enable_grad():
@@ -377,8 +377,8 @@ class GLMPredictor:
     finite-difference form of Alg. 4 with step ``ε`` instead of exact JVPs.
     ``chunk``: MC directions pushed through one ``vmap``-ed JVP. ``likelihood="regression"``:
     :meth:`predict` returns the mean ``f(x, θ*)`` and :meth:`predict_mean_var` the variance.
-    ``η_t`` = :func:`laplace_core.predictive.draw_sample` ``(posterior, seed, t)``: the same
-    weight directions as :class:`~laplace_core.predictive.MCPredictor` with that seed.
+    ``η_t`` = :func:`laplace_core.predictive.monte_carlo.draw_sample` ``(posterior, seed, t)``: the same
+    weight directions as :class:`~laplace_core.predictive.monte_carlo.MCPredictor` with that seed.
     """
 
     def __init__(
@@ -489,7 +489,7 @@ class GLMPredictor:
 
     def predict_batches_stats(self, batches: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """MC-GLM: one ``(log p̄ [B_j, C], E_t H(p_t) [B_j])`` per batch, float64, exact
-        log-mean-exp of the draws (:func:`laplace_core.predictive.draw_stats`); None for the
+        log-mean-exp of the draws (:func:`laplace_core.predictive.monte_carlo.draw_stats`); None for the
         probit links and regression (no draws: probabilities are all there is)."""
         if self.link != "mc" or self.likelihood != "classification":
             return None

@@ -1,7 +1,7 @@
 """Closed-form GLM predictive of a last-layer posterior (Kristiadi et al. 2020; Immer et al. 2021).
 
 When the posterior covers only the network's last ``nn.Linear`` (``layers="last"``,
-:mod:`laplace_core.layer_selection`) and that layer's output *is* the model output, the
+:mod:`laplace_core.curvature.layer_selection`) and that layer's output *is* the model output, the
 logits are linear in its ``W~ = [W, b]`` (``m = C`` rows): ``f = W~ φ(x)`` with the
 features ``φ(x)`` = the layer input with a bias 1 appended. With column-stacking ``vec``
 (docs/design.md §1), ``J(x) = φ(x)^T ⊗ I_C`` exactly (the GLM is the network itself), so the
@@ -17,7 +17,7 @@ no Kronecker product formed (``P`` is the structure's precision, ``Σ = P^{-1}``
   with ``Γ = I``).
 * eigenbasis-diagonal (efb, kfac_exact; ``Σ = (U_A ⊗ U_G) diag(vec e)^{-1} (U_A ⊗ U_G)^T``):
   ``Σ_f = U_G diag_i(Σ_j (U_A^T φ)_j² / e_ij) U_G^T``.
-* INF (``P = Dp^{1/2} (I + V V^T) Dp^{1/2}``, :mod:`laplace_core.structures.inf`): Woodbury,
+* INF (``P = Dp^{1/2} (I + V V^T) Dp^{1/2}``, :mod:`laplace_core.posteriors.structures.inf`): Woodbury,
   ``Σ = Dp^{-1} − Dp^{-1/2} V Q (I+Γ)^{-1} Q^T V^T Dp^{-1/2}``, hence
   ``Σ_f = diag_c(Σ_j φ_j² Dp^{-1}_cj) − M M^T`` with ``M = K Q (I+Γ)^{-1/2}`` (``C x L``) and
   ``K[c, (a,b)] = V^T vec(Dp^{-1/2} ∘ e_c φ^T) = s_ab U_g[c,a] R[c,b]``,
@@ -26,7 +26,7 @@ no Kronecker product formed (``P`` is the structure's precision, ``Σ = P^{-1}``
   ``Σ_f[c, d] = Σ_{i_k = c, i_l = d} φ_{j_k} Σ_S[k, l] φ_{j_l}`` (one-hot row sums,
   ``O(S²)`` per input, in blocks).
 
-:class:`LastLayerGLMPredictor` uses ``Σ_f`` with the links of :mod:`laplace_core.glm`:
+:class:`LastLayerGLMPredictor` uses ``Σ_f`` with the links of :mod:`laplace_core.predictive.glm`:
 ``"mc"`` averages ``softmax(f + L_f z_t)`` over Gaussian logits (``L_f L_f^T = Σ_f``,
 ``z_t ~ N(0, I_C)`` drawn from ``(seed, t)`` and shared by every input, so a batch or shard
 sees the same draws: the output-space version of MC-GLM, exact per input because the GLM is
@@ -40,13 +40,13 @@ import torch
 from torch import nn
 
 from .glm import probit_pairwise, probit_pi8
-from .layers import LayerKind, find_layers, is_tapped, layer_kind
-from .predictive import check_layers, draw_stats, eval_mode, sample_generator, sample_seed
-from .structures.base import LayerPosterior, Posterior
-from .structures.diag import DiagLayer
-from .structures.efb import EigenDiagLayer
-from .structures.inf import InfLayer
-from .structures.kron import KronLayer
+from ..curvature.layers import LayerKind, find_layers, is_tapped, layer_kind
+from .monte_carlo import check_layers, draw_stats, eval_mode, sample_generator, sample_seed
+from ..posteriors.structures.base import LayerPosterior, Posterior
+from ..posteriors.structures.diag import DiagLayer
+from ..posteriors.structures.efb import EigenDiagLayer
+from ..posteriors.structures.inf import InfLayer
+from ..posteriors.structures.kron import KronLayer
 
 __all__ = [
     "LINKS",
@@ -189,7 +189,7 @@ def last_layer_glm_covariance(model: nn.Module, posterior: Posterior, x: torch.T
                               max_elements: int = 2**25) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(f(x, θ*) [B, C], Σ_f [B, C, C])`` in closed form when the posterior covers only a last
     ``nn.Linear`` whose output is the model output; None otherwise (use
-    :func:`laplace_core.glm.glm_covariance`, which calls this first)."""
+    :func:`laplace_core.predictive.glm.glm_covariance`, which calls this first)."""
     mods = _modules(model, modules)
     name = last_linear_layer(model, posterior, mods)
     if name is None:
@@ -222,7 +222,7 @@ class LastLayerGLMPredictor:
     ``(seed, t)``), ``"probit"`` or ``"probit_pi8"``. ``ValueError`` at construction when the
     posterior is not over one ``nn.Linear``; when that layer's output turns out not to be the
     model output (seen on a batch) the batch goes to ``fallback`` (e.g. a
-    :class:`laplace_core.glm.GLMPredictor`), or ``ValueError`` without one.
+    :class:`laplace_core.predictive.glm.GLMPredictor`), or ``ValueError`` without one.
     """
 
     def __init__(self, model: nn.Module, posterior: Posterior, n_samples: int = 100, seed: int = 0,
@@ -297,7 +297,7 @@ class LastLayerGLMPredictor:
 
     def predict_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(log p̄ [B, C], E_t H(p_t) [B])`` of the ``"mc"`` link, float64 (exact
-        log-mean-exp, :func:`laplace_core.predictive.draw_stats`); None for the probit links."""
+        log-mean-exp, :func:`laplace_core.predictive.monte_carlo.draw_stats`); None for the probit links."""
         if self.link != "mc":
             return None
         parts = self._rows(x)

@@ -15,14 +15,14 @@
 2. **Inference** (§3): the full ``S x S`` Fisher over the selected weights,
    ``F_sum = Σ_k d_{k,S} d_{k,S}^T`` from per-example gradients gathered at the
    selected entries (:func:`collect_subnet_fisher`; MC / empirical labels as in
-   :mod:`laplace_core.collect`, or the exact GGN ``Σ_k J_S^T Λ J_S`` with
+   :mod:`laplace_core.curvature.collect`, or the exact GGN ``Σ_k J_S^T Λ J_S`` with
    ``Λ = diag(p) − p p^T`` (classification) or ``I`` (unit-noise regression)). Sums plus
    the count, so shards merge by addition.
 3. **Posterior**: ``P_S = N F_sum/count + τ (S / D_total) I`` (prior rescaling of §4 /
-   appendix C), :class:`~laplace_core.structures.subnet.SubnetPosterior`. Predict with
-   :mod:`laplace_core.glm` (linearised) or :class:`~laplace_core.predictive.MCPredictor`.
+   appendix C), :class:`~laplace_core.posteriors.structures.subnet.SubnetPosterior`. Predict with
+   :mod:`laplace_core.predictive.glm` (linearised) or :class:`~laplace_core.predictive.monte_carlo.MCPredictor`.
 
-Subnetwork order: layers in model order (:func:`~laplace_core.layers.find_layers`), within
+Subnetwork order: layers in model order (:func:`~laplace_core.curvature.layers.find_layers`), within
 a layer ascending ``vec`` (column-stacking) position of ``W~``.
 """
 from __future__ import annotations
@@ -35,11 +35,11 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from .batch_loop import ModelBatch, PassOptions, draw_targets, model_batches
-from .likelihoods import check_fisher, likelihood_for
-from .hooks import capture, layer_inputs, layer_output_grads, norm_grads
-from .layers import LayerKind, find_layers, layer_kind
-from .statistics import CurvatureStatistics
+from ..curvature.batch_loop import ModelBatch, PassOptions, draw_targets, model_batches
+from ..curvature.likelihoods import check_fisher, likelihood_for
+from ..curvature.hooks import capture, layer_inputs, layer_output_grads, norm_grads
+from ..curvature.layers import LayerKind, find_layers, layer_kind
+from ..curvature.statistics import CurvatureStatistics
 from .structures.base import Posterior, vec
 from .structures.diag import DiagLayer, check_hyper
 from .structures.subnet import SubnetLayerView, SubnetPosterior
@@ -264,7 +264,7 @@ def _layer_selected_grads(mod, x_in, g_out, rows, cols, max_chunk: int) -> torch
     """Per-example gradient entries ``d_k[rows, cols]`` (``(B, S_l)``) with
     ``d_k = Σ_t g_{k,t} a_{k,t}^T``: gathered products when ``T S_l <= m n``, else
     ``d_k`` formed by a batched matmul and gathered. Chunked over examples. A normalisation
-    layer's ``d_k`` comes from :func:`laplace_core.hooks.norm_grads`."""
+    layer's ``d_k`` comes from :func:`laplace_core.curvature.hooks.norm_grads`."""
     if layer_kind(mod) is LayerKind.NORM:
         return norm_grads(mod, x_in, g_out)[:, rows, cols]
     a3 = layer_inputs(mod, x_in)  # (B, T, n)
@@ -339,15 +339,15 @@ def collect_subnet_fisher(
 ) -> tuple[torch.Tensor, int]:
     """``(F_sum, count)``: ``F_sum = Σ_k w_s Σ_s d_{s,k,S} d_{s,k,S}^T`` (``S x S``, in ``dtype``).
 
-    Options: a :class:`~laplace_core.batch_loop.PassOptions` and/or its fields as keywords
+    Options: a :class:`~laplace_core.curvature.batch_loop.PassOptions` and/or its fields as keywords
     (``fisher="mc"``, ``mc_samples=1``, ``generator=None``, ``dtype=torch.float64``,
     ``likelihood="classification"``, ``max_chunk_elements=2**26``, ``precision="fp32"``).
 
     ``d_{s,k,S}`` = per-example gradient of ``log p(y_s | x_k)`` at the selected weights
     (subnetwork order, module docstring). ``fisher="mc"``: ``mc_samples`` labels drawn
     from the model's predictive with ``generator`` (the same draws as
-    :func:`laplace_core.collect.collect_statistics` makes from a generator in the same
-    state, or with a :class:`~laplace_core.keyed_rng.KeyedSampler` the same keyed draws,
+    :func:`laplace_core.curvature.collect.collect_statistics` makes from a generator in the same
+    state, or with a :class:`~laplace_core.curvature.keyed_rng.KeyedSampler` the same keyed draws,
     batches then carrying keys: ``(x, y, keys)`` or a dict ``"key"``),
     ``w_s = 1/mc_samples``; ``"empirical"``: true labels; ``"ggn"``: the exact
     GGN, ``Σ_k J_S^T Λ_k J_S`` (one backward pass per class/output). ``masks``: bool
