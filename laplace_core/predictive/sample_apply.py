@@ -231,6 +231,135 @@ class _TapApply(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _split_draw(modules: Mapping[str, nn.Module], draw: Mapping[str, Any], space: str,
+                used: dict[str, str] | None) -> tuple[dict, dict, dict]:
+    """``(plain, factored, views)``: the deltas added to the weights as they are, the factored
+    draws of plain layers and those of layer views. ``space="weights"`` forms every factored
+    delta here, so only ``plain`` is left."""
+    plain = {k: v for k, v in draw.items() if not isinstance(v, ScaleFactors)}
+    factored = {k: v for k, v in draw.items() if isinstance(v, ScaleFactors)}
+    views = {k: factored.pop(k) for k in [k for k in factored if isinstance(modules[k], LayerView)]}
+    if space == "weights":
+        plain.update({k: f.matrix().reshape(f.core.shape[-2:]) for k, f in {**factored, **views}.items()})
+        if used is not None:
+            used.update({k: "weights" for k in views})
+        factored, views = {}, {}
+    return plain, factored, views
+
+
+def _route_views(modules: Mapping[str, nn.Module], views: Mapping[str, ScaleFactors], plain: dict,
+                 used: dict[str, str] | None) -> tuple[dict, dict]:
+    """``(groups, taps)``: the factored views grouped by their grouped convolution
+    (``id(conv) -> (conv, name -> (group index, factors))``) and the tapped projections
+    (``id(weight) -> (name, view, factors)``); any other view's delta goes to ``plain``."""
+    groups: dict[int, tuple[nn.Conv2d, dict[str, tuple[int, ScaleFactors]]]] = {}
+    taps: dict[int, tuple[str, LayerView, ScaleFactors]] = {}
+    for k, f in views.items():
+        view = modules[k]
+        if isinstance(view, GroupView):
+            groups.setdefault(id(view.parent), (view.parent, {}))[1][k] = (view.index, f)
+        elif is_tapped(view):
+            taps[id(getattr(view.parent, view.weight_name))] = (k, view, f)
+        else:  # no input-space route
+            plain[k] = f.matrix().reshape(f.core.shape[-2:])
+            if used is not None:
+                used[k] = "weights"
+    return groups, taps
+
+
+class _FactoredBlock:
+    """What one :func:`applied` block shares between its hooks: the factored draws
+    (``every``), the deltas formed so far (once per block), the state open between a
+    pre- and a post-hook (``live``: the weight-space context, or the input) and the routes
+    taken (``used``)."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], every: Mapping[str, ScaleFactors], space: str,
+                 used: dict[str, str] | None):
+        self.modules, self.every, self.space, self.used = modules, every, space, used
+        self.live: dict[Any, Any] = {}  # name -> the open weight-space context, or the input (a tuple)
+        self.formed: dict[str, torch.Tensor] = {}  # name -> delta, formed once per block for every call that needs it
+
+    def delta(self, name: str) -> torch.Tensor:
+        if name not in self.formed:
+            f = self.every[name]
+            self.formed[name] = f.matrix().reshape(f.core.shape[-2:])
+        return self.formed[name]
+
+    def note(self, name: str, mode: str) -> None:
+        if self.used is not None:
+            self.used[name] = mode
+
+    def prefer_inputs(self, f: ScaleFactors, k: int, columns: int, device) -> bool:
+        return f.right.device == device and (self.space == "inputs" or input_space_cheaper(*f.core.shape[-2:], k, columns))
+
+    def _open_weights(self, key, modules: Mapping[str, nn.Module], names) -> None:
+        ctx = perturbed(modules, {k: self.delta(k) for k in names})
+        ctx.__enter__()
+        self.live[key] = ctx
+
+    def layer_hooks(self, name: str, f: ScaleFactors):
+        """The hook pair of a factored plain layer: inputs or weights, decided per call."""
+        mod = self.modules[name]
+
+        def pre(module, args):
+            x = args[0]
+            positions = _output_positions(module, x) if f.right.device == x.device else None
+            m, n = f.core.shape[-2:]
+            k = n - (module.bias is not None)
+            columns = 0 if positions is None else math.prod(positions)
+            if positions is not None and (self.space == "inputs" or input_space_cheaper(m, n, k, columns)):
+                self.live[name] = (x, positions)
+                mode = "inputs"
+            else:
+                self._open_weights(name, {name: module}, [name])
+                mode = "weights"
+            self.note(name, mode)
+
+        def post(module, args, output):
+            state = self.live.pop(name)
+            if isinstance(state, tuple):
+                return output + _output_delta(module, *state, f).to(output.dtype)
+            state.__exit__(None, None, None)
+            return None
+
+        return mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)
+
+    def group_hooks(self, conv: nn.Conv2d, members: dict[str, tuple[int, ScaleFactors]]):
+        """The hook pair of a grouped convolution: all its factored groups one way per call."""
+        key = ("groups", id(conv))
+        bias = conv.bias is not None
+
+        def pre(module, args):
+            x = args[0]
+            inputs = x.dim() == 4 and all(f.right.device == x.device for _, f in members.values())
+            if inputs and self.space != "inputs":
+                columns = x.shape[0] * num_positions(conv, x)
+                costs = [draw_costs(*f.core.shape[-2:], f.core.shape[-1] - bias, columns) for _, f in members.values()]
+                inputs = sum(c[1] for c in costs) < sum(c[0] for c in costs)
+            if inputs:
+                self.live[key] = (x,)
+            else:
+                self._open_weights(key, {k: self.modules[k] for k in members}, members)
+            for k in members:
+                self.note(k, "inputs" if inputs else "weights")
+
+        def post(module, args, output):
+            state = self.live.pop(key)
+            if isinstance(state, tuple):
+                d = _group_delta(conv, state[0], sorted(members.values(), key=lambda e: e[0]))
+                return output + d.reshape(output.shape).to(output.dtype)
+            state.__exit__(None, None, None)
+            return None
+
+        return conv.register_forward_pre_hook(pre), conv.register_forward_hook(post)
+
+    def close(self) -> None:
+        """Restore the weights of a forward that raised between a pre- and a post-hook."""
+        for state in self.live.values():
+            if not isinstance(state, tuple):
+                state.__exit__(None, None, None)
+
+
 @contextlib.contextmanager
 def applied(
     modules: Mapping[str, nn.Module],
@@ -248,115 +377,21 @@ def applied(
     many batches run inside it."""
     if space not in SAMPLE_SPACES:
         raise ValueError(f"unknown sample space {space!r}; valid: {', '.join(SAMPLE_SPACES)}")
-    plain = {k: v for k, v in draw.items() if not isinstance(v, ScaleFactors)}
-    factored = {k: v for k, v in draw.items() if isinstance(v, ScaleFactors)}
-    views = {k: factored.pop(k) for k in [k for k in factored if isinstance(modules[k], LayerView)]}
-    if space == "weights":
-        plain.update({k: f.matrix().reshape(f.core.shape[-2:]) for k, f in {**factored, **views}.items()})
-        if used is not None:
-            used.update({k: "weights" for k in views})
-        factored, views = {}, {}
-    groups: dict[int, tuple[nn.Conv2d, dict[str, tuple[int, ScaleFactors]]]] = {}
-    taps: dict[int, tuple[str, LayerView, ScaleFactors]] = {}
-    for k, f in views.items():
-        view = modules[k]
-        if isinstance(view, GroupView):
-            groups.setdefault(id(view.parent), (view.parent, {}))[1][k] = (view.index, f)
-        elif is_tapped(view):
-            taps[id(getattr(view.parent, view.weight_name))] = (k, view, f)
-        else:  # no input-space route
-            plain[k] = f.matrix().reshape(f.core.shape[-2:])
-            if used is not None:
-                used[k] = "weights"
+    plain, factored, views = _split_draw(modules, draw, space, used)
+    groups, taps = _route_views(modules, views, plain, used)
+    block = _FactoredBlock(modules, {**factored, **views}, space, used)
     handles = []
-    live: dict[Any, Any] = {}  # name -> the open weight-space context, or the input (a tuple)
-    formed: dict[str, torch.Tensor] = {}  # name -> delta, formed once per block for every call that needs it
-    every = {**factored, **views}
-
-    def delta(name: str) -> torch.Tensor:
-        if name not in formed:
-            f = every[name]
-            formed[name] = f.matrix().reshape(f.core.shape[-2:])
-        return formed[name]
-
-    def note(name: str, mode: str) -> None:
-        if used is not None:
-            used[name] = mode
-
-    def prefer_inputs(f: ScaleFactors, k: int, columns: int, device) -> bool:
-        return f.right.device == device and (space == "inputs" or input_space_cheaper(*f.core.shape[-2:], k, columns))
-
-    def make_hooks(name: str, f: ScaleFactors):
-        mod = modules[name]
-
-        def pre(module, args):
-            x = args[0]
-            positions = _output_positions(module, x) if f.right.device == x.device else None
-            m, n = f.core.shape[-2:]
-            k = n - (module.bias is not None)
-            columns = 0 if positions is None else math.prod(positions)
-            if positions is not None and (space == "inputs" or input_space_cheaper(m, n, k, columns)):
-                live[name] = (x, positions)
-                mode = "inputs"
-            else:
-                ctx = perturbed({name: module}, {name: delta(name)})
-                ctx.__enter__()
-                live[name] = ctx
-                mode = "weights"
-            note(name, mode)
-
-        def post(module, args, output):
-            state = live.pop(name)
-            if isinstance(state, tuple):
-                return output + _output_delta(module, *state, f).to(output.dtype)
-            state.__exit__(None, None, None)
-            return None
-
-        return mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)
-
-    def make_group_hooks(conv: nn.Conv2d, members: dict[str, tuple[int, ScaleFactors]]):
-        key = ("groups", id(conv))
-        bias = conv.bias is not None
-
-        def pre(module, args):
-            x = args[0]
-            inputs = x.dim() == 4 and all(f.right.device == x.device for _, f in members.values())
-            if inputs and space != "inputs":
-                columns = x.shape[0] * num_positions(conv, x)
-                costs = [draw_costs(*f.core.shape[-2:], f.core.shape[-1] - bias, columns) for _, f in members.values()]
-                inputs = sum(c[1] for c in costs) < sum(c[0] for c in costs)
-            if inputs:
-                live[key] = (x,)
-            else:
-                ctx = perturbed({k: modules[k] for k in members}, {k: delta(k) for k in members})
-                ctx.__enter__()
-                live[key] = ctx
-            for k in members:
-                note(k, "inputs" if inputs else "weights")
-
-        def post(module, args, output):
-            state = live.pop(key)
-            if isinstance(state, tuple):
-                d = _group_delta(conv, state[0], sorted(members.values(), key=lambda e: e[0]))
-                return output + d.reshape(output.shape).to(output.dtype)
-            state.__exit__(None, None, None)
-            return None
-
-        return conv.register_forward_pre_hook(pre), conv.register_forward_hook(post)
-
     try:
         for name, f in factored.items():
-            handles.extend(make_hooks(name, f))
+            handles.extend(block.layer_hooks(name, f))
         for conv, members in groups.values():
-            handles.extend(make_group_hooks(conv, members))
+            handles.extend(block.group_hooks(conv, members))
         with contextlib.ExitStack() as stack:
             stack.enter_context(perturbed(modules, plain))
             if taps:
-                stack.enter_context(_TapApply(taps, prefer_inputs, delta, note))
+                stack.enter_context(_TapApply(taps, block.prefer_inputs, block.delta, block.note))
             yield
     finally:
         for h in handles:
             h.remove()
-        for state in live.values():  # a forward that raised between a pre- and a post-hook
-            if not isinstance(state, tuple):
-                state.__exit__(None, None, None)
+        block.close()
