@@ -20,9 +20,11 @@ workers inherit it): RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (bind 127.0.0.1),
 RAY_AUTH_MODE=disabled, RAY_USAGE_STATS_ENABLED=0, RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.2
 (default only), and fake AWS credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY =
 "testing", AWS_DEFAULT_REGION=us-east-1, AWS_EC2_METADATA_DISABLED=true; AWS_PROFILE
-removed) so no test can reach a real account. The repository root and this directory are
+removed) so no test can reach a real account. The repository root, this directory and its
+sub-folders (one per ``pipelines/`` package, as ``tests/pipelines/<package>/test_*.py``) are
 put on ``PYTHONPATH`` (so Ray workers can import ``pipelines`` and functions defined in test
-modules, e.g. a Ray Train loop) and on ``sys.path`` (``import imagegen``).
+modules, e.g. a Ray Train loop: pytest imports a test module by its file name, from its folder);
+the root and this directory also on ``sys.path`` (``import imagegen``).
 """
 from __future__ import annotations
 
@@ -41,8 +43,11 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")
+#: the test folders, this one first; a test module's functions are imported by Ray workers by its file name
+_TEST_DIRS = [_HERE] + sorted(e.path for e in os.scandir(_HERE) if e.is_dir() and e.name.isidentifier()
+                              and not e.name.startswith("_"))
 _pp = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-os.environ["PYTHONPATH"] = os.pathsep.join([_REPO, _HERE] + [p for p in _pp if p not in (_REPO, _HERE)])
+os.environ["PYTHONPATH"] = os.pathsep.join([_REPO, *_TEST_DIRS] + [p for p in _pp if p not in (_REPO, *_TEST_DIRS)])
 for _p in (_HERE, _REPO):
     if _p not in sys.path:
         sys.path.insert(0, _p)

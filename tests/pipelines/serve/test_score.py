@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 PROB_TOL = 1e-6  # the acceptance tolerance: per-image probabilities, score vs the evaluation
 COLUMNS = ("path", "label", "valid", "error", "pred", "topk_classes", "topk_probs", "max_prob", "entropy",
            "expected_entropy", "mutual_information", "probs", "flag")
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from pipelines.report.page import build_report_page
 from pipelines.report.render import md_escape, render_html, render_markdown
 from pipelines.storage import uris as storage
 
-_BROWSER_PY = Path(__file__).resolve().parents[1] / "jobs" / "browser.py"
+_BROWSER_PY = Path(__file__).resolve().parents[2] / "jobs" / "browser.py"
 _spec = importlib.util.spec_from_file_location("infoform_test_browser", _BROWSER_PY)
 browser = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(browser)
@@ -289,7 +289,7 @@ def test_templates_are_package_data():
     import fnmatch
     import tomllib
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     found = setup["packages"]["find"]["include"] if "find" in setup.get("packages", {}) else setup["packages"]
     assert any(fnmatch.fnmatch("pipelines.report", g) for g in found)

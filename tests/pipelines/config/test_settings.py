@@ -19,7 +19,7 @@ from pipelines.cli.main import main
 from pipelines.config.schema import CurvatureSpec, EvalSpec, RunConfig
 from pipelines.config.settings import Interval, describe, fingerprint_fields, section_types
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 #: issue 32: a refused value is one line and exit 2 within this many seconds of starting the CLI
 REFUSE_WITHIN_S = 10.0
 #: a new interpreter's start-up (torch's import) on a loaded 2-core machine

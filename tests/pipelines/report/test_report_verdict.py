@@ -26,7 +26,7 @@ def _load(name: str, path: Path):
 
 
 _HERE = Path(__file__).resolve().parent
-browser = _load("infoform_test_browser_verdict", _HERE.parent / "jobs" / "browser.py")
+browser = _load("infoform_test_browser_verdict", _HERE.parents[1] / "jobs" / "browser.py")
 _report_tests = _load("infoform_test_report_helpers", _HERE / "test_report.py")
 make_search_table, make_summary = _report_tests.make_search_table, _report_tests.make_summary
 

@@ -10,7 +10,7 @@ import torch
 from laplace_core.posteriors.build import build_posterior
 from pipelines.passes.posterior import inf_clipping_at
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "core"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "core"))
 from test_structures import synthetic_stats  # noqa: E402
 
 

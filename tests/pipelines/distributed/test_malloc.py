@@ -14,7 +14,7 @@ import pytest
 
 from pipelines.distributed.malloc import ENV_SWITCH, tune_malloc
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 _PROBE = r"""
 import json, sys, torch

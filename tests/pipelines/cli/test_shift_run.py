@@ -117,7 +117,7 @@ def test_the_report_opens_with_the_summary_in_a_browser(shift_run, tmp_path):
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("infoform_test_browser_shift",
-                                                  Path(__file__).resolve().parents[1] / "jobs" / "browser.py")
+                                                  Path(__file__).resolve().parents[2] / "jobs" / "browser.py")
     browser = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(browser)
     path, reason = browser.ensure_chromium()

@@ -18,7 +18,7 @@ from pipelines.config.schema import ConfigError
 from pipelines.config.load import load_config
 from pipelines.ingest.models import load_model
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 JOB = ROOT / "jobs" / "imagenet_inf.py"
 
 MODULE = textwrap.dedent("""

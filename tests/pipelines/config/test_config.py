@@ -1,6 +1,6 @@
 """The one config tree: every runtime setting reachable from YAML / --set, derived
 mechanically; unknown keys name the closest valid one (data.mean / data.std reaching the
-pixels: tests/pipelines/test_model_factory.py)."""
+pixels: tests/pipelines/ingest/test_model_factory.py)."""
 import dataclasses
 
 import pytest
