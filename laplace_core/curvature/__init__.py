@@ -11,7 +11,9 @@ In the order the data meets them:
 * :mod:`.batch_loop`: the one loop over batches (mode, device, options) every pass runs;
 * :mod:`.accumulate`: the per-layer sums (``A``, ``G``, diagonal, EFB) of one batch;
 * :mod:`.statistics`: :class:`~.statistics.CurvatureStatistics`, the mergeable sums;
-* :mod:`.collect`: :func:`~.collect.collect_statistics`, the pass that ties them together.
+* :mod:`.collect`: :func:`~.collect.collect_statistics`, the pass that ties them together;
+* :mod:`.subnet_fisher`: the other pass on the same loop, the full ``S x S`` Fisher over the
+  weights a subnetwork selection (:mod:`laplace_core.posteriors.subnet`) keeps.
 
 The next floor, :mod:`laplace_core.basis`, turns the statistics into an eigenbasis.
 """

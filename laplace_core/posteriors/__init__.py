@@ -6,7 +6,8 @@
 * :mod:`.sparsify`: Algorithm 1 (the sparse information form's low-rank part);
 * :mod:`.methods`: the method registry (what each method needs, how it is built);
 * :mod:`.build`: :func:`~.build.build_posterior`, statistics -> posterior for any method;
-* :mod:`.subnet`: subnetwork Laplace (selection, its Fisher pass, its posterior);
+* :mod:`.subnet`: subnetwork Laplace (the selection; the posterior from the Fisher of
+  :mod:`laplace_core.curvature.subnet_fisher`);
 * :mod:`.sizes`: how many numbers each method stores (Lee et al.'s Table 3).
 
 The next floor, :mod:`laplace_core.predictive`, predicts with a posterior.

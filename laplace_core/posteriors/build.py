@@ -48,7 +48,7 @@ Method = Enum("Method", {n.upper(): n for n in layer_methods()}, type=str)
 METHODS: dict[str, Builder] = {n: m.builder for n, m in REGISTRY.items() if m.per_layer}
 # Whole-network structures (covariance couples layers), built from extra inputs rather than
 # per layer from ``stats``: "subnet" (Daxberger et al. 2021) needs
-# ``subnet_fisher=(F_sum, count, masks)`` from laplace_core.posteriors.subnet.collect_subnet_fisher.
+# ``subnet_fisher=(F_sum, count, masks)`` from laplace_core.curvature.subnet_fisher.collect_subnet_fisher.
 WHOLE_METHODS: tuple[str, ...] = tuple(n for n, m in REGISTRY.items() if m.posterior and not m.per_layer)
 #: Every method with a posterior (the registry's ``temperature`` has none: nothing to build).
 ALL_METHODS: tuple[str, ...] = posterior_methods()
@@ -114,7 +114,7 @@ def build_posterior(
     eigenvalues clamped by the eigenbasis) and, for ``inf``, ``kept`` (``L`` per layer).
 
     ``method="subnet"`` (Daxberger et al. 2021) needs ``subnet_fisher=(F_sum, count, masks)``
-    from :func:`laplace_core.posteriors.subnet.collect_subnet_fisher` / ``select_subnetwork`` and
+    from :func:`laplace_core.curvature.subnet_fisher.collect_subnet_fisher` / ``select_subnetwork`` and
     builds :func:`laplace_core.posteriors.subnet.build_subnet_posterior` (prior ``τ S / D_total``,
     ``N`` default ``count``; ``stats`` may be None, else its layers must match the masks).
     """

@@ -22,8 +22,9 @@ from laplace_core.curvature.likelihoods import FISHER_TYPES
 from laplace_core.curvature.batch_loop import PRECISIONS
 from laplace_core.posteriors.methods import method_names
 from laplace_core.metrics.base import DEFAULT_ECE_BINS, ECE_STRATEGIES, ENTROPY_BINS
-from laplace_core.posteriors.subnet import SELECTION_RULES, check_subnet_memory
-from laplace_core.posteriors.subnet import SUBNET_FISHER_TYPES as SUBNET_FISHERS
+from laplace_core.curvature.subnet_fisher import check_subnet_memory
+from laplace_core.posteriors.subnet import SELECTION_RULES
+from laplace_core.curvature.subnet_fisher import SUBNET_FISHER_TYPES as SUBNET_FISHERS
 from pipelines.config.settings import Checked, setting
 from pipelines.evaluation.predictors import PRED_TYPES
 from pipelines.ingest.corruptions import CORRUPTIONS, SEVERITIES, check_corruption

@@ -6,7 +6,7 @@
 * :class:`EfbKind`: the EFB sums ``Σ ((U_G^T g)(U_A^T a)^T)²`` (``m x n``) in the run's
   eigenbasis, :func:`laplace_core.curvature.collect.collect_efb`.
 * :class:`SubnetFisherKind`: the ``S x S`` Fisher of the selected weights,
-  :func:`laplace_core.posteriors.subnet.collect_subnet_fisher` (added in place into one matrix per
+  :func:`laplace_core.curvature.subnet_fisher.collect_subnet_fisher` (added in place into one matrix per
   worker); reduced and checkpointed as its upper triangle.
 
 MC labels are drawn from ``(seed, image key, draw)`` (:class:`laplace_core.curvature.keyed_rng.KeyedSampler`),
@@ -198,7 +198,7 @@ class SubnetFisherKind(PassKind):
 
     def collect(self, state: torch.Tensor, batches: Iterator) -> tuple[int]:
         from laplace_core.curvature.keyed_rng import KeyedSampler
-        from laplace_core.posteriors.subnet import collect_subnet_fisher
+        from laplace_core.curvature.subnet_fisher import collect_subnet_fisher
 
         # batches are (x, y, keys): the MC labels come from (seed, example key, draw), the labels
         # collect_statistics drew in pass 1, from the forward pass the backward passes reuse

@@ -31,7 +31,8 @@ from laplace_core.curvature.layers import find_layers
 from laplace_core.posteriors.build import build_posterior
 from laplace_core.predictive.monte_carlo import draw_sample
 from laplace_core.posteriors.structures.base import unvec, vec
-from laplace_core.posteriors.subnet import build_subnet_posterior, collect_subnet_fisher, select_subnetwork
+from laplace_core.curvature.subnet_fisher import collect_subnet_fisher
+from laplace_core.posteriors.subnet import build_subnet_posterior, select_subnetwork
 
 F64 = torch.float64
 EXACT_TOL = 1e-10      # relative to max |J Σ J^T|

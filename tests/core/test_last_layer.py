@@ -34,7 +34,8 @@ from laplace_core.curvature.layers import DESELECTED, find_layers
 from laplace_core.posteriors.build import build_posterior
 from laplace_core.predictive.monte_carlo import sample_generator
 from laplace_core.posteriors.sizes import model_sizes
-from laplace_core.posteriors.subnet import build_subnet_posterior, collect_subnet_fisher, select_subnetwork
+from laplace_core.curvature.subnet_fisher import collect_subnet_fisher
+from laplace_core.posteriors.subnet import build_subnet_posterior, select_subnetwork
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # not ``tests.core...``: a wheel may ship a ``tests``
 from fisher_reference import dense_covariance, dense_jacobian  # noqa: E402

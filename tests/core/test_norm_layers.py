@@ -28,7 +28,8 @@ from laplace_core.predictive.monte_carlo import MCPredictor, draw_sample
 from laplace_core.posteriors.sizes import model_sizes
 from laplace_core.posteriors.structures.base import unvec, vec
 from laplace_core.posteriors.structures.diag import DiagLayer
-from laplace_core.posteriors.subnet import build_subnet_posterior, collect_subnet_fisher, select_subnetwork
+from laplace_core.curvature.subnet_fisher import collect_subnet_fisher
+from laplace_core.posteriors.subnet import build_subnet_posterior, select_subnetwork
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fisher_reference import dense_covariance, dense_jacobian, exact_fisher_diag  # noqa: E402

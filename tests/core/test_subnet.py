@@ -36,9 +36,20 @@ from laplace_core.curvature.statistics import CurvatureStatistics, LayerInfo, La
 from laplace_core.posteriors.structures.base import Posterior, unvec, vec
 from laplace_core.posteriors.structures.diag import DiagLayer
 from laplace_core.posteriors.structures.subnet import SubnetPosterior
+from laplace_core.curvature.subnet_fisher import (
+    check_subnet_memory,
+    collect_subnet_fisher,
+    max_subnet_size,
+    subnet_size,
+)
 from laplace_core.posteriors.subnet import (
-    LIVE_RTOL, SELECTION_RULES, build_subnet_posterior, check_subnet_memory, collect_subnet_fisher, live_weights,
-    marginal_variances, max_subnet_size, select_subnetwork, subnet_laplace, subnet_size,
+    LIVE_RTOL,
+    SELECTION_RULES,
+    build_subnet_posterior,
+    live_weights,
+    marginal_variances,
+    select_subnetwork,
+    subnet_laplace,
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

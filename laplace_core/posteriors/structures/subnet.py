@@ -6,7 +6,7 @@ entries of their ``W~``), every other weight fixed at its MAP value (a Dirac del
     q(w) = N(w_S; w*_S, P_S^{-1}) ∏_{r ∉ S} δ(w_r − w*_r),   P_S = N F_S + τ' I   (S x S)
 
 ``F_S = F_sum / count`` is the ``S x S`` (MC / empirical / GGN) Fisher over the
-subnetwork (:func:`laplace_core.posteriors.subnet.collect_subnet_fisher`), ``N`` = ``n_data`` and
+subnetwork (:func:`laplace_core.curvature.subnet_fisher.collect_subnet_fisher`), ``N`` = ``n_data`` and
 ``τ' = τ · prior_scale`` with ``prior_scale = S / D_total`` (Daxberger et al. §4,
 appendix C: keeps the magnitude of the GLM kernel ``J Σ J^T``; ``D_total`` = weights of
 all curvature layers) or ``1`` (unscaled).

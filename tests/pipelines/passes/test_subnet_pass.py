@@ -1,6 +1,6 @@
 """pipelines.passes.subnet on a real local Ray: 2 Train workers over 2 partitions, one fit.
 
-The single-process reference is :func:`laplace_core.posteriors.subnet.collect_subnet_fisher` over the
+The single-process reference is :func:`laplace_core.curvature.subnet_fisher.collect_subnet_fisher` over the
 valid images with the MC labels drawn independently here (``keyed_categorical`` on the
 model's softmax, ``(seed, key of the image path, draw)``, 2 draws). Checks, float64:
 
@@ -26,7 +26,8 @@ import imagegen
 from laplace_core.curvature.collect import collect_statistics
 from laplace_core.curvature.keyed_rng import KeyedSampler, keyed_categorical
 from laplace_core.posteriors.structures.base import vec
-from laplace_core.posteriors.subnet import collect_subnet_fisher, marginal_variances
+from laplace_core.curvature.subnet_fisher import collect_subnet_fisher
+from laplace_core.posteriors.subnet import marginal_variances
 from pipelines.config.schema import ConfigError, ModelSpec
 from pipelines.config.load import load_config
 from pipelines.passes.curvature import CurvatureConfig, path_keys, reduced_uri
