@@ -29,30 +29,10 @@ TOL = 1e-12  # float64 sums in a different order: ~1e-16 relative; counts/histog
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    from pipelines.ingest import demo_data as dd
-
-    root = tmp_path_factory.mktemp("eval")
-    dd.write_digits_imagefolder(root / "digits", size=SIZE)
-    dd.write_letters_ood(root / "letters", size=SIZE, n_per_letter=20)
-    model, info = dd.train_small_cnn(root / "digits", epochs=5, seed=0, cache_path=root / "cnn")
-    assert info.val_accuracy > 0.9
-    x, y, _ = dd.load_imagefolder(root / "digits", "train")
-    batches = [(x[i:i + 128], y[i:i + 128]) for i in range(0, len(x), 128)]
-    stats = lc.collect_statistics(model, batches, fisher="mc", generator=torch.Generator().manual_seed(0))
-    basis = lc.eigenbasis(stats)
-    stats = lc.collect_statistics(model, batches, fisher="mc", generator=torch.Generator().manual_seed(1),
-                                  basis=basis)
-    uris = {}
-    for m in METHODS:
-        uris[m] = str(root / "posterior" / m)
-        lc.build_posterior(stats, m, rank=100 if m == "inf" else None, basis=basis).save(uris[m])
-    return {
-        "root": root,
-        "model": {"name": "demo_cnn", "weights": str(root / "cnn" / "small_cnn.safetensors"), "num_classes": 10},
-        "uris": uris,
-        "count": stats.count,
-    }
+def digits(demo_cnn_posteriors):
+    d = demo_cnn_posteriors(SIZE, METHODS, letters=True, with_basis=True, inf_rank=100)
+    assert d["info"].val_accuracy > 0.9
+    return d
 
 
 def _data_cfg(digits, split):

@@ -137,40 +137,10 @@ def test_choose_rules():
 
 # --------------------------------------------------------------------------- Ray
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """Weights file, posterior URIs and a validation set (rows with image/label/path/valid)."""
-    from safetensors.torch import save_file
-
-    import laplace_core as lc
-    from pipelines.ingest.models import tiny_cnn
-
-    root = tmp_path_factory.mktemp("hyper")
-    torch.manual_seed(0)
-    model = tiny_cnn(3).eval()
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N_EXAMPLES, 3, 8, 8, generator=g)
-    x[:, 2] = 0.0  # a dead input channel: exact zeros in the Fisher of conv 0
-    with torch.no_grad():
-        y = model(x).argmax(1)
-    flip = torch.rand(N_EXAMPLES, generator=g) < 0.3
-    y[flip] = torch.randint(0, 3, (int(flip.sum()),), generator=g)
-    weights = str(root / "tiny.safetensors")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights)
-
-    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, N_EXAMPLES, 16)]
-    stats = lc.collect_statistics(model, batches, fisher="mc", generator=torch.Generator().manual_seed(1))
-    basis = lc.eigenbasis(stats)
-    stats = lc.collect_statistics(model, batches, fisher="mc", generator=torch.Generator().manual_seed(1),
-                                  basis=basis)
-    uris = {}
-    for m in METHODS:
-        post = lc.build_posterior(stats, m, rank=8 if m == "inf" else None, basis=basis)
-        uris[m] = str(root / "posterior" / m)
-        post.save(uris[m])
-    rows = [{"image": x[i].numpy(), "label": int(y[i]), "path": f"{i}.png", "valid": True}
-            for i in range(N_EXAMPLES)]
-    return {"model": {"name": "tiny_cnn", "weights": weights, "num_classes": 3}, "uris": uris, "rows": rows,
-            "root": root}
+def tiny(tiny_cnn_posteriors):
+    """Weights file, posterior URIs and a validation set (rows with image/label/path/valid);
+    input channel 2 is dead (exact zeros in the Fisher of conv 0)."""
+    return tiny_cnn_posteriors(N_EXAMPLES, METHODS, dead_channel=True, with_basis=True, inf_rank=8)
 
 
 def _cfg(**kw) -> SearchConfig:

@@ -27,33 +27,8 @@ METRICS = ("nll", "ece", "accuracy", "brier")
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    from safetensors.torch import save_file
-
-    import laplace_core as lc
-    from pipelines.ingest.models import tiny_cnn
-
-    root = tmp_path_factory.mktemp("tune")
-    torch.manual_seed(0)
-    model = tiny_cnn(3).eval()
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N_EXAMPLES, 3, 8, 8, generator=g)
-    with torch.no_grad():
-        y = model(x).argmax(1)
-    flip = torch.rand(N_EXAMPLES, generator=g) < 0.3
-    y[flip] = torch.randint(0, 3, (int(flip.sum()),), generator=g)
-    weights = str(root / "tiny.safetensors")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights)
-    batches = [(x[i:i + 16], y[i:i + 16]) for i in range(0, N_EXAMPLES, 16)]
-    stats = lc.collect_statistics(model, batches, fisher="mc", generator=torch.Generator().manual_seed(1))
-    uris, posts = {}, {}
-    for m in METHODS:
-        posts[m] = lc.build_posterior(stats, m)
-        uris[m] = str(root / "posterior" / m)
-        posts[m].save(uris[m])
-    rows = [{"image": x[i].numpy(), "label": int(y[i]), "path": f"{i}.png", "valid": True} for i in range(N_EXAMPLES)]
-    return {"model": {"name": "tiny_cnn", "weights": weights, "num_classes": 3}, "uris": uris, "rows": rows,
-            "root": root, "net": model, "posts": posts, "batches": batches}
+def data(tiny_cnn_posteriors):
+    return tiny_cnn_posteriors(N_EXAMPLES, METHODS)
 
 
 def _cfg(**kw) -> SearchConfig:
@@ -100,26 +75,10 @@ def test_random_without_scheduler_is_the_paper_protocol_exactly(ray_session, dat
 
 
 @pytest.fixture(scope="module")
-def digits(tmp_path_factory):
+def digits(demo_cnn_posteriors):
     """The demo data: scikit-learn digits as a 32x32 ImageFolder, ``demo_cnn`` trained on train,
     diag and KFAC posteriors from an MC Fisher; the val split in memory (the search split)."""
-    import laplace_core as lc
-    from pipelines.ingest import demo_data as dd
-
-    root = tmp_path_factory.mktemp("digits")
-    dd.write_digits_imagefolder(root / "digits", size=DIGITS_SIZE)
-    model, _ = dd.train_small_cnn(root / "digits", epochs=5, seed=0, cache_path=root / "cnn")
-    x, y, _ = dd.load_imagefolder(root / "digits", "train")
-    stats = lc.collect_statistics(model, [(x[i:i + 128], y[i:i + 128]) for i in range(0, len(x), 128)],
-                                  fisher="mc", generator=torch.Generator().manual_seed(0))
-    uris, posts = {}, {}
-    for m in METHODS:
-        posts[m] = lc.build_posterior(stats, m)
-        uris[m] = str(root / "posterior" / m)
-        posts[m].save(uris[m])
-    xv, yv, _ = dd.load_imagefolder(root / "digits", "val")
-    return {"root": root, "net": model, "posts": posts, "uris": uris, "val": (xv, yv),
-            "model": {"name": "demo_cnn", "weights": str(root / "cnn" / "small_cnn.safetensors"), "num_classes": 10}}
+    return demo_cnn_posteriors(DIGITS_SIZE, METHODS)
 
 
 def test_asha_evaluates_a_quarter_and_chooses_within_one_percent(ray_session, digits):
