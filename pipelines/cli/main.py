@@ -79,6 +79,14 @@ def get_args_parser(add_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--stages", help="comma-separated subset of curvature,posterior,search,evaluate,report")
     p.add_argument("--force", help="comma-separated stages to redo even when their artifacts exist")
     p.add_argument("--endpoint-url", help="S3-compatible endpoint URL (credentials come from the AWS chain)")
+    p.add_argument("--reuse", metavar="URI|auto|none",
+                   help="take the curvature, posteriors and search of this earlier run (read in place) and evaluate "
+                        "only; auto (default): a matching run under --history (docs/scheduled-audits.md)")
+    p.add_argument("--history", metavar="ROOT",
+                   help="audit root: append to ROOT/history.parquet; auto reuse looks there")
+    p.add_argument("--alert", metavar="RULES",
+                   help="e.g. 'ece>0.05,accuracy<0.70,inf.ood_auroc<0.8': exit code 3 and <output>/alerts.json "
+                        "when one fires")
     p.add_argument("--address", help="Ray address (default: RAY_ADDRESS, else a local instance)")
     p.add_argument("--dry-run", action="store_true", help="parse and validate the config, print it, and exit")
     p.add_argument("--verbose", action="store_true", help="also show Ray's own log lines (Train, Data, the local instance)")
@@ -114,8 +122,18 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         flags.append(f"stages=[{args.stages}]")
     if args.force is not None:
         flags.append(f"force=[{args.force}]")
+    flags += schedule_flags(args)
     preset, derived = chosen_preset(args)
     return load_config(preset, derived + flags + list(args.overrides))
+
+
+def schedule_flags(args: argparse.Namespace) -> list[str]:
+    """``--reuse``, ``--history``, ``--alert`` as ``schedule.*`` settings."""
+    out = [f"schedule.{k}={json.dumps(v)}" for k, v in (("reuse", getattr(args, "reuse", None)),
+                                                         ("history", getattr(args, "history", None))) if v is not None]
+    if getattr(args, "alert", None) is not None:
+        out.append(f"schedule.alert={json.dumps([r.strip() for r in args.alert.split(',') if r.strip()])}")
+    return out
 
 
 def chosen_preset(args: argparse.Namespace) -> tuple[str, list[str]]:
@@ -179,6 +197,8 @@ def _init_ray(address: str | None) -> None:
 
     from pipelines.distributed.cluster import quiet_env, verbose
 
+    if ray.is_initialized():  # e.g. a notebook or a test session that started Ray itself
+        return
     level = logging.INFO if verbose() else logging.WARNING
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
@@ -220,6 +240,9 @@ def cmd_run(args: argparse.Namespace, prog: str | None = None) -> int:
         from pipelines.cli.preflight import preflight
 
         preflight(cfg, dry_run=args.dry_run)  # models; data, OOD, weights, output: before any cluster work
+        from pipelines.cli.schedule import preflight_schedule
+
+        preflight_schedule(cfg, dry_run=args.dry_run)  # alert rules, --reuse, --history (docs/scheduled-audits.md)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -262,7 +285,9 @@ def cmd_run(args: argparse.Namespace, prog: str | None = None) -> int:
     for line in verdict_lines(result.summary):
         print(f"infoform: {line}")
     print(f"infoform: report at {result.report_path}")
-    return 0
+    from pipelines.cli.schedule import finish_run
+
+    return finish_run(cfg, result.summary, result.output, log=lambda line: print(f"infoform: {line}"))  # 3: an alert
 
 
 # --------------------------------------------------------------------------- sizes

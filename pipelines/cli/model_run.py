@@ -138,6 +138,11 @@ class ModelRun:
         # methods with a posterior (``temperature`` has none: it is fitted in the search stage)
         self.post_methods = tuple(m for m in self.methods if method_info(m).posterior)
         self.uris = {m: layout.posterior_uri(output, m) for m in self.post_methods}
+        from pipelines.cli.reuse import plan_reuse
+
+        # an earlier run's curvature, posteriors and search, when schedule.reuse finds one (read in place)
+        self.reuse = plan_reuse(self, self.stages)
+        self.stages, self.uris = self.reuse.stages, self.reuse.uris
 
     @property
     def results(self) -> dict[str, Any]:
@@ -373,14 +378,18 @@ class ModelRun:
 
             log("report: the summary table, the figures (matplotlib) and the HTML/Markdown pages")
             metrics = load_eval_metrics(self.output, self.store)
-            table = read_search(self.output, self.store)
+            table = read_search(self.reuse.search_output, self.store)
             figures = {}
             shift = load_shift(self.output, metrics, self.store)
             if shift:  # metric against severity, one line per method
                 figures["shift"] = layout.figure_uri(self.output, "shift")
                 storage.write_bytes_atomic(figures["shift"], render_shift(shift), self.store)
-            return {"paths": write_report(self.output, summary, metrics, table, figures=figures,
-                                          endpoint_url=self.store)}
+            from pipelines.report.history import trend_parts
+
+            trend_figures, trend_sections = trend_parts(self.cfg.schedule.history, self.output, self.spec.name,
+                                                        self.store)  # a scheduled audit's metrics over time
+            return {"paths": write_report(self.output, summary, metrics, table, figures={**figures, **trend_figures},
+                                          endpoint_url=self.store, sections=trend_sections)}
 
         fp = {**evaluated.fingerprint, "report": 1}
         return StageResult(fp, self.stages.run("report", fp, do_report))

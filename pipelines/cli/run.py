@@ -64,9 +64,14 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: DataPlan,
     stages = model_run.run_all()
     summary = _summary(cfg, model_run.spec, model_run.model_info, model_run.data_info, model_run.results, output)
     summary["timings"]["total_this_run"] = time.perf_counter() - t_start
+    summary["reused"] = model_run.reuse.reused  # stage -> the earlier run it was read from (pipelines.cli.reuse)
     for line in skipped_lines(summary["skipped_images"]):
         log(line)
     if stages.evaluate.summary is not None:
+        if cfg.schedule.history:  # one row per method in <history>/history.parquet, before the report's trend
+            from pipelines.report.history import append_run
+
+            append_run(cfg.schedule.history, summary, model_run.splits, model_run.store, log=log)
         model_run.report(stages.evaluate, summary)
     storage.write_json_atomic(layout.run_json_uri(output), _stable_run_json(summary), model_run.store)
     return summary
@@ -266,11 +271,14 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
         if summary.get("results") is None:  # evaluate not run (--stages): nothing to compare for this model
             continue
         per_model[spec.name] = (summary, load_eval_metrics(sub, ep))
-        tables[spec.name] = read_search(sub, ep)
+        tables[spec.name] = read_search((summary.get("reused") or {}).get("search", sub), ep)
     audit = {"preset": cfg.preset, "config": to_dict(cfg), "models": listing, "report": None}
     paths = {}
     if per_model:
-        paths = write_audit_report(output, per_model, search_tables=tables, endpoint_url=ep)
+        from pipelines.report.history import audit_trends
+
+        paths = write_audit_report(output, per_model, search_tables=tables, endpoint_url=ep,
+                                   model_figures=audit_trends(output, list(per_model), ep))  # scheduled audits
         audit["report"] = {"html": paths["html"], "md": paths["md"]}
         audit["figures"] = {k: v for k, v in paths.items() if k not in ("html", "md")}
     else:

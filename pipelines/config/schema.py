@@ -46,6 +46,7 @@ __all__ = [
     "ShiftSpec",
     "ActorSpec",
     "EvalSpec",
+    "ScheduleSpec",
     "method_range_entry",
     "RunConfig",
     "STAGES",
@@ -335,6 +336,8 @@ class ActorSpec(Checked):
     torch_threads: int | None = setting(None, "intra-op threads per actor (null: max(1, round(cpus_per_actor)))",
                                         range=COUNT, fingerprint=False)
     dtype: str = setting("float32", "the actors' model and input dtype (float64 for exact checks)", choices=DTYPES)
+    precision: str = setting("fp32", "the actors' forwards (search, evaluation, scoring) under autocast in this "
+                                     "precision (pred_type nn); draws formed outside it, metrics in float64", choices=PRECISIONS)
     max_failures: int = setting(2, "the actors' round starts again this often when an actor dies",
                                 range=NON_NEGATIVE, fingerprint=False)
     log_every_s: float = setting(30.0, "progress line interval of the actors (seconds)", range=POSITIVE,
@@ -349,6 +352,11 @@ class ActorSpec(Checked):
     ece_bins: int = setting(DEFAULT_ECE_BINS, "bins of the headline ECE", range=COUNT)
 
     def _check(self) -> None:
+        if self.precision != "fp32" and self.dtype != "float32":
+            raise ValueError(f"precision {self.precision} runs a float32 model under autocast; dtype is {self.dtype}")
+        if self.precision != "fp32" and self.pred_type != "nn":
+            raise ValueError(f"precision {self.precision} applies to pred_type nn; pred_type glm (Jacobian-vector "
+                             "products, the closed-form last layer) runs in fp32")
         if self.gpus_per_actor is not None:
             from pipelines.distributed.cluster import check_gpu_request
 
@@ -374,6 +382,22 @@ class EvalSpec(ActorSpec):
 
 
 @dataclass(frozen=True)
+class ScheduleSpec(Checked):
+    """Scheduled audits (docs/scheduled-audits.md, :mod:`pipelines.cli.reuse`, :mod:`pipelines.report.history`,
+    :mod:`pipelines.cli.alerts`): reuse an earlier run's fitted stages, append to a history, alert."""
+
+    reuse: str = setting("auto", "an earlier run's output URI whose curvature, posteriors and search this run reads in "
+                                 "place; auto: the newest matching run under schedule.history; none: compute them",
+                         fingerprint=False)
+    history: str | None = setting(None, "the audit root: each run appends its rows to <history>/history.parquet and "
+                                        "auto reuse looks at the runs in its sub-folders (null: neither)",
+                                  fingerprint=False)
+    alert: tuple[str, ...] = setting((), "rules like ece>0.05, accuracy<0.70 or inf.ood_auroc<0.8: a rule that "
+                                         "fires writes <output>/alerts.json and the job exits with code 3",
+                                     item="rule", fingerprint=False)
+
+
+@dataclass(frozen=True)
 class RunConfig(Checked):
     preset: str = setting("custom", "the preset's name")
     description: str = setting("", "one line on what the preset is for")
@@ -386,6 +410,7 @@ class RunConfig(Checked):
     posterior: PosteriorSpec = setting(help="the posteriors", factory=PosteriorSpec)
     search: SearchSpec = setting(help="the (N, tau) search", factory=SearchSpec)
     evaluate: EvalSpec = setting(help="the evaluation and the actors", factory=EvalSpec)
+    schedule: ScheduleSpec = setting(help="scheduled audits: reuse, history, alerts", factory=ScheduleSpec)
     stages: tuple[str, ...] = setting(STAGES, "stages to run", choices=STAGES, item="stage")
     force: tuple[str, ...] = setting((), "stages to redo even when their artifacts exist", choices=STAGES,
                                      item="stage")

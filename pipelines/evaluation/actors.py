@@ -123,7 +123,7 @@ class ModelActor:
         torch.set_num_threads(cfg.threads)
         tune_malloc()  # reuse the per-batch buffers instead of page-faulting them in again
         self.model = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device,
-                                     endpoint_url=endpoint_url)
+                                     endpoint_url=endpoint_url, precision=cfg.precision)
         dev = torch.device(cfg.resolved_device)
         # draws happen where the model runs (the posterior's device, laplace_core.predictive.monte_carlo)
         self.posteriors = {m: p if dev.type == "cpu" else p.to(dev)

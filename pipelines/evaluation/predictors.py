@@ -27,6 +27,7 @@ __all__ = [
     "make_predictor",
     "model_ref",
     "load_eval_model",
+    "in_precision",
     "load_posteriors",
     "finite_or_reason",
     "predict_chunk",
@@ -92,12 +93,42 @@ def model_ref(spec: Any) -> dict[str, Any]:
 
 
 def load_eval_model(ref: Mapping[str, Any], *, dtype: torch.dtype, device: str,
-                    endpoint_url: str | None = None) -> nn.Module:
-    """``load_model(name, weights, num_classes)`` in eval mode, cast to ``dtype``, on ``device``."""
+                    endpoint_url: str | None = None, precision: str = "fp32") -> nn.Module:
+    """``load_model(name, weights, num_classes)`` in eval mode, cast to ``dtype``, on ``device``,
+    its forward run in ``precision`` (:func:`in_precision`)."""
     from pipelines.ingest.models import load_model
 
     model = load_model(ref["name"], ref.get("weights"), ref.get("num_classes"), endpoint_url=endpoint_url)
-    return model.to(device=device, dtype=dtype).eval()
+    return in_precision(model.to(device=device, dtype=dtype).eval(), precision)
+
+
+def in_precision(model: nn.Module, precision: str) -> nn.Module:
+    """``model`` whose forward runs under ``torch.autocast`` in ``precision`` (``"bf16"``,
+    ``"fp16"``) and returns float32 outputs; ``"fp32"``: ``model`` untouched (bit for bit).
+
+    Only the forward is wrapped (an instance attribute, so the module names and the
+    posterior's layer names stay the same): the MC predictive's weight draws are formed
+    before the forward, in the posterior's dtype, and applied inside it, in the compute
+    dtype; the predictive averages the probabilities and the metrics sum in float64
+    (docs/design.md, the dtype table). The GLM predictives stay in fp32 (the config
+    refuses them with another precision)."""
+    from laplace_core.curvature.batch_loop import PRECISIONS
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
+    half = PRECISIONS[precision]
+    if half is None:
+        return model
+    inner = model.forward
+    device_type = next(model.parameters()).device.type
+
+    def forward(*args, **kwargs):
+        with torch.autocast(device_type, dtype=half):
+            out = inner(*args, **kwargs)
+        return out.float() if isinstance(out, torch.Tensor) and out.is_floating_point() else out
+
+    model.forward = forward
+    return model
 
 
 def load_posteriors(uris: Mapping[str, str], hyper: Mapping[str, Sequence[float]] | None = None,

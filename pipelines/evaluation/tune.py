@@ -407,7 +407,8 @@ def map_reference(model: Mapping[str, Any], chunks: Sequence[Any], cfg: SearchCo
         from pipelines.evaluation.trials import SearchAccumulator
 
         torch.set_num_threads(cfg.threads)
-        net = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device, endpoint_url=endpoint_url)
+        net = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device, endpoint_url=endpoint_url,
+                              precision=cfg.precision)
         acc = SearchAccumulator.create(cfg)
         with torch.no_grad():
             for ref in chunks:

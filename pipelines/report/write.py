@@ -38,8 +38,11 @@ def _output(output: Any) -> str:
 
 def write_report(output_dir_or_uri: str, run_summary: Mapping[str, Any],
                  metrics_by_method: Mapping[str, Mapping[str, Any]], search_table: Any = None,
-                 figures: Mapping[str, str] | None = None, endpoint_url: str | None = None) -> dict[str, str]:
+                 figures: Mapping[str, str] | None = None, endpoint_url: str | None = None,
+                 sections: Sequence[Any] = ()) -> dict[str, str]:
     """Write ``report.html``, ``report.md`` and ``figures/<name>.png`` under ``output_dir_or_uri``.
+    ``sections`` (:class:`~pipelines.report.page.Section`) are shown after the OOD and
+    selective-prediction tables (e.g. the history of a scheduled audit, :mod:`pipelines.report.history`).
 
     ``figures`` maps figure names to existing PNG paths/URIs that are used (inlined, linked) as
     they are; the standard figures not given are rendered from the data (``hyper`` only when
@@ -68,7 +71,7 @@ def write_report(output_dir_or_uri: str, run_summary: Mapping[str, Any],
         if name not in pngs:
             paths[name], pngs[name] = uri, storage.read_bytes(uri, endpoint_url)
     page = dataclasses.replace(page, figures=[figure_ref(n, png=pngs[n], link=_relative_link(out, u))
-                                              for n, u in paths.items()])
+                                              for n, u in paths.items()], practice=page.practice + list(sections))
     paths["html"] = storage.join(out, "report.html")
     paths["md"] = storage.join(out, "report.md")
     storage.write_bytes_atomic(paths["html"], render_html(page).encode("utf-8"), endpoint_url)
@@ -78,7 +81,8 @@ def write_report(output_dir_or_uri: str, run_summary: Mapping[str, Any],
 
 def write_audit_report(output: str, per_model: Mapping[str, tuple[Mapping[str, Any], Mapping[str, Mapping[str, Any]]]],
                        search_tables: Mapping[str, Any] | None = None, title: str | None = None,
-                       endpoint_url: str | None = None) -> dict[str, str]:
+                       endpoint_url: str | None = None,
+                       model_figures: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, str]:
     """Several models in one comparison report: ``audit.html`` + ``audit.md`` under ``output``.
 
     ``per_model``: ``{model_name: (run_summary, metrics_by_method)}``; ``search_tables``:
@@ -86,6 +90,8 @@ def write_audit_report(output: str, per_model: Mapping[str, tuple[Mapping[str, A
     (one row per model, numbers stored / MB / Corr per method), one metrics table with a row per
     (model, method), the comparison figure (``figures/comparison.png``), and per model its
     reliability / entropy (/ hyper) figures (``figures/<model>/<name>.png``) and counts.
+    ``model_figures``: ``{model: {figure name: existing PNG URI}}`` shown in that model's section too
+    (e.g. the scheduled audit's ``trend``, :mod:`pipelines.report.history`).
     Returns ``{"html", "md", "comparison", "<model>/<figure>": uri, ...}``.
     """
     if not isinstance(per_model, Mapping) or not per_model:
@@ -117,6 +123,10 @@ def write_audit_report(output: str, per_model: Mapping[str, tuple[Mapping[str, A
             storage.write_bytes_atomic(uri, png, endpoint_url)
             paths[f"{model}/{name}"] = uri
             figs.append(figure_ref(name, png=png, link=_relative_link(out, uri), alt=f"{model} {name}"))
+        for name, uri in (model_figures or {}).get(model, {}).items():
+            paths[f"{model}/{name}"] = uri
+            figs.append(figure_ref(name, png=storage.read_bytes(uri, endpoint_url), link=_relative_link(out, uri),
+                                   alt=f"{model} {name}"))
         sections.append(model_section(model, safe[model], summary, rows, figs))
     comparison = figure_ref("comparison", png=comp, link=_relative_link(out, paths["comparison"]),
                             caption="NLL, ECE, OOD AUROC and posterior size per model and method.")

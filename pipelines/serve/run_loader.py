@@ -155,13 +155,14 @@ def read_run(uri: str, endpoint_url: storage.Store = None, model_name: str | Non
     weights = model["weights"]
     if weights and ("/" in weights or "." in weights) and not storage.exists(weights, ep):
         raise RunError(f"run {uri}: its model weights {weights} are missing")
-    post = _read_json(layout.stage_marker_uri(sub, "posterior"), ep, "the run has no posterior stage")
-    uris = {m: layout.posterior_uri(sub, m) for m in (post.get("summary") or {}).get("posteriors") or {}}
+    fitted = (run_json.get("reused") or {}).get("search") or sub  # a scheduled audit's origin (pipelines.cli.reuse)
+    post = _read_json(layout.stage_marker_uri(fitted, "posterior"), ep, "the run has no posterior stage")
+    uris = {m: layout.posterior_uri(fitted, m) for m in (post.get("summary") or {}).get("posteriors") or {}}
     for m, u in uris.items():
         if not storage.exists(storage.join(u, MANIFEST_FILE), ep):
             raise RunError(f"run {uri}: the {m} posterior at {u} is missing")
     hyper, temperature = {}, None
-    search_uri = layout.stage_marker_uri(sub, "search")
+    search_uri = layout.stage_marker_uri(fitted, "search")
     if storage.exists(search_uri, ep):
         srch = _read_json(search_uri, ep, "")["summary"]
         hyper = {m: (float(c["n_data"]), float(c["prior_precision"]))
@@ -198,7 +199,8 @@ class LoadedRun:
 
         self.info, self.device = info, device
         self.ev = info.eval_config()
-        self.model = load_eval_model(info.model, dtype=self.ev.torch_dtype, device=device, endpoint_url=info.ep)
+        self.model = load_eval_model(info.model, dtype=self.ev.torch_dtype, device=device, endpoint_url=info.ep,
+                                     precision=self.ev.precision)
         posts = load_posteriors(info.posterior_uris, info.hyper or None, info.ep)
         self.posteriors = {m: p if torch.device(device).type == "cpu" else p.to(device) for m, p in posts.items()}
         self.hyper, self.temperature = dict(info.hyper), info.temperature

@@ -5,6 +5,8 @@ A run's output (a local folder or an ``s3://`` prefix) holds::
     config.json                      the frozen config of the last invocation
     run.json                         the run summary (the audit's listing for several models)
     stages/<stage>.json              stage markers: fingerprint + summary (the commit point)
+    reuse.json                       reuse keys + where the fitted stages live (pipelines.cli.reuse)
+    alerts.json                      the --alert rules checked and those that fired (pipelines.cli.alerts)
     stats/passes/<pass>/             per-partition sums and checkpoints of each pass
     stats/reduced/ stats/eigenbasis/ the all-reduced statistics and the eigenbasis
     stats/subnet/ stats/subnet_partial/   the subnet pass's S x S Fisher (final / running)

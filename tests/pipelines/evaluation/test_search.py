@@ -261,12 +261,15 @@ def test_runtime_configs_copy_every_field_they_share_with_the_specs():
                "log_every_s": 2.0, "entropy_bins": 7, "ood_exact_limit": 11, "scheduler": "asha",
                "algorithm": "tpe", "reduction_factor": 3, "stall_timeout_s": 12.0, "bootstrap": 50,
                "shift": ShiftSpec(corruptions=("contrast",), severities=(2,))}
+    # precision bf16 needs pred_type nn and dtype float32 (ActorSpec._check): a second set for it
+    autocast = {**changed, "precision": "bf16", "pred_type": "nn", "dtype": "float32"}
     for spec_cls, cfg_cls in ((EvalSpec, EvalConfig), (SearchSpec, SearchConfig)):
         shared = {f.name for f in dataclasses.fields(spec_cls)} & {f.name for f in dataclasses.fields(cfg_cls)}
-        assert shared <= set(changed), f"give the test a value for {sorted(shared - set(changed))}"
-        spec = spec_cls(**{k: changed[k] for k in shared})
-        got = cfg_cls.from_spec(spec)
-        assert {k: getattr(got, k) for k in shared} == {k: changed[k] for k in shared}
+        assert shared <= set(autocast), f"give the test a value for {sorted(shared - set(autocast))}"
+        for values in (changed, autocast):
+            spec = spec_cls(**{k: values[k] for k in shared if k in values})
+            got = cfg_cls.from_spec(spec)
+            assert {k: getattr(got, k) for k in shared if k in values} == {k: values[k] for k in shared if k in values}
     run_only = {f.name for f in dataclasses.fields(EvalConfig)} - {f.name for f in dataclasses.fields(EvalSpec)}
     # from gpus_per_actor; tests; the scanned split; data.decode_num_cpus
     assert run_only == {"device", "fault_marker", "expected_rows", "decode_cpus"}

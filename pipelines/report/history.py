@@ -1,0 +1,226 @@
+"""The history of a scheduled audit: ``<root>/history.parquet`` and the trend on the report
+(docs/scheduled-audits.md).
+
+Each run with ``schedule.history`` (``--history ROOT``) appends one row per (model, method) to
+``ROOT/history.parquet``: when (UTC), the run's output URI, the model, the method, a fingerprint of
+the evaluation data (test split and OOD set: location and listing), the run its fitted stages were read from,
+and every headline metric (:data:`pipelines.report.verdict.METRICS`) with its 95% bootstrap
+interval (``<metric>_lo``, ``<metric>_hi``) and the images behind it (``n``, ``n_ood``). The file
+is read, changed and written whole with an atomic write (:func:`pipelines.storage.uris.write_bytes_atomic`:
+a reader never sees half a file, locally or on S3); a re-submitted run replaces its own rows. Runs
+of one audit root are meant to follow each other (a weekly schedule): two runs appending at the
+same moment could each write the file without the other's rows.
+
+With two or more runs of the model in the history, the report shows :func:`render_trend` (each
+metric over the runs, one line per method, the interval shaded) and a table of the change since the
+first and since the previous run (:func:`trend_parts`).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import io
+from typing import Any, Mapping, Sequence
+
+from pipelines.report.methods import method_color, method_label, order_methods
+from pipelines.report.page import Section, Table
+from pipelines.report.verdict import METRICS
+from pipelines.storage import uris as storage
+
+__all__ = ["HISTORY_FILE", "history_uri", "data_fingerprint", "run_rows", "read_history", "append_run",
+           "render_trend", "trend_parts", "audit_trends"]
+
+HISTORY_FILE = "history.parquet"
+_TEXT = ("run", "model", "method", "data_fingerprint", "reused_from")
+_COUNTS = ("n", "n_ood", "test_images", "ood_images")
+
+
+def history_uri(root: str) -> str:
+    return storage.join(root, HISTORY_FILE)
+
+
+def _schema():
+    import pyarrow as pa
+
+    fields = [pa.field("date", pa.timestamp("us", tz="UTC"))] + [pa.field(k, pa.string()) for k in _TEXT]
+    fields += [pa.field(k, pa.int64()) for k in _COUNTS]
+    for m in METRICS:
+        fields += [pa.field(m.key, pa.float64()), pa.field(f"{m.key}_lo", pa.float64()),
+                   pa.field(f"{m.key}_hi", pa.float64())]
+    return pa.schema(fields)
+
+
+def data_fingerprint(splits: Any) -> str:
+    """The evaluation data's fingerprint: where the test split and the OOD set are, and their
+    listings (relative paths and labels; a listing alone is the same for a copy of the images)."""
+    ood = getattr(splits, "ood", None)
+    parts = [splits.test] + ([] if ood is None else [ood])
+    text = "|".join(f"{getattr(p, 'root', '')}:{p.fingerprint}" for p in parts)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _number(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v else None
+
+
+def run_rows(summary: Mapping[str, Any], splits: Any, when: _dt.datetime) -> list[dict[str, Any]]:
+    """One row per evaluated method of a run summary (``run.json``'s shape)."""
+    rows = []
+    reused = (summary.get("reused") or {}).get("search")
+    ood = getattr(splits, "ood", None)
+    for method, head in (summary.get("results") or {}).items():
+        if not isinstance(head, Mapping) or head.get("status") not in (None, "ok"):
+            continue
+        iv = head.get("intervals") if isinstance(head.get("intervals"), Mapping) else {}
+        row: dict[str, Any] = {"date": when, "run": summary.get("output"),
+                               "model": (summary.get("model") or {}).get("name"), "method": method,
+                               "data_fingerprint": data_fingerprint(splits), "reused_from": reused,
+                               "n": iv.get("n"), "n_ood": iv.get("n_ood"), "test_images": len(splits.test),
+                               "ood_images": None if ood is None else len(ood)}
+        for m in METRICS:
+            ci = (iv.get("ci") or {}).get(m.key)
+            lo, hi = (ci if isinstance(ci, (list, tuple)) and len(ci) == 2 else (None, None))
+            row.update({m.key: _number(head.get(m.key)), f"{m.key}_lo": _number(lo), f"{m.key}_hi": _number(hi)})
+        rows.append(row)
+    return rows
+
+
+def read_history(root: str, store: Any = None):
+    """``<root>/history.parquet`` as a pyarrow Table (None when there is none yet)."""
+    import pyarrow.parquet as pq
+
+    uri = history_uri(root)
+    if not storage.exists(uri, store):
+        return None
+    return pq.read_table(io.BytesIO(storage.read_bytes(uri, store)))
+
+
+def append_run(root: str, summary: Mapping[str, Any], splits: Any, store: Any = None,
+               when: _dt.datetime | None = None, log: Any = print) -> int:
+    """Append the run's rows (replacing rows of the same run and model); returns the rows now held."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    new = run_rows(summary, splits, when or _dt.datetime.now(_dt.timezone.utc))
+    old = read_history(root, store)
+    schema = _schema()
+    kept: list[dict[str, Any]] = []
+    if old is not None:
+        for name in old.column_names:  # columns of an older layout stay
+            if schema.get_field_index(name) < 0:
+                schema = schema.append(old.schema.field(name))
+        done = {(r["run"], r["model"]) for r in new}
+        kept = [r for r in old.to_pylist() if (r.get("run"), r.get("model")) not in done]
+    rows = sorted(kept + new, key=lambda r: r["date"])
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), buf)
+    storage.write_bytes_atomic(history_uri(root), buf.getvalue(), store)
+    runs = len({r["run"] for r in rows if r.get("model") == (summary.get("model") or {}).get("name")})
+    log(f"history: {len(new)} row(s) of this run appended to {history_uri(root)} ({runs} run(s) of this model)")
+    return len(rows)
+
+
+def _runs(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The runs in date order (first appearance)."""
+    out: list[str] = []
+    for r in sorted(rows, key=lambda r: r["date"]):
+        if r["run"] not in out:
+            out.append(r["run"])
+    return out
+
+
+def _metrics(rows: Sequence[Mapping[str, Any]]):
+    return [m for m in METRICS if any(_number(r.get(m.key)) is not None for r in rows)]
+
+
+def render_trend(rows: Sequence[Mapping[str, Any]]) -> bytes:
+    """PNG: each headline metric over the runs (x: run date), one line per method, interval shaded."""
+    from matplotlib.figure import Figure
+
+    runs = _runs(rows)
+    dates = {r["run"]: r["date"] for r in rows}
+    metrics = _metrics(rows)
+    ncols = min(4, max(1, len(metrics)))
+    nrows = -(-len(metrics) // ncols)
+    fig = Figure(figsize=(3.6 * ncols + 1.6, 2.9 * nrows + 0.9))
+    fig.subplots_adjust(left=0.07, right=0.84, bottom=0.16 / nrows, top=1 - 0.5 / (2.9 * nrows + 0.9),
+                        wspace=0.35, hspace=0.55)
+    methods = order_methods({r["method"] for r in rows})
+    labels = [(dates[u].strftime("%Y-%m-%d") if hasattr(dates[u], "strftime") else str(dates[u]))
+              + "\n" + str(u).rstrip("/").rsplit("/", 1)[-1] for u in runs]  # the date and the run's folder
+    for k, m in enumerate(metrics):
+        ax = fig.add_subplot(nrows, ncols, k + 1)
+        for i, meth in enumerate(methods):
+            by_run = {r["run"]: r for r in rows if r["method"] == meth}
+            xs = [j for j, u in enumerate(runs) if u in by_run and _number(by_run[u].get(m.key)) is not None]
+            if not xs:
+                continue
+            ys = [by_run[runs[j]][m.key] for j in xs]
+            color = method_color(meth, i)
+            ax.plot(xs, ys, marker="o", ms=3, color=color, label=method_label(meth))
+            lo = [by_run[runs[j]].get(f"{m.key}_lo") for j in xs]
+            hi = [by_run[runs[j]].get(f"{m.key}_hi") for j in xs]
+            if all(_number(v) is not None for v in lo + hi):
+                ax.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
+        ax.set_title(f"{m.label} ({m.direction})", fontsize=9)
+        ax.set_xticks(range(len(runs)), labels, rotation=30, fontsize=7, ha="right")
+        ax.tick_params(axis="y", labelsize=7)
+        ax.grid(alpha=0.3)
+    handles, names = fig.axes[0].get_legend_handles_labels() if fig.axes else ([], [])
+    fig.legend(handles, names, loc="center right", fontsize=8, frameon=False)
+    fig.suptitle(f"Headline metrics over {len(runs)} runs", fontsize=11)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def _change_rows(rows: Sequence[Mapping[str, Any]], this_run: str) -> list[list[str]]:
+    runs = _runs(rows)
+    this = this_run if this_run in runs else runs[-1]
+    idx = runs.index(this)
+    first, prev = runs[0], runs[idx - 1] if idx > 0 else None
+    out = []
+    for meth in order_methods({r["method"] for r in rows}):
+        by_run = {r["run"]: r for r in rows if r["method"] == meth}
+        if this not in by_run:
+            continue
+        for m in _metrics(rows):
+            v = _number(by_run[this].get(m.key))
+            if v is None:
+                continue
+
+            def change(ref: str | None) -> str:
+                w = None if ref is None or ref not in by_run else _number(by_run[ref].get(m.key))
+                return "—" if w is None or ref == this else f"{m.delta(v, w)} (from {m.fmt(w)})"
+            ci = [by_run[this].get(f"{m.key}_lo"), by_run[this].get(f"{m.key}_hi")]
+            out.append([method_label(meth), m.label, m.fmt_ci(v, ci), change(prev), change(first)])
+    return out
+
+
+def trend_parts(root: str | None, output: str, model: str, store: Any = None) -> tuple[dict[str, str], list[Section]]:
+    """The report's trend figure (written to ``<output>/figures/trend.png``) and change table, when
+    the history holds two or more runs of ``model``; ``({}, [])`` otherwise."""
+    table = read_history(root, store) if root else None
+    rows = [r for r in (table.to_pylist() if table is not None else []) if r.get("model") == model]
+    runs = _runs(rows)
+    if len(runs) < 2:
+        return {}, []
+    from pipelines.storage.layout import figure_uri
+
+    uri = figure_uri(output, "trend")
+    storage.write_bytes_atomic(uri, render_trend(rows), store)
+    section = Section(title=f"Over time: {len(runs)} runs in {history_uri(root)}",
+                      table=Table(["Method", "Metric", "This run [95% CI]", "Since the previous run",
+                                   "Since the first run"], _change_rows(rows, output), "trend-table"),
+                      note=f"First run {runs[0]}; the figure 'trend' shows every run. A change is a difference of "
+                           "point estimates on different data: compare it with the intervals.")
+    return {"trend": uri}, [section]
+
+
+def audit_trends(output: str, models: Sequence[str], store: Any = None) -> dict[str, dict[str, str]]:
+    """``{model: {"trend": uri}}`` for the models of an audit whose own report drew a trend
+    (``<output>/models/<model>/figures/trend.png``), for the audit page's model sections."""
+    from pipelines.storage.layout import figure_uri, model_dir
+
+    found = {m: figure_uri(model_dir(output, m), "trend") for m in models}
+    return {m: {"trend": uri} for m, uri in found.items() if storage.exists(uri, store)}
