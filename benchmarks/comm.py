@@ -44,7 +44,7 @@ def layer_shapes(name: str) -> list[tuple[int, int]]:
     import torch
     import torchvision
 
-    from laplace_core.layers import find_layers
+    from laplace_core.curvature.layers import find_layers
 
     with torch.device("meta"):
         model = torchvision.models.get_model(name, weights=None)

@@ -5,10 +5,10 @@
 Prints, for torchvision ``resnet18`` (random init, eval mode) at ``size x size`` with
 batches of ``batch`` images:
 
-* ``kfac+diag / fb``: one batch of :func:`laplace_core.collect.collect_statistics`
+* ``kfac+diag / fb``: one batch of :func:`laplace_core.curvature.collect.collect_statistics`
   (``A``, ``G``, exact diagonal, ``fisher="mc"``, one draw) over one plain forward +
   ``backward()`` of the summed cross-entropy (weight gradients included);
-* ``efb / fb``: one batch of :func:`laplace_core.collect.collect_efb` (the second pass).
+* ``efb / fb``: one batch of :func:`laplace_core.curvature.collect.collect_efb` (the second pass).
 
 The issue's arithmetic floors (multiply counts) are ~4.1x and ~3.5x; the target is
 within 25% (<= ~5.1x, <= ~4.4x). The floors of *this* implementation's multiply counts
@@ -49,11 +49,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from laplace_core.collect import collect_efb, collect_statistics  # noqa: E402
-from laplace_core.accumulate import efb_contraction_order  # noqa: E402
-from laplace_core.eigenbasis import LayerBasis, eigenbasis  # noqa: E402
-from laplace_core.hooks import num_positions  # noqa: E402
-from laplace_core.layers import find_layers  # noqa: E402
+from laplace_core.curvature.collect import collect_efb, collect_statistics  # noqa: E402
+from laplace_core.curvature.accumulate import efb_contraction_order  # noqa: E402
+from laplace_core.basis.eigenbasis import LayerBasis, eigenbasis  # noqa: E402
+from laplace_core.curvature.hooks import num_positions  # noqa: E402
+from laplace_core.curvature.layers import find_layers  # noqa: E402
 
 ISSUE_FLOOR = {"kfac+diag": 4.1, "efb": 3.5}
 TARGET_SLACK = 1.25
@@ -252,8 +252,8 @@ def _sample_ratio(ctx: Context) -> dict[str, float]:
     KFAC's matrix-normal draw costs ``m^2 n + m n^2`` per layer (two factor products);
     INF's Woodbury draw with the vec trick costs ``O(mn + m|I|n ...)`` with ``|I|, |J|``
     the kept rows/columns (Lee et al. eq. 6 / appendix eq. 21; docs/design.md §1)."""
-    from laplace_core.collect import collect_efb
-    from laplace_core.posterior import build_posterior
+    from laplace_core.curvature.collect import collect_efb
+    from laplace_core.posteriors.build import build_posterior
 
     basis = ctx.basis if ctx.basis is not None else eigenbasis(ctx.stats)
     efb, n = collect_efb(ctx.model, [(ctx.x, ctx.y)], basis, fisher="empirical")

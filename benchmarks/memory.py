@@ -8,13 +8,13 @@ predictive against laplace-torch's at several sample counts (CPU, float32).
 **Sizes** (no data, no weights: torchvision models on the ``meta`` device, ImageNet heads with
 1000 classes as in the paper) for resnet18/50/152 and densenet121/161: numbers stored and MB
 (2^20 bytes at 4 bytes/number) for ``diag`` (``Σ mn``), ``kfac`` (``Σ n² + m²``), ``efb``
-(``Σ n² + m² + mn``), counted by :mod:`laplace_core.sizes` over the same Linear/Conv2d layers
+(``Σ n² + m² + mn``), counted by :mod:`laplace_core.posteriors.sizes` over the same Linear/Conv2d layers
 (BatchNorm is a point estimate), and the ratio to ``diag``. INF at rank ``K`` stores
 ``|I| m + |J| n + |I||J| + mn`` per layer (``U_g``, ``U_a``, ``Λ_L``, ``D``), where ``I``/``J``
 are the distinct rows/columns of the top-``K`` EFB eigenvalues (Algorithm 1): they depend on
 data, so from shapes alone the count is an interval, both ends from the same exact formula:
 
-* lower bound: :func:`laplace_core.sizes.inf_lower_bound` (fewest rows/columns that can hold
+* lower bound: :func:`laplace_core.posteriors.sizes.inf_lower_bound` (fewest rows/columns that can hold
   ``K`` entries, ``a b >= K``);
 * upper bound: ``|I| = min(m, K)``, ``|J| = min(n, K)`` (``K`` entries touch at most ``K``
   rows and ``K`` columns).
@@ -22,7 +22,7 @@ data, so from shapes alone the count is an interval, both ends from the same exa
 ``--exact MODEL`` also computes the exact INF count for ``MODEL`` (random init, 1000 classes)
 from real EFB eigenvalues: statistics on ``--exact-batches`` random batches of
 ``--exact-batch`` images at ``--exact-size`` (pass 1 + eigh + EFB pass, then
-:func:`laplace_core.sizes.model_sizes` with ``stats``). It is exact for that data only.
+:func:`laplace_core.posteriors.sizes.model_sizes` with ``stats``). It is exact for that data only.
 
 **Peak RSS** of one MC predictive call on one batch (``--batch`` images at ``--size``,
 ``--rss-model`` with 10 classes, the setup of ``benchmarks/peers.py``) at each ``--samples``
@@ -79,14 +79,14 @@ def _meta_model(name: str, num_classes: int = 1000):
 def inf_upper_bound(m: int, n: int, rank: int) -> int:
     """Largest possible INF count of an ``m x n`` layer at rank ``K``: ``|I| = min(m, K)``,
     ``|J| = min(n, K)`` in ``|I| m + |J| n + |I||J| + mn`` (``K`` taken as at most ``mn``)."""
-    from laplace_core.sizes import inf_count
+    from laplace_core.posteriors.sizes import inf_count
 
     k = min(rank, m * n)
     return inf_count(m, n, min(m, k), min(n, k))
 
 
 def size_rows(rank: int, exact: dict[str, int]) -> list[dict]:
-    from laplace_core.sizes import model_sizes
+    from laplace_core.posteriors.sizes import model_sizes
 
     rows = []
     for name in SIZE_MODELS:
@@ -106,9 +106,9 @@ def exact_inf(name: str, rank: int, size: int, batch: int, batches: int) -> dict
     import torch
     import torchvision
 
-    from laplace_core.collect import collect_efb, collect_statistics
-    from laplace_core.eigenbasis import eigenbasis
-    from laplace_core.sizes import model_sizes
+    from laplace_core.curvature.collect import collect_efb, collect_statistics
+    from laplace_core.basis.eigenbasis import eigenbasis
+    from laplace_core.posteriors.sizes import model_sizes
 
     torch.manual_seed(0)
     model = getattr(torchvision.models, name)(weights=None).eval()
@@ -126,7 +126,7 @@ def exact_inf(name: str, rank: int, size: int, batch: int, batches: int) -> dict
 
 
 def _mb(x: int) -> str:
-    from laplace_core.sizes import to_mb
+    from laplace_core.posteriors.sizes import to_mb
 
     return f"{to_mb(x):,.1f}"
 
@@ -159,8 +159,8 @@ def _rss_child(a) -> dict:
     model, batches = peers._setup(_SetupArgs(a.rss_model, a.size, a.batch, a.fit_batches))
     x = batches[0][0]
     if a.kind in ("ours_kfac", "ours_inf"):
-        from laplace_core.structures.base import load_posterior
-        from laplace_core.predictive import MCPredictor
+        from laplace_core.posteriors.structures.base import load_posterior
+        from laplace_core.predictive.monte_carlo import MCPredictor
 
         post = load_posterior(a.post)
         pred = lambda: MCPredictor(model, post, n_samples=a.samples, seed=0).predict(x)  # noqa: E731
@@ -209,9 +209,9 @@ def _fit_posteriors(a, tmp: Path) -> tuple[dict[str, str], int]:
     import torch
 
     import peers
-    from laplace_core.collect import collect_efb, collect_statistics
-    from laplace_core.eigenbasis import eigenbasis
-    from laplace_core.posterior import build_posterior
+    from laplace_core.curvature.collect import collect_efb, collect_statistics
+    from laplace_core.basis.eigenbasis import eigenbasis
+    from laplace_core.posteriors.build import build_posterior
 
     torch.set_num_threads(a.threads)
     model, batches = peers._setup(_SetupArgs(a.rss_model, a.size, a.batch, a.fit_batches))

@@ -8,9 +8,9 @@ Same torchvision model (random init, ``weights=None``, eval mode, BatchNorm para
 so that every library covers exactly the Linear/Conv2d weights and biases), same random data,
 empirical Fisher (true labels) everywhere, ``batches x batch`` images at ``size x size``:
 
-* ``inf_ours``: our full INF fit: :func:`~laplace_core.collect.collect_statistics` (pass 1: A, G,
-  exact diagonal) + :func:`~laplace_core.eigenbasis.eigenbasis` +
-  :func:`~laplace_core.collect.collect_efb` (pass 2: EFB eigenvalues). Then (same process,
+* ``inf_ours``: our full INF fit: :func:`~laplace_core.curvature.collect.collect_statistics` (pass 1: A, G,
+  exact diagonal) + :func:`~laplace_core.basis.eigenbasis.eigenbasis` +
+  :func:`~laplace_core.curvature.collect.collect_efb` (pass 2: EFB eigenvalues). Then (same process,
   timed separately, not part of the fit) ``build_posterior(stats, "inf", rank=100)`` and
   ``"kfac"`` and 30 draws of each (``draw_sample``: ``inf_draw``/``kfac_draw``, per draw),
   and the INF MC predictive (``inf_predict``, 30 samples, one batch).
@@ -153,10 +153,10 @@ def _task(a) -> dict:
     ph = _Phases()
     x = batches[0][0]
     if a.task == "inf_ours":
-        from laplace_core.collect import collect_efb, collect_statistics
-        from laplace_core.eigenbasis import eigenbasis
-        from laplace_core.posterior import build_posterior
-        from laplace_core.predictive import MCPredictor, draw_sample
+        from laplace_core.curvature.collect import collect_efb, collect_statistics
+        from laplace_core.basis.eigenbasis import eigenbasis
+        from laplace_core.posteriors.build import build_posterior
+        from laplace_core.predictive.monte_carlo import MCPredictor, draw_sample
         with ph("pass1"):
             stats = collect_statistics(model, batches, fisher="empirical")
         with ph("eigenbasis"):
@@ -210,9 +210,9 @@ def _task(a) -> dict:
             out["fit_s"] = sum(ph.s.values())
             out["fit_rss_mib"] = max(ph.rss.values())
     elif a.task == "kfac_ours":
-        from laplace_core.collect import collect_statistics
-        from laplace_core.posterior import build_posterior
-        from laplace_core.predictive import MCPredictor
+        from laplace_core.curvature.collect import collect_statistics
+        from laplace_core.posteriors.build import build_posterior
+        from laplace_core.predictive.monte_carlo import MCPredictor
         with ph("fit"):
             stats = collect_statistics(model, batches, fisher="empirical")
             post = build_posterior(stats, "kfac", dtype=torch.float32)
@@ -256,20 +256,20 @@ def flop_table(a) -> dict:
     ``torch.utils.flop_counter.FlopCounterMode`` (the MAP model, summed cross-entropy, weight
     gradients included), and the extra GEMM FLOPs of each pass counted from the layer shapes
     and positions ``T`` (per example: pass 1 ``A`` 2n²T, ``G`` 2m²T, diagonal 2mnT; pass 2 the
-    cheaper EFB order of :func:`laplace_core.accumulate.efb_contraction_order`; the same counts as
+    cheaper EFB order of :func:`laplace_core.curvature.accumulate.efb_contraction_order`; the same counts as
     ``benchmarks/core_pass.py``). Whole fit: ``eigh`` of every factor at ≈ 9(n³ + m³)
     (symmetric QR with vectors, Golub & Van Loan; MKL's divide and conquer does less). Draws:
     ours ``2mn(m+n)`` per KFAC draw (two GEMMs) when formed, laplace-torch ``4mn(m+n)``
     (``Q1^T W Q2`` then ``Q1 (.) Q2^T``, the exact prior in the eigenbasis); as our MC
-    predictive applies it (``laplace_core.sample_apply``: per layer the cheaper of forming the
+    predictive applies it (``laplace_core.predictive.sample_apply``: per layer the cheaper of forming the
     delta and applying it to the ``B t`` input columns), ``kfac_draw_gflop_ours_applied``."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from laplace_core.accumulate import efb_contraction_order
-    from laplace_core.sample_apply import draw_costs
+    from laplace_core.curvature.accumulate import efb_contraction_order
+    from laplace_core.predictive.sample_apply import draw_costs
     from core_pass import layer_positions  # benchmarks/ is sys.path[0] when run as a script
-    from laplace_core.layers import find_layers
+    from laplace_core.curvature.layers import find_layers
 
     model, batches = _setup(a)
     x, y = batches[0]

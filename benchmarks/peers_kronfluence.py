@@ -8,11 +8,11 @@ images at ``size x size``, 10 classes), empirical Fisher (true labels) on both s
 Linear/Conv2d layers:
 
 * ``factors``: kronfluence ``fit_covariance_matrices`` (A, G) against
-  :func:`~laplace_core.collect.collect_statistics` (A, G and the exact Fisher diagonal);
+  :func:`~laplace_core.curvature.collect.collect_statistics` (A, G and the exact Fisher diagonal);
 * ``eigen``: kronfluence ``perform_eigendecomposition`` (float64) against
-  :func:`~laplace_core.eigenbasis.eigenbasis` (float64);
+  :func:`~laplace_core.basis.eigenbasis.eigenbasis` (float64);
 * ``lambda``: kronfluence ``fit_lambda_matrices`` (eigenvalue correction) against
-  :func:`~laplace_core.collect.collect_efb`.
+  :func:`~laplace_core.curvature.collect.collect_efb`.
 
 Repetitions interleave the two sides step by step; medians are reported with the load
 average. The numerical check compares, per layer, the factors after normalising each to unit
@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from laplace_core.collect import collect_efb, collect_statistics
-from laplace_core.eigenbasis import eigenbasis
+from laplace_core.curvature.collect import collect_efb, collect_statistics
+from laplace_core.basis.eigenbasis import eigenbasis
 
 
 def _kronfluence_task():

@@ -6,7 +6,7 @@ requests it serves: how many at once (the most in flight), and how many of each 
     GET  http://127.0.0.1:<n>/__counts       # the counts as JSON
     POST http://127.0.0.1:<n>/__counts       # the counts as JSON, then zeroed
 
-Used by tests/pipelines/test_listing.py and benchmarks/rehearsal.py: a separate process, so
+Used by tests/pipelines/ingest/test_listing.py and benchmarks/rehearsal.py: a separate process, so
 that the driver's heap measured with tracemalloc holds only the client's side.
 """
 from __future__ import annotations

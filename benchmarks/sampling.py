@@ -13,9 +13,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import time, statistics, torch, torchvision
-from laplace_core.layers import find_layers
-from laplace_core.structures.kron import KronLayer
-from laplace_core.structures.inf import InfLayer
+from laplace_core.curvature.layers import find_layers
+from laplace_core.posteriors.structures.kron import KronLayer
+from laplace_core.posteriors.structures.inf import InfLayer
 torch.manual_seed(0)
 with torch.device("meta"):
     model = torchvision.models.resnet18()

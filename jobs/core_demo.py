@@ -82,9 +82,9 @@ def _entropy(probs: torch.Tensor) -> torch.Tensor:
 
 def main(args: argparse.Namespace) -> list[dict]:
     import laplace_core as lc
-    from laplace_core import sizes
-    from laplace_core.collect import collect_efb
-    from laplace_core.predictive import map_predict, mc_predict
+    from laplace_core.posteriors import sizes
+    from laplace_core.curvature.collect import collect_efb
+    from laplace_core.predictive.monte_carlo import map_predict, mc_predict
     from pipelines.ingest import demo_data as dd
 
     if args.threads:
@@ -178,14 +178,14 @@ def _print_table(results: list[dict], args: argparse.Namespace) -> None:
                if "acc" in r else "")
         print(f"{r['method']:<11} {r['num_stored']:>15,} {mb:>7.3f} {r['build_s']:>8.3f} {r['sample_s']:>9.4f} {met}")
         if r["predicted"] is not None and r["predicted"] != r["num_stored"]:
-            print(f"  warning: laplace_core.sizes predicted {r['predicted']:,} numbers for {r['method']}")
+            print(f"  warning: laplace_core.posteriors.sizes predicted {r['predicted']:,} numbers for {r['method']}")
     print(f"N = {args.n_data or 'M'}, tau = {args.prior_precision}, INF rank K = {args.rank}; MB = 2^20 bytes at "
           f"4 bytes/number; H = normalised predictive entropy (digits test / letters A-J), AUROC = OOD detection "
           f"by entropy; MC predictive with {args.mc_samples} samples.")
 
 
 def sizes_mb(n: int) -> float:
-    from laplace_core.sizes import to_mb
+    from laplace_core.posteriors.sizes import to_mb
 
     return to_mb(n)
 

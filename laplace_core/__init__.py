@@ -10,6 +10,21 @@ Pure torch; never imports Ray (docs/design.md ยง2). Public API (docs/design.md ย
     deltas = post.sample(1, g)          # layer name -> [1, m, n] perturbation of W~ = [W, b]
     post.save("runs/x/posterior/inf"); post2 = lc.load_posterior("runs/x/posterior/inf")
 
+The subpackages follow the data, in this order (as ``pipelines/`` follows the stages):
+
+1. :mod:`.curvature`: model + batches -> :class:`CurvatureStatistics` (which layers, the
+   hooks that tap them, the batch loop, likelihoods and label draws, the per-layer sums);
+2. :mod:`.basis`: statistics -> the Kronecker factors' :class:`Eigenbasis`;
+3. :mod:`.posteriors`: statistics (+ basis) -> a :class:`Posterior` (the structures diag,
+   KFAC, EFB, INF, subnet; the method registry; Algorithm 1; sizes);
+4. :mod:`.predictive`: model + posterior + inputs -> predictive probabilities (MC sampling,
+   GLM, last-layer closed forms);
+5. :mod:`.metrics`: probabilities + labels -> mergeable metrics.
+
+:mod:`.io` (safetensors + JSON artifacts) serves every floor. A floor imports only from the
+floors above it and from :mod:`.io`, with one loop in the flow: the EFB pass of
+:mod:`.curvature.collect` takes the :mod:`.basis` back to sum in it.
+
 Names are resolved lazily so that ``import laplace_core`` stays cheap.
 """
 from __future__ import annotations
@@ -18,33 +33,28 @@ import importlib
 
 __version__ = "0.1.0"
 
-# Submodules that share a name with a public function are imported eagerly, so that
-# the package attribute is the function, not the module (both are light).
-from .eigenbasis import eigenbasis  # noqa: E402
-from .sparsify import sparsify  # noqa: E402
-
 _EXPORTS = {
-    "CurvatureStatistics": "statistics",
-    "LayerStatistics": "statistics",
-    "LayerInfo": "statistics",
-    "find_layers": "layers",
-    "perturbed": "layers",
-    "collect_statistics": "collect",
-    "Eigenbasis": "eigenbasis",
-    "LayerBasis": "eigenbasis",
-    "eigenbasis": "eigenbasis",
-    "build_posterior": "posterior",
-    "METHODS": "posterior",
-    "with_hyper": "posterior",
-    "Posterior": "structures.base",
-    "sparsify": "sparsify",
-    "load_posterior": "structures.base",
+    "CurvatureStatistics": "curvature.statistics",
+    "LayerStatistics": "curvature.statistics",
+    "LayerInfo": "curvature.statistics",
+    "find_layers": "curvature.layers",
+    "perturbed": "curvature.layers",
+    "collect_statistics": "curvature.collect",
+    "Eigenbasis": "basis.eigenbasis",
+    "LayerBasis": "basis.eigenbasis",
+    "eigenbasis": "basis.eigenbasis",
+    "build_posterior": "posteriors.build",
+    "METHODS": "posteriors.build",
+    "with_hyper": "posteriors.build",
+    "Posterior": "posteriors.structures.base",
+    "sparsify": "posteriors.sparsify",
+    "load_posterior": "posteriors.structures.base",
     "save_tensors": "io",
     "load_tensors": "io",
     "MetricSuite": "metrics.suite",
-    "MCPredictor": "predictive",
-    "mc_predict": "predictive",
-    "map_predict": "predictive",
+    "MCPredictor": "predictive.monte_carlo",
+    "mc_predict": "predictive.monte_carlo",
+    "map_predict": "predictive.monte_carlo",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -18,7 +18,7 @@ manifest last, so a reader never sees a manifest whose tensors are missing; an
 interrupted re-save leaves a checksum mismatch, which is reported, never a silent
 mix. Loading never unpickles: JSON and ``safetensors.torch.load`` on bytes.
 Remote credentials come from the environment (standard AWS chain for s3) and are
-never logged (a posterior is loaded by :meth:`laplace_core.structures.base.Posterior.load`,
+never logged (a posterior is loaded by :meth:`laplace_core.posteriors.structures.base.Posterior.load`,
 which reads its artifact through :func:`load_tensors`; this module knows no structure).
 Everything else about reaching a store (an S3-compatible endpoint, addressing
 style, region) is passed explicitly as ``storage_options``: fsspec's keyword arguments for

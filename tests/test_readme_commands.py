@@ -21,7 +21,7 @@ quoted beside a command are checked on the page that quotes them (``infoform siz
 | ``infoform run ...`` | run here with ``--dry-run``; the job itself in tests/jobs/test_job.py |
 | ``make core-demo`` | parse: the Makefile target and ``jobs/core_demo.py``'s parser (minutes of CPU) |
 | ``python benchmarks/*.py ...`` | parse: each script's own argparse with the page's arguments (benchmarks take minutes) |
-| ``python benchmarks/paper/*.py ...`` | parse, as above; reduced versions run in tests/core/test_paper_table1.py and tests/pipelines/test_paper_table2.py |
+| ``python benchmarks/paper/*.py ...`` | parse, as above; reduced versions run in tests/core/test_paper_table1.py and tests/pipelines/cli/test_paper_table2.py |
 | Python API block | run here on a tiny CNN |
 
 infra/README.md's commands are checked by tests/jobs/test_infra.py.
@@ -87,11 +87,11 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "infoform run ...": ("here", "test_infoform_run_is_the_job"),
     "infoform score": ("here", "test_infoform_score_parses (the section heading)"),
     "infoform score --run runs/smoke --data run:test --output runs/smoke-scores --method inf":
-        ("here", "test_infoform_score_parses; run on a smoke run in tests/pipelines/test_score.py"),
+        ("here", "test_infoform_score_parses; run on a smoke run in tests/pipelines/serve/test_score.py"),
     "ray start --head": ("run", "tests/jobs/test_job.py"),
     "python jobs/imagenet_inf.py --data my_data --model resnet18 --weights my_model.pt":
         ("run", "tests/jobs/test_first_run.py"),
-    "infoform config --list": ("run", "tests/pipelines/test_settings.py"),
+    "infoform config --list": ("run", "tests/pipelines/config/test_settings.py"),
     "make core-demo": ("parse", "minutes of CPU: the Makefile target and jobs/core_demo.py's parser"),
     "python benchmarks/core_pass.py --random-basis": ("parse", "benchmark"),
     "python benchmarks/sampling.py": ("parse", "benchmark"),
@@ -119,7 +119,7 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "python benchmarks/paper/figure4.py": ("parse", "benchmark (a minute)"),
     "python benchmarks/paper/table2.py --configs 20 --search-mc 5 --eval-mc 20 --epochs 40 --members 5 "
     "--per-class 100 100 100 --letters 50": ("parse", "benchmark (the job end to end); "
-                                             "tests/pipelines/test_paper_table2.py runs a smaller one"),
+                                             "tests/pipelines/cli/test_paper_table2.py runs a smaller one"),
     "python benchmarks/paper/table2.py --configs 300": ("parse", "the paper's 300 configurations (not run here: hours "
                                                          "on 2 shared cores)"),
 }
@@ -295,7 +295,7 @@ def test_infoform_run_is_the_job(capsys):
 
 
 def test_infoform_score_parses():
-    """README's ``infoform score`` lines parse; tests/pipelines/test_score.py runs the command (and
+    """README's ``infoform score`` lines parse; tests/pipelines/serve/test_score.py runs the command (and
     README's ``load_run`` block) on a smoke run."""
     from pipelines.cli.main import build_parser
 
@@ -304,7 +304,7 @@ def test_infoform_score_parses():
     for cmd in cmds:
         ns = build_parser().parse_args(shlex.split(cmd)[1:])
         assert ns.command == "score" and ns.run and ns.data and ns.output
-    assert "test_readme_load_run_example_runs" in (ROOT / "tests/pipelines/test_score.py").read_text()
+    assert "test_readme_load_run_example_runs" in (ROOT / "tests/pipelines/serve/test_score.py").read_text()
 
 
 def test_python_api_block_runs(tmp_path, monkeypatch):

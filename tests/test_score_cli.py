@@ -1,5 +1,5 @@
 """``infoform score`` / ``jobs/score.py`` refuse bad input in one line with exit code 2, before
-any cluster work (no Ray here); the Ray part runs in tests/pipelines/test_score.py."""
+any cluster work (no Ray here); the Ray part runs in tests/pipelines/serve/test_score.py."""
 from __future__ import annotations
 
 import subprocess

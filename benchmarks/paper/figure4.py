@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.paper.common import DEFAULT_OUT, machine, write  # noqa: E402
 from benchmarks.paper.table1 import F64, mlp, toy_data, train  # noqa: E402
-from laplace_core.collect import collect_statistics  # noqa: E402
-from laplace_core.eigenbasis import eigenbasis  # noqa: E402
-from laplace_core.posterior import build_posterior  # noqa: E402
+from laplace_core.curvature.collect import collect_statistics  # noqa: E402
+from laplace_core.basis.eigenbasis import eigenbasis  # noqa: E402
+from laplace_core.posteriors.build import build_posterior  # noqa: E402
 
 SIGMA = 3.0
 

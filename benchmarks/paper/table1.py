@@ -41,10 +41,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.paper.common import DEFAULT_OUT, fmt, machine, mean_std, write  # noqa: E402
-from laplace_core.collect import collect_statistics  # noqa: E402
-from laplace_core.eigenbasis import eigenbasis  # noqa: E402
-from laplace_core.posterior import build_posterior  # noqa: E402
-from laplace_core.structures.base import vec  # noqa: E402
+from laplace_core.curvature.collect import collect_statistics  # noqa: E402
+from laplace_core.basis.eigenbasis import eigenbasis  # noqa: E402
+from laplace_core.posteriors.build import build_posterior  # noqa: E402
+from laplace_core.posteriors.structures.base import vec  # noqa: E402
 
 F64 = torch.float64
 METHODS = ("kfac", "efb", "inf", "inf5")

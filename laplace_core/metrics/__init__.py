@@ -1,4 +1,5 @@
-"""Mergeable evaluation metrics: accuracy, NLL, Brier, ECE, entropy, OOD detection.
+"""Floor 5 of ``laplace_core``: probabilities + labels -> mergeable evaluation metrics
+(accuracy, NLL, Brier, ECE, entropy, OOD detection).
 
 Every metric is an accumulator of sufficient statistics (counts, float64 sums,
 fixed-edge histograms) whose ``update`` / ``merge`` / ``compute`` / ``to_json`` work

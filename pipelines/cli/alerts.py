@@ -36,7 +36,7 @@ def metric_names() -> list[str]:
 
 
 def _method_names() -> list[str]:
-    from laplace_core.methods import method_names
+    from laplace_core.posteriors.methods import method_names
 
     return ["map", *method_names()]
 

@@ -17,7 +17,7 @@ its parser). Each parser sets ``func``; ``func(args) -> int`` is the exit code.
   values, and help, from the one place they are written (:mod:`pipelines.config.schema`).
 * ``infoform sizes --model NAME [--rank K] [--stats URI] [--norm-layers map|diag] [--layers all|last|NAMES] [--json]``: numbers stored per
   posterior method for any torchvision classifier, built with ``weights=None`` on the
-  ``meta`` device (no weights, no data, offline). See :mod:`laplace_core.sizes`.
+  ``meta`` device (no weights, no data, offline). See :mod:`laplace_core.posteriors.sizes`.
 
 Usage errors (unknown model, bad flag values, a bad config) print one line to stderr and
 exit 2; a stage that fails exits 1 with one line.
@@ -374,8 +374,8 @@ def _layer_selection(text: str):
 
 
 def cmd_sizes(args: argparse.Namespace) -> int:
-    from laplace_core import sizes
-    from laplace_core.layer_selection import LayerSelectionError
+    from laplace_core.posteriors import sizes
+    from laplace_core.curvature.layer_selection import LayerSelectionError
 
     if args.model is None and args.stats is None:
         raise CliError("give --model NAME (and/or --stats URI)")
@@ -383,7 +383,7 @@ def cmd_sizes(args: argparse.Namespace) -> int:
         raise CliError("--stats is only used for the INF count: give --rank K too")
     stats = None
     if args.stats is not None:
-        from laplace_core.statistics import CurvatureStatistics
+        from laplace_core.curvature.statistics import CurvatureStatistics
 
         from pipelines.storage import uris as storage
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from laplace_core.methods import TEMPERATURE, method_info
+from laplace_core.posteriors.methods import TEMPERATURE, method_info
 from pipelines.cli.counts import ignored_lines
 from pipelines.cli.plan import DataPlan, Splits, demo_model, scan_splits
 from pipelines.cli.stages import Stages, fingerprint, log
@@ -149,10 +149,10 @@ class ModelRun:
         return self.stages.results
 
     def _coverage(self) -> Any:
-        """Weights under the posterior / left at MAP (laplace_core.sizes), for the summary and report.
+        """Weights under the posterior / left at MAP (laplace_core.posteriors.sizes), for the summary and report.
         A ``posterior.layers`` name or glob that matches no layer is a ConfigError here, before any
         cluster work."""
-        from laplace_core.layer_selection import LayerSelectionError
+        from laplace_core.curvature.layer_selection import LayerSelectionError
         from pipelines.ingest.models import model_coverage
 
         try:

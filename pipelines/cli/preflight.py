@@ -196,7 +196,7 @@ def _check_layer_selection(cfg: RunConfig) -> None:
     meta device, no weights): one that matches no layer is a PreflightError listing a few."""
     if isinstance(cfg.posterior.layers, str) and cfg.posterior.layers in ("all", "last"):
         return
-    from laplace_core.layer_selection import LayerSelectionError
+    from laplace_core.curvature.layer_selection import LayerSelectionError
     from pipelines.ingest.models import is_factory, model_coverage
 
     for spec in cfg.all_models():

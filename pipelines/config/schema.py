@@ -16,14 +16,15 @@ from typing import Any
 
 import torch
 
-from laplace_core.layer_selection import check_selection
-from laplace_core.layers import NORM_LAYER_MODES
-from laplace_core.likelihoods import FISHER_TYPES
-from laplace_core.batch_loop import PRECISIONS
-from laplace_core.methods import method_names
+from laplace_core.curvature.layer_selection import check_selection
+from laplace_core.curvature.layers import NORM_LAYER_MODES
+from laplace_core.curvature.likelihoods import FISHER_TYPES
+from laplace_core.curvature.batch_loop import PRECISIONS
+from laplace_core.posteriors.methods import method_names
 from laplace_core.metrics.base import DEFAULT_ECE_BINS, ECE_STRATEGIES, ENTROPY_BINS
-from laplace_core.subnet import SELECTION_RULES, check_subnet_memory
-from laplace_core.subnet import SUBNET_FISHER_TYPES as SUBNET_FISHERS
+from laplace_core.curvature.subnet_fisher import check_subnet_memory
+from laplace_core.posteriors.subnet import SELECTION_RULES
+from laplace_core.curvature.subnet_fisher import SUBNET_FISHER_TYPES as SUBNET_FISHERS
 from pipelines.config.settings import Checked, setting
 from pipelines.evaluation.predictors import PRED_TYPES
 from pipelines.ingest.corruptions import CORRUPTIONS, SEVERITIES, check_corruption
@@ -53,12 +54,12 @@ __all__ = [
 ]
 
 STAGES = ("curvature", "posterior", "search", "evaluate", "report")
-METHOD_NAMES = method_names()  # laplace_core.methods: the one method registry
+METHOD_NAMES = method_names()  # laplace_core.posteriors.methods: the one method registry
 #: ``curvature.model_dtype`` / ``stats_dtype``, ``evaluate.dtype``: name -> torch dtype
 #: (:mod:`pipelines.distributed` and the actors compute in it).
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
 #: ``posterior.subnet_fisher``: ``auto`` (GGN for <= 10 classes, else ``curvature.fisher``) or a
-#: subnet Fisher of :mod:`laplace_core.subnet`.
+#: subnet Fisher of :mod:`laplace_core.posteriors.subnet`.
 SUBNET_FISHER_TYPES = ("auto", *SUBNET_FISHERS)
 #: ``search.objective`` values.
 OBJECTIVES: dict[str, str] = {

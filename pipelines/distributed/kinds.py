@@ -1,15 +1,15 @@
 """The three pass kinds on the partitioned-pass engine (:mod:`.engine`).
 
 * :class:`Pass1Kind`: KFAC factors ``A = Σ a a^T`` (``n x n``), ``G = Σ g g^T`` (``m x m``) and
-  the exact Fisher diagonal (``m x n``) per layer, :func:`laplace_core.collect.collect_statistics`.
+  the exact Fisher diagonal (``m x n``) per layer, :func:`laplace_core.curvature.collect.collect_statistics`.
   ``A`` and ``G`` are reduced and checkpointed as upper triangles.
 * :class:`EfbKind`: the EFB sums ``Σ ((U_G^T g)(U_A^T a)^T)²`` (``m x n``) in the run's
-  eigenbasis, :func:`laplace_core.collect.collect_efb`.
+  eigenbasis, :func:`laplace_core.curvature.collect.collect_efb`.
 * :class:`SubnetFisherKind`: the ``S x S`` Fisher of the selected weights,
-  :func:`laplace_core.subnet.collect_subnet_fisher` (added in place into one matrix per
+  :func:`laplace_core.curvature.subnet_fisher.collect_subnet_fisher` (added in place into one matrix per
   worker); reduced and checkpointed as its upper triangle.
 
-MC labels are drawn from ``(seed, image key, draw)`` (:class:`laplace_core.keyed_rng.KeyedSampler`),
+MC labels are drawn from ``(seed, image key, draw)`` (:class:`laplace_core.curvature.keyed_rng.KeyedSampler`),
 so it does not matter which worker sees which image, nor whether a worker was restarted.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from laplace_core.eigenbasis import Eigenbasis
-from laplace_core.statistics import CurvatureStatistics, LayerStatistics, sum_fields
+from laplace_core.basis.eigenbasis import Eigenbasis
+from laplace_core.curvature.statistics import CurvatureStatistics, LayerStatistics, sum_fields
 
 from .comm import pack_symmetric, packed_size, unpack_symmetric
 from .engine import PassKind
@@ -51,7 +51,7 @@ def _precision(cfg, model: torch.nn.Module) -> dict[str, Any]:
 class Pass1Kind(PassKind):
     """Pass 1. State: per layer ``[A upper triangle, G upper triangle, diag]`` in ``stats_dtype``
     (a normalisation layer under ``norm_layers: diag``: ``[diag]`` alone,
-    :func:`laplace_core.statistics.sum_fields`). :meth:`bind` gives it the model and its layers
+    :func:`laplace_core.curvature.statistics.sum_fields`). :meth:`bind` gives it the model and its layers
     once they are loaded."""
 
     name = "pass1"
@@ -84,8 +84,8 @@ class Pass1Kind(PassKind):
         return out
 
     def collect(self, state: list[torch.Tensor], batches: Iterator) -> tuple[int, int, int]:
-        from laplace_core.collect import collect_statistics
-        from laplace_core.keyed_rng import KeyedSampler
+        from laplace_core.curvature.collect import collect_statistics
+        from laplace_core.curvature.keyed_rng import KeyedSampler
 
         c = self.cfg
         local = collect_statistics(self.model, batches, fisher=c.fisher, mc_samples=c.mc_samples,
@@ -146,8 +146,8 @@ class EfbKind(PassKind):
         return [torch.zeros(info.shape, dtype=dt, device=device) for info in self.infos.values()]
 
     def collect(self, state: list[torch.Tensor], batches: Iterator) -> tuple[int]:
-        from laplace_core.collect import collect_efb
-        from laplace_core.keyed_rng import KeyedSampler
+        from laplace_core.curvature.collect import collect_efb
+        from laplace_core.curvature.keyed_rng import KeyedSampler
 
         c = self.cfg
         efb, n = collect_efb(self.model, batches, self.basis, fisher=c.fisher, mc_samples=c.mc_samples,
@@ -197,8 +197,8 @@ class SubnetFisherKind(PassKind):
         return torch.zeros(self.size, self.size, dtype=DTYPES[self.dtype], device=device)
 
     def collect(self, state: torch.Tensor, batches: Iterator) -> tuple[int]:
-        from laplace_core.keyed_rng import KeyedSampler
-        from laplace_core.subnet import collect_subnet_fisher
+        from laplace_core.curvature.keyed_rng import KeyedSampler
+        from laplace_core.curvature.subnet_fisher import collect_subnet_fisher
 
         # batches are (x, y, keys): the MC labels come from (seed, example key, draw), the labels
         # collect_statistics drew in pass 1, from the forward pass the backward passes reuse

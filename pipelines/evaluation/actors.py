@@ -125,7 +125,7 @@ class ModelActor:
         self.model = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device,
                                      endpoint_url=endpoint_url, precision=cfg.precision)
         dev = torch.device(cfg.resolved_device)
-        # draws happen where the model runs (the posterior's device, laplace_core.predictive)
+        # draws happen where the model runs (the posterior's device, laplace_core.predictive.monte_carlo)
         self.posteriors = {m: p if dev.type == "cpu" else p.to(dev)
                            for m, p in load_posteriors(posterior_uris, hyper, endpoint_url).items()}
         self.load_seconds = time.perf_counter() - t0

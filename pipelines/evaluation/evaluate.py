@@ -20,7 +20,7 @@ metrics and the paired bootstrap intervals (:mod:`laplace_core.metrics.bootstrap
 ``cfg.bootstrap`` resamples seeded by ``cfg.seed``; ``metrics.json["intervals"]``).
 
 Why 1 actor and 2 actors give the same predictions (the sample ``θ_t`` depends only
-on ``(seed, t)``, :func:`laplace_core.predictive.sample_seed`):
+on ``(seed, t)``, :func:`laplace_core.predictive.monte_carlo.sample_seed`):
 
 * every forward pass runs on **exactly** ``cfg.batch_size`` rows; valid images are
   re-batched into fixed-size batches and the last batch of a shard is zero-padded
@@ -63,7 +63,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from laplace_core.methods import TEMPERATURE
+from laplace_core.posteriors.methods import TEMPERATURE
 from laplace_core.metrics.base import NLL_EPS
 from laplace_core.metrics.bootstrap import bootstrap, ood_summary
 from laplace_core.metrics.calibration import Entropy

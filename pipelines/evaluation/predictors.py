@@ -3,11 +3,11 @@
 * :func:`model_ref` / :func:`load_eval_model`: the model an actor loads (a name and a
   weights URI, ``pipelines.ingest.models.load_model``), in eval mode, cast and placed;
 * :func:`load_posteriors`: ``method -> Posterior`` from artifact URIs, optionally
-  re-targeted to ``(N, τ)`` with ``laplace_core.posterior.with_hyper``;
+  re-targeted to ``(N, τ)`` with ``laplace_core.posteriors.build.with_hyper``;
 * :func:`make_predictor`: the predictive of a posterior, ``"nn"`` (MC over weight
   samples) or ``"glm"`` (MC-GLM; for a posterior over the last linear layer alone,
   ``posterior.layers: last``, the logit covariance in closed form,
-  :class:`laplace_core.last_layer.LastLayerGLMPredictor`); sample ``t`` is drawn from ``(seed, t)``;
+  :class:`laplace_core.predictive.last_layer.LastLayerGLMPredictor`); sample ``t`` is drawn from ``(seed, t)``;
 * :func:`predict_chunk`: the probabilities of the real rows of a chunk of fixed-size
   batches (``pipelines.evaluation.chunks``), MAP when no predictor is given.
 """
@@ -54,12 +54,12 @@ def make_predictor(model: nn.Module, post: Any, pred_type: str, mc_samples: int,
     (closed-form logit covariance, no weight sampling; MC-GLM where its output is not the logits)."""
     check_pred_type(pred_type)
     if pred_type == "nn":
-        from laplace_core.predictive import MCPredictor
+        from laplace_core.predictive.monte_carlo import MCPredictor
 
         return MCPredictor(model, post, mc_samples, seed, cache_bytes=cache_bytes)
     if pred_type == "glm":
-        from laplace_core.glm import GLMPredictor
-        from laplace_core.last_layer import LastLayerGLMPredictor, last_linear_layer
+        from laplace_core.predictive.glm import GLMPredictor
+        from laplace_core.predictive.last_layer import LastLayerGLMPredictor, last_linear_layer
 
         sampled = GLMPredictor(model, post, mc_samples, seed, link="mc", variance="mc", cache_bytes=cache_bytes)
         if last_linear_layer(model, post) is not None:
@@ -112,7 +112,7 @@ def in_precision(model: nn.Module, precision: str) -> nn.Module:
     dtype; the predictive averages the probabilities and the metrics sum in float64
     (docs/design.md, the dtype table). The GLM predictives stay in fp32 (the config
     refuses them with another precision)."""
-    from laplace_core.batch_loop import PRECISIONS
+    from laplace_core.curvature.batch_loop import PRECISIONS
 
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; valid: {', '.join(PRECISIONS)}")
@@ -134,9 +134,9 @@ def in_precision(model: nn.Module, precision: str) -> nn.Module:
 def load_posteriors(uris: Mapping[str, str], hyper: Mapping[str, Sequence[float]] | None = None,
                     endpoint_url: storage.Store = None) -> dict[str, Any]:
     """``method -> Posterior`` from artifact URIs; ``hyper[method] = (N, τ)`` re-targets a
-    posterior with ``laplace_core.posterior.with_hyper`` (no eigendecomposition redone)."""
-    from laplace_core.structures.base import load_posterior
-    from laplace_core.posterior import with_hyper
+    posterior with ``laplace_core.posteriors.build.with_hyper`` (no eigendecomposition redone)."""
+    from laplace_core.posteriors.structures.base import load_posterior
+    from laplace_core.posteriors.build import with_hyper
 
     out = {}
     for method, uri in uris.items():
@@ -165,7 +165,7 @@ def finite_or_reason(p: torch.Tensor) -> str:
 def predict_chunk(model: nn.Module, predictor: Any, chunk: Any) -> list[torch.Tensor]:
     """Probabilities of the real rows of each batch of ``chunk`` (a
     :class:`pipelines.evaluation.chunks.Chunk`): MAP when ``predictor`` is None."""
-    from laplace_core.predictive import map_predict
+    from laplace_core.predictive.monte_carlo import map_predict
 
     if predictor is None:
         probs = [map_predict(model, x) for x in chunk.xs]
@@ -179,7 +179,7 @@ def predict_chunk_stats(model: nn.Module, predictor: Any, chunk: Any) -> tuple[t
 
     Log-probabilities come exactly from the logits: ``log_softmax`` for MAP (and
     ``predictor.predict_batches_stats`` of a temperature predictor), log-mean-exp over the
-    draws for MC / MC-GLM predictors (:class:`laplace_core.predictive.DrawStats`). A predictor
+    draws for MC / MC-GLM predictors (:class:`laplace_core.predictive.monte_carlo.DrawStats`). A predictor
     that gives only probabilities: ``log max(p, NLL_EPS)`` and ``exact = False``."""
     from laplace_core.metrics.base import NLL_EPS
 

@@ -17,7 +17,7 @@ bins are the evaluation's, ``evaluate.ece_mode`` / ``evaluate.ece_bins``). Execu
 scoring the split chunk by chunk (``cfg.chunk_size`` examples, default 4096) and reporting
 the running objective, so that ``cfg.scheduler="asha"`` can stop bad configurations early;
 ``cfg.algorithm="tpe"`` lets Optuna propose the configurations. A configuration is
-re-targeted with ``laplace_core.posterior.with_hyper`` (reuses the stored eigenvectors,
+re-targeted with ``laplace_core.posteriors.build.with_hyper`` (reuses the stored eigenvectors,
 ``Λ/M``, ``D``; INF redoes only its ``L x L`` eigh) once per trial. :func:`search_shard` is
 the same scoring in one process over every configuration (the reference the Tune search is
 tested against).
@@ -87,7 +87,7 @@ def search_shard(
     ``progress(0, n)``: called after each (method, configuration) of each chunk of ``n``
     examples (the work unit is one example under one configuration).
     """
-    from laplace_core.posterior import with_hyper
+    from laplace_core.posteriors.build import with_hyper
 
     by_method = {m: tuple(configs) if configs is not None else sample_configs(cfg, m) for m in posteriors}
     acc: dict[str, dict[int, SearchAccumulator]] = {

@@ -96,7 +96,7 @@ def evaluate_shift(
     """The sweep (module docstring): ``test_source`` (a ``DatasetIndex`` of the test split)
     decoded with ``data_cfg`` under each ``(corruption, severity)``; returns ``method ->``
     the ``shift.json`` document, written under ``output`` when given."""
-    from laplace_core.methods import TEMPERATURE
+    from laplace_core.posteriors.methods import TEMPERATURE
     from pipelines.ingest.batches import build_dataset
     from pipelines.ingest.corruptions import check_corruption
 

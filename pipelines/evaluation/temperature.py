@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from laplace_core.methods import TEMPERATURE, method_info
+from laplace_core.posteriors.methods import TEMPERATURE, method_info
 from pipelines.evaluation.actors import ActorProgress, ModelActor, run_actors
 from pipelines.evaluation.chunks import iter_chunks, valid_batches
 from pipelines.evaluation.predictors import model_ref

@@ -9,7 +9,7 @@ ECE) of the chunks so far, from the same mergeable accumulators as the hand-made
 class trainable run with ``reuse_actors=True``: ``setup`` loads the model and the method's
 posterior once per Tune actor (:class:`pipelines.evaluation.actors.ModelActor`), and
 ``reset_config`` re-targets it to the next trial's ``(N, τ)`` with
-``laplace_core.posterior.with_hyper`` (no model or posterior reload). Every trial draws the
+``laplace_core.posteriors.build.with_hyper`` (no model or posterior reload). Every trial draws the
 same ``θ_t`` from ``(seed, t)`` and an example's prediction does not depend on its batch
 neighbours, so a trial's accumulators equal those of the data-parallel loop up to the
 order of the float64 sums.
@@ -145,7 +145,7 @@ class SearchTrainable(tune.Trainable):
         return True
 
     def _start(self, config: Mapping[str, Any]) -> None:
-        from laplace_core.posterior import with_hyper
+        from laplace_core.posteriors.build import with_hyper
 
         from pipelines.evaluation.predictors import make_predictor
         from pipelines.evaluation.trials import HyperConfig, SearchAccumulator, sample_configs

@@ -445,8 +445,8 @@ def _few(names: list[str], k: int = 6) -> str:
 
 def model_size_report(name: str, num_classes: int | None = None, norm_layers: str = "map", layers="all",
                       rank: int | None = None):
-    """:func:`laplace_core.sizes.model_sizes` of model ``name`` built without weights (``meta`` device)."""
-    from laplace_core.sizes import model_sizes
+    """:func:`laplace_core.posteriors.sizes.model_sizes` of model ``name`` built without weights (``meta`` device)."""
+    from laplace_core.posteriors.sizes import model_sizes
 
     try:
         with torch.device("meta"):
@@ -457,13 +457,13 @@ def model_size_report(name: str, num_classes: int | None = None, norm_layers: st
 
 
 def model_coverage(name: str, num_classes: int | None = None, norm_layers: str = "map", layers="all") -> dict:
-    """:attr:`laplace_core.sizes.SizeReport.coverage` of model ``name`` (built without weights,
+    """:attr:`laplace_core.posteriors.sizes.SizeReport.coverage` of model ``name`` (built without weights,
     on the ``meta`` device where its constructor allows): weights under the posterior, weights
     left at MAP and their module types, plus ``summary``, the same in one line, and
     ``at_map_layers``, the curvature layers a ``layers`` selection leaves at MAP (empty for
     ``"all"``). ``ValueError`` (one line) for a selection that matches no layer."""
-    from laplace_core.layers import DESELECTED
-    from laplace_core.sizes import model_sizes
+    from laplace_core.curvature.layers import DESELECTED
+    from laplace_core.posteriors.sizes import model_sizes
 
     model = _build_meta(name, num_classes) if not is_factory(name) else _build(name, num_classes)
     rep = model_sizes(model, norm_layers=norm_layers, layers=layers)

@@ -7,7 +7,7 @@ scheme) -> reduced statistics.** Both passes run on the partitioned-pass engine
 and :class:`~pipelines.distributed.kinds.EfbKind`). The posteriors are built by the posterior
 stage (:func:`pipelines.passes.posterior.build_posteriors`) from what this stage leaves.
 
-Every worker runs the same :func:`laplace_core.collect.collect_statistics` that a unit test
+Every worker runs the same :func:`laplace_core.curvature.collect.collect_statistics` that a unit test
 runs in one process; statistics are sums, so the all-reduced sums of ``W`` workers equal the
 single-process sums over the same images, up to round-off. For ``fisher="mc"`` each label is
 drawn from ``(seed, key of the image path, draw)`` (:func:`path_keys`), so it does not matter
@@ -51,11 +51,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 
-from laplace_core.batch_loop import PRECISIONS
-from laplace_core.eigenbasis import Eigenbasis
-from laplace_core.layer_selection import check_selection
-from laplace_core.layers import find_layers
-from laplace_core.statistics import CurvatureStatistics
+from laplace_core.curvature.batch_loop import PRECISIONS
+from laplace_core.basis.eigenbasis import Eigenbasis
+from laplace_core.curvature.layer_selection import check_selection
+from laplace_core.curvature.layers import find_layers
+from laplace_core.curvature.statistics import CurvatureStatistics
 
 from pipelines.config.schema import CurvatureSpec, PosteriorSpec
 from pipelines.config.settings import same_as
@@ -82,7 +82,7 @@ from pipelines.distributed import (
     path_keys,
     worker_setup,
 )
-from laplace_core.methods import layer_methods, method_info
+from laplace_core.posteriors.methods import layer_methods, method_info
 from pipelines.distributed.checkpoint import tensor_bytes
 from pipelines.storage import layout
 from pipelines.distributed.kinds import EfbKind, Pass1Kind

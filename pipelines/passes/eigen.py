@@ -17,9 +17,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from laplace_core.eigenbasis import Eigenbasis, LayerBasis, layer_eigenbasis
+from laplace_core.basis.eigenbasis import Eigenbasis, LayerBasis, layer_eigenbasis
 from laplace_core.io import load_tensors, save_tensors
-from laplace_core.statistics import CurvatureStatistics
+from laplace_core.curvature.statistics import CurvatureStatistics
 from pipelines.storage import uris as storage
 from pipelines.distributed.progress import say
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from laplace_core.eigenbasis import Eigenbasis
-from laplace_core.posterior import build_posterior, resolve_method
-from laplace_core.statistics import CurvatureStatistics
+from laplace_core.basis.eigenbasis import Eigenbasis
+from laplace_core.posteriors.build import build_posterior, resolve_method
+from laplace_core.curvature.statistics import CurvatureStatistics
 
 from pipelines.storage import layout
 from pipelines.passes.curvature import BASIS_METHODS, EFB_METHODS, basis_uri, reduced_uri
@@ -133,12 +133,12 @@ def build_posteriors(
 
 
 def inf_clipping_at(uri: str, n_data: float, prior_precision: float, endpoint_url: Store = None) -> dict[str, Any]:
-    """INF's clipping of ``N D + τ`` (see :mod:`laplace_core.structures.inf`) for the saved
+    """INF's clipping of ``N D + τ`` (see :mod:`laplace_core.posteriors.structures.inf`) for the saved
     posterior at ``uri`` under ``(N, τ)`` (e.g. the search's choice): ``clipped_D``,
     ``clipped_D_fraction``, ``diag_rel_error`` (the Fisher diagonal's relative error after
     clipping; 0 = Lemma 2's exact diagonal), ``n_data``, ``prior_precision``."""
-    from laplace_core.structures.base import load_posterior
-    from laplace_core.posterior import with_hyper
+    from laplace_core.posteriors.structures.base import load_posterior
+    from laplace_core.posteriors.build import with_hyper
 
     post = with_hyper(load_posterior(uri, fsspec_options(uri, endpoint_url)), n_data, prior_precision)
     info = post.info

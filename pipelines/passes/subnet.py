@@ -5,13 +5,13 @@ Daxberger et al. (2021), §3-5, on top of the curvature stage (:mod:`pipelines.p
 1. **Selection** (driver, §5 eq. 23): the ``S`` weights of largest diagonal-Laplace
    marginal variance ``σ_d² = 1 / (N diag_d/M + τ)`` (the run's ``n_data`` /
    ``prior_precision`` convention), read from the reduced pass-1 statistics
-   ``<output>/stats/reduced`` (:func:`laplace_core.subnet.select_subnetwork`). ``S`` is
+   ``<output>/stats/reduced`` (:func:`laplace_core.posteriors.subnet.select_subnetwork`). ``S`` is
    capped at ``D_total`` (all curvature weights). Memory check up front: ``S²`` numbers
    of the Fisher's dtype must fit the budget, else a one-line ``ValueError`` naming the
-   largest ``S`` that fits (:func:`laplace_core.subnet.check_subnet_memory`).
+   largest ``S`` that fits (:func:`laplace_core.curvature.subnet_fisher.check_subnet_memory`).
 2. **Fisher** (a pass kind, :class:`pipelines.distributed.kinds.SubnetFisherKind`, on the
    partitioned-pass engine :mod:`pipelines.distributed` that runs the curvature passes too):
-   every worker runs :func:`laplace_core.subnet.collect_subnet_fisher` on its shard of each
+   every worker runs :func:`laplace_core.curvature.subnet_fisher.collect_subnet_fisher` on its shard of each
    partition into one local ``S x S`` matrix, ``F_sum = Σ_k d_{k,S} d_{k,S}^T``, plus the
    count; its upper triangle is SUM-all-reduced per checkpoint interval and at the end; rank 0
    writes ``<output>/stats/subnet/`` (``fisher_triu``: the upper triangle, ``mask/<layer>``,
@@ -56,8 +56,9 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from laplace_core.io import load_tensors, save_tensors
-from laplace_core.statistics import CurvatureStatistics
-from laplace_core.subnet import DEFAULT_MEMORY_BUDGET, SELECTION_RULES, check_subnet_memory, select_subnetwork
+from laplace_core.curvature.statistics import CurvatureStatistics
+from laplace_core.curvature.subnet_fisher import DEFAULT_MEMORY_BUDGET, check_subnet_memory
+from laplace_core.posteriors.subnet import SELECTION_RULES, select_subnetwork
 
 from pipelines.distributed.progress import say
 from pipelines.storage import uris as storage

@@ -39,7 +39,7 @@ pandas DataFrame, a pyarrow Table, a list of row dicts or a dict of columns
     timings          mapping[str, float]  seconds per stage for the whole run
     method_timings   mapping[method, mapping[stage, float]]  seconds per stage per method (table columns)
     posterior_sizes  mapping[method, {"numbers": int|None, "mb": float|None, "note": str}]
-                     (the ``"methods"`` part of ``laplace_core.sizes.SizeReport.to_json()``)
+                     (the ``"methods"`` part of ``laplace_core.posteriors.sizes.SizeReport.to_json()``)
     skipped_images   {"count": int, "examples": [{"path", "reason"} | str]}, or a mapping of such
                      dicts (e.g. {"pass1": ..., "pass2": ...}), which are summed
     clipped_d_entries, clamped_eigenvalues

@@ -1,9 +1,9 @@
 """The method facts the report shows (order, labels, colours, the "Corr" column), read from
-the one method registry, :mod:`laplace_core.methods`; the report reads them only from here."""
+the one method registry, :mod:`laplace_core.posteriors.methods`; the report reads them only from here."""
 from __future__ import annotations
 
-from laplace_core import methods as registry
-from laplace_core.methods import MAP, order_methods
+from laplace_core.posteriors import methods as registry
+from laplace_core.posteriors.methods import MAP, order_methods
 
 __all__ = ["METHOD_ORDER", "CORRELATIONS", "order_methods", "method_label", "method_color"]
 

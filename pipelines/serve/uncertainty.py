@@ -34,7 +34,7 @@ def entropy(p: torch.Tensor) -> torch.Tensor:
 def _probs(model: torch.nn.Module, predictor: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(p̄ [B, C] in the model's dtype, expected entropy [B] float64 or None)``."""
     if predictor is None:  # MAP
-        from laplace_core.predictive import map_predict
+        from laplace_core.predictive.monte_carlo import map_predict
 
         return map_predict(model, x), None
     if hasattr(predictor, "sample_probs"):

@@ -1,7 +1,7 @@
 """What a run writes, said before it writes it, and what it removes once it is redundant.
 
 :func:`expected_bytes` counts from the layer shapes (the same per-layer counts as ``infoform
-sizes``, :mod:`laplace_core.sizes`) the bytes of the statistics (``stats/reduced``: ``A``, ``G``
+sizes``, :mod:`laplace_core.posteriors.sizes`) the bytes of the statistics (``stats/reduced``: ``A``, ``G``
 as upper triangles, the diagonal and the EFB sums), the
 eigenbasis, the pass-1 checkpoint (packed upper triangles; removed at the end of the curvature
 stage, when ``stats/reduced`` holds the same sums) and each posterior (``kfac`` / ``efb``
@@ -28,7 +28,7 @@ def human(n: float) -> str:
 def expected_bytes(report: Any, methods: Iterable[str], *, stats_bytes: int = 8, post_bytes: int = 8,
                    efb: bool = True) -> dict[str, Any]:
     """``{"statistics", "eigenbasis", "checkpoint", "posteriors": {method: bytes}}`` for a
-    :class:`laplace_core.sizes.SizeReport` (its layers' ``m``, ``n``, counts and INF bound)."""
+    :class:`laplace_core.posteriors.sizes.SizeReport` (its layers' ``m``, ``n``, counts and INF bound)."""
     stats = basis = ckpt = 0
     for ls in report.layers:
         m, n = ls.m, ls.n

@@ -1,13 +1,13 @@
 """Ground truth for curvature tests: exact per-example gradients via ``torch.func``.
 
-Independent of :mod:`laplace_core.hooks` / :mod:`laplace_core.collect`: it
+Independent of :mod:`laplace_core.curvature.hooks` / :mod:`laplace_core.curvature.collect`: it
 differentiates ``log p(targets[k] | model(x[k]))`` with ``functional_call`` +
 ``vmap(grad)`` over all parameters of the registered layers, then reshapes each
 layer's weight (and bias) gradient into the ``W~ = [W, b]`` layout (``m x n``).
 
 API (all float64-friendly; run the model in float64 for 1e-10 comparisons)::
 
-    targets = sample_targets(model(x), y, fisher="mc", mc_samples=S, generator=g)  # from laplace_core.likelihoods
+    targets = sample_targets(model(x), y, fisher="mc", mc_samples=S, generator=g)  # from laplace_core.curvature.likelihoods
     d  = per_example_grads(model, x, targets)        # {name: (S, M, m, n)}  (targets (S, M))
     d1 = per_example_grads(model, x, y)              # {name: (M, m, n)}     (targets (M,))
     F  = exact_fisher_blocks(model, x, targets)      # {name: (mn, mn)}  Σ_{s,k} vec d vec d^T / (S M)
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 
-from laplace_core.layers import find_layers, owner_params
+from laplace_core.curvature.layers import find_layers, owner_params
 
 __all__ = ["per_example_grads", "exact_fisher_blocks", "exact_fisher_diag", "vec", "dense_jacobian", "dense_covariance"]
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_core.collect import collect_efb, collect_statistics
-from laplace_core.likelihoods import sample_targets
-from laplace_core.accumulate import efb_contraction_order
-from laplace_core.eigenbasis import eigenbasis
-from laplace_core.layers import find_layers
+from laplace_core.curvature.collect import collect_efb, collect_statistics
+from laplace_core.curvature.likelihoods import sample_targets
+from laplace_core.curvature.accumulate import efb_contraction_order
+from laplace_core.basis.eigenbasis import eigenbasis
+from laplace_core.curvature.layers import find_layers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fisher_reference import exact_fisher_blocks, exact_fisher_diag, hand_patches, per_example_grads, vec  # noqa: E402
@@ -68,7 +68,7 @@ def _targets(model, x, y, fisher, S, seed):
 
 
 def _inputs_and_output_grads(model, x, targets):
-    """Layer inputs and d log p / d out per draw, via retain_grad (independent of laplace_core.hooks)."""
+    """Layer inputs and d log p / d out per draw, via retain_grad (independent of laplace_core.curvature.hooks)."""
     mods, _, _ = find_layers(model)
     ins, outs = {}, {}
 
@@ -414,7 +414,7 @@ def test_torchvision_diag_matches_torch_func(arch):
 def test_keyed_mc_sampling_is_independent_of_batching_and_order():
     """With a KeyedSampler the MC labels depend on (seed, key, draw) only: any batching or
     order of the same examples gives the same sums (what the Ray workers rely on)."""
-    from laplace_core.keyed_rng import KeyedSampler
+    from laplace_core.curvature.keyed_rng import KeyedSampler
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 4)).double()
@@ -438,7 +438,7 @@ def test_keyed_regression_sampling_matches_reference_targets():
     """Keyed regression draws give the same diagonal as the per-example reference with
     the same targets y = f + eps(seed, key)."""
     from fisher_reference import exact_fisher_diag
-    from laplace_core.keyed_rng import KeyedSampler, keyed_normal
+    from laplace_core.curvature.keyed_rng import KeyedSampler, keyed_normal
 
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(3, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2)).double()

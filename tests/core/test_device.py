@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 import laplace_core as lc
-from laplace_core.glm import glm_covariance
-from laplace_core.keyed_rng import KeyedSampler
-from laplace_core.predictive import MCPredictor
-from laplace_core.subnet import collect_subnet_fisher, select_subnetwork
+from laplace_core.predictive.glm import glm_covariance
+from laplace_core.curvature.keyed_rng import KeyedSampler
+from laplace_core.predictive.monte_carlo import MCPredictor
+from laplace_core.curvature.subnet_fisher import collect_subnet_fisher
+from laplace_core.posteriors.subnet import select_subnetwork
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 

@@ -1,11 +1,11 @@
-"""laplace_core.eigenbasis: reconstruction, clamping, and clear errors."""
+"""laplace_core.basis.eigenbasis: reconstruction, clamping, and clear errors."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from laplace_core.eigenbasis import Eigenbasis, eigenbasis, factor_eigh, layer_eigenbasis
-from laplace_core.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
+from laplace_core.basis.eigenbasis import Eigenbasis, eigenbasis, factor_eigh, layer_eigenbasis
+from laplace_core.curvature.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
 
 F64 = torch.float64
 TOL = 1e-12
@@ -115,7 +115,7 @@ def test_eigh_that_fails_to_converge_is_retried_with_a_tiny_shift(monkeypatch):
     retry on A + δI gives the eigenvectors and δ-corrected eigenvalues of A."""
     import importlib
 
-    eb = importlib.import_module("laplace_core.eigenbasis")
+    eb = importlib.import_module("laplace_core.basis.eigenbasis")
 
     g = torch.Generator().manual_seed(0)
     X = torch.randn(3, 6, generator=g, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""GLM predictive (laplace_core.glm) against dense float64 ground truth.
+"""GLM predictive (laplace_core.predictive.glm) against dense float64 ground truth.
 
 Dense reference: the explicit Jacobian ``J`` (``torch.func.jacrev`` over the weights,
 rearranged into ``vec(W~)`` order per layer, independent of the hooks) and the dense
@@ -21,17 +21,18 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev
 
-from laplace_core.collect import collect_statistics
-from laplace_core.eigenbasis import eigenbasis
-from laplace_core.glm import (
+from laplace_core.curvature.collect import collect_statistics
+from laplace_core.basis.eigenbasis import eigenbasis
+from laplace_core.predictive.glm import (
     GLMPredictor, glm_covariance, glm_fd, glm_jvp, kfac_glm_covariance,
     probit_pairwise, probit_pi8,
 )
-from laplace_core.layers import find_layers
-from laplace_core.posterior import build_posterior
-from laplace_core.predictive import draw_sample
-from laplace_core.structures.base import unvec, vec
-from laplace_core.subnet import build_subnet_posterior, collect_subnet_fisher, select_subnetwork
+from laplace_core.curvature.layers import find_layers
+from laplace_core.posteriors.build import build_posterior
+from laplace_core.predictive.monte_carlo import draw_sample
+from laplace_core.posteriors.structures.base import unvec, vec
+from laplace_core.curvature.subnet_fisher import collect_subnet_fisher
+from laplace_core.posteriors.subnet import build_subnet_posterior, select_subnetwork
 
 F64 = torch.float64
 EXACT_TOL = 1e-10      # relative to max |J Σ J^T|
@@ -175,7 +176,7 @@ def test_covariance_matvec_equals_dense_inverse(method):
         F = vec(lp.scale_matvec(unvec(eye, m, n))).T
         assert _rel(F @ F.T, C) < EXACT_TOL
         # the base-class dense default agrees
-        from laplace_core.structures.base import LayerPosterior
+        from laplace_core.posteriors.structures.base import LayerPosterior
         assert _rel(vec(LayerPosterior.covariance_matvec(lp, unvec(eye, m, n))).T, want) < EXACT_TOL
 
 

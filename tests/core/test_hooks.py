@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from laplace_core.hooks import capture, conv_padding, layer_inputs, layer_output_grads, num_positions
-from laplace_core.layers import find_layers, get_matrix
+from laplace_core.curvature.hooks import capture, conv_padding, layer_inputs, layer_output_grads, num_positions
+from laplace_core.curvature.layers import find_layers, get_matrix
 
 TOL = 1e-12
 

@@ -5,7 +5,7 @@
 * Lemma 1 / Corollary 1: Frobenius errors against the exact per-layer Fisher block satisfy
   ``KFAC >= EFB >= INF (full rank)``.
 
-Statistics come from :func:`laplace_core.collect.collect_statistics` (two passes: KFAC
+Statistics come from :func:`laplace_core.curvature.collect.collect_statistics` (two passes: KFAC
 factors + diagonal, then EFB sums in the eigenbasis); the exact Fisher from
 ``tests/core/fisher_reference.py`` (``torch.func`` per-example gradients). The empirical
 Fisher (true labels) makes both sides use the same labels. A posterior's Fisher is read
@@ -22,11 +22,11 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_core.collect import collect_statistics
-from laplace_core.eigenbasis import eigenbasis
-from laplace_core.posterior import build_posterior
-from laplace_core.structures.base import vec
-from laplace_core.structures.inf import DP_FLOOR
+from laplace_core.curvature.collect import collect_statistics
+from laplace_core.basis.eigenbasis import eigenbasis
+from laplace_core.posteriors.build import build_posterior
+from laplace_core.posteriors.structures.base import vec
+from laplace_core.posteriors.structures.inf import DP_FLOOR
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fisher_reference import exact_fisher_blocks  # noqa: E402

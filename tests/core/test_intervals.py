@@ -13,7 +13,7 @@ from laplace_core.metrics.bootstrap import RankedScores, bootstrap, weighted_met
 from laplace_core.metrics.perimage import PerImage, per_image_terms
 from laplace_core.metrics.selective import accuracy_at_coverage, aurc, risk_coverage
 from laplace_core.metrics.suite import MetricSuite
-from laplace_core.predictive import DrawStats, draw_stats
+from laplace_core.predictive.monte_carlo import DrawStats, draw_stats
 
 TOL = 1e-12            # float64 against an independent float64 computation
 WIDTH_TOL = 0.10       # bootstrap interval width against the normal approximation (issue 27)

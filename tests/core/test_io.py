@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from laplace_core.io import MANIFEST_FILE, TENSORS_FILE, load_tensors, save_tensors
-from laplace_core.structures.base import load_posterior
-from laplace_core.posterior import METHODS, build_posterior
-from laplace_core.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
-from laplace_core.eigenbasis import eigenbasis
+from laplace_core.posteriors.structures.base import load_posterior
+from laplace_core.posteriors.build import METHODS, build_posterior
+from laplace_core.curvature.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
+from laplace_core.basis.eigenbasis import eigenbasis
 
 F64 = torch.float64
 

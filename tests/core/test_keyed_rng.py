@@ -1,7 +1,7 @@
 """Keyed (counter-based) sampling: order-independent and correctly distributed."""
 import torch
 
-from laplace_core.keyed_rng import keyed_categorical, keyed_normal, keyed_uniform
+from laplace_core.curvature.keyed_rng import keyed_categorical, keyed_normal, keyed_uniform
 
 # Named tolerances for the distribution checks (fixed seeds, n draws):
 N_DRAWS = 200_000

@@ -1,9 +1,9 @@
 """Last-layer Laplace: the layer selection and the closed-form GLM logit covariance.
 
-* :func:`laplace_core.layer_selection.select_layers` (all / last / names / globs, one-line errors);
+* :func:`laplace_core.curvature.layer_selection.select_layers` (all / last / names / globs, one-line errors);
   ``find_layers(layers=...)`` lists what it leaves out; statistics collected over a selection
   equal the same layers' block of the full statistics (bit for bit: the same hooks, sums).
-* ``(φ^T ⊗ I) Σ (φ ⊗ I)`` (:func:`laplace_core.last_layer.last_layer_covariance`) equals the
+* ``(φ^T ⊗ I) Σ (φ ⊗ I)`` (:func:`laplace_core.predictive.last_layer.last_layer_covariance`) equals the
   dense ``J Σ J^T`` for every structure, ``J`` from ``torch.func.jacrev`` and ``Σ`` the dense
   inverse of the dense precision (float64, 1e-10 relative to ``max |J Σ J^T|``).
 * The predictor's links on that covariance: probit links equal the formulas on the dense
@@ -23,18 +23,19 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_core.collect import collect_statistics
-from laplace_core.eigenbasis import eigenbasis
-from laplace_core.glm import GLMPredictor, glm_covariance, probit_pairwise, probit_pi8
-from laplace_core.last_layer import (
+from laplace_core.curvature.collect import collect_statistics
+from laplace_core.basis.eigenbasis import eigenbasis
+from laplace_core.predictive.glm import GLMPredictor, glm_covariance, probit_pairwise, probit_pi8
+from laplace_core.predictive.last_layer import (
     LastLayerGLMPredictor, last_layer_covariance, last_layer_glm_covariance, last_linear_layer,
 )
-from laplace_core.layer_selection import LayerSelectionError, check_selection, select_layers
-from laplace_core.layers import DESELECTED, find_layers
-from laplace_core.posterior import build_posterior
-from laplace_core.predictive import sample_generator
-from laplace_core.sizes import model_sizes
-from laplace_core.subnet import build_subnet_posterior, collect_subnet_fisher, select_subnetwork
+from laplace_core.curvature.layer_selection import LayerSelectionError, check_selection, select_layers
+from laplace_core.curvature.layers import DESELECTED, find_layers
+from laplace_core.posteriors.build import build_posterior
+from laplace_core.predictive.monte_carlo import sample_generator
+from laplace_core.posteriors.sizes import model_sizes
+from laplace_core.curvature.subnet_fisher import collect_subnet_fisher
+from laplace_core.posteriors.subnet import build_subnet_posterior, select_subnetwork
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # not ``tests.core...``: a wheel may ship a ``tests``
 from fisher_reference import dense_covariance, dense_jacobian  # noqa: E402
@@ -254,7 +255,7 @@ def test_resnet18_last_layer_posterior_is_fc_only_with_the_size_sizes_reports(ca
 def test_predictors_give_exact_log_probabilities_of_their_probabilities():
     """Issue 27: every MC predictive's ``predict_batches_stats`` is the log of its probabilities
     (log-mean-exp of the draws, float64) plus the draws' mean entropy; the probit links have none."""
-    from laplace_core.predictive import MCPredictor
+    from laplace_core.predictive.monte_carlo import MCPredictor
 
     model, post = _last_layer_posterior("kfac")
     x, _ = _data(model, 7, 99)

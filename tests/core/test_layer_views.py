@@ -1,6 +1,6 @@
 """Layer views (grouped / depthwise convolutions, attention projections) against dense float64 ground truth.
 
-Ground truths, independent of laplace_core.hooks: hand-written patch loops over each group's
+Ground truths, independent of laplace_core.curvature.hooks: hand-written patch loops over each group's
 input channels and autograd output gradients (``retain_grad``) of the whole convolution for
 ``A`` / ``G``; for ``nn.MultiheadAttention`` an explicit per-head attention written here (checked
 to reproduce the module's output) whose q/k/v tensor is differentiated by autograd; exact
@@ -18,15 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from laplace_core.collect import collect_statistics
-from laplace_core.likelihoods import sample_targets
-from laplace_core.eigenbasis import eigenbasis
-from laplace_core.glm import glm_covariance, glm_jvp
-from laplace_core.layers import GroupView, InProjView, TapView, find_layers, perturbed
-from laplace_core.posterior import build_posterior
-from laplace_core.predictive import MCPredictor, draw_sample
-from laplace_core.structures.base import unvec, vec
-from laplace_core.subnet import build_subnet_posterior, collect_subnet_fisher, select_subnetwork
+from laplace_core.curvature.collect import collect_statistics
+from laplace_core.curvature.likelihoods import sample_targets
+from laplace_core.basis.eigenbasis import eigenbasis
+from laplace_core.predictive.glm import glm_covariance, glm_jvp
+from laplace_core.curvature.layers import GroupView, InProjView, TapView, find_layers, perturbed
+from laplace_core.posteriors.build import build_posterior
+from laplace_core.predictive.monte_carlo import MCPredictor, draw_sample
+from laplace_core.posteriors.structures.base import unvec, vec
+from laplace_core.curvature.subnet_fisher import collect_subnet_fisher
+from laplace_core.posteriors.subnet import build_subnet_posterior, select_subnetwork
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fisher_reference import (  # noqa: E402
@@ -105,7 +106,7 @@ def _explicit_attention(mha: nn.MultiheadAttention, qkv_store: dict):
 
 
 def _reference_rows(model, x, targets):
-    """``name -> (a (B, T, n), [g (B, T, m) per draw])`` without laplace_core.hooks."""
+    """``name -> (a (B, T, n), [g (B, T, m) per draw])`` without laplace_core.curvature.hooks."""
     ins, outs, store = {}, {}, {}
     # the explicit attention is the module's function
     assert _rel(model(x, attention=_explicit_attention(model.att, {})).detach(), model(x).detach()) < TOL

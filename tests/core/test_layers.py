@@ -1,11 +1,11 @@
-"""laplace_core.layers.perturbed: W~ + δ inside, the MAP restored bit for bit outside."""
+"""laplace_core.curvature.layers.perturbed: W~ + δ inside, the MAP restored bit for bit outside."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from laplace_core.layers import find_layers, get_matrix, perturbed
+from laplace_core.curvature.layers import find_layers, get_matrix, perturbed
 
 
 def _model() -> nn.Module:

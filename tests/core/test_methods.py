@@ -1,12 +1,12 @@
-"""The method registry (laplace_core.methods) against the structures it names."""
+"""The method registry (laplace_core.posteriors.methods) against the structures it names."""
 import pytest
 import torch
 
-from laplace_core.methods import REGISTRY, layer_methods, method_info, needs_basis, needs_efb, order_methods, table3_methods
-from laplace_core.posterior import build_posterior
-from laplace_core.sizes import shape_counts
-from laplace_core.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
-from laplace_core.structures.registry import LAYER_CLASSES
+from laplace_core.posteriors.methods import REGISTRY, layer_methods, method_info, needs_basis, needs_efb, order_methods, table3_methods
+from laplace_core.posteriors.build import build_posterior
+from laplace_core.posteriors.sizes import shape_counts
+from laplace_core.curvature.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
+from laplace_core.posteriors.structures.registry import LAYER_CLASSES
 
 
 def _stats(efb: bool) -> CurvatureStatistics:
@@ -18,7 +18,7 @@ def _stats(efb: bool) -> CurvatureStatistics:
     ls = LayerStatistics(A=X.T @ X, G=E.T @ E, diag=(grads ** 2).sum(0), efb=None)
     st = CurvatureStatistics(layers={"l": ls}, infos={"l": LayerInfo("l", "linear", m, n, False, (m, n))}, count=M)
     if efb:
-        from laplace_core.eigenbasis import eigenbasis
+        from laplace_core.basis.eigenbasis import eigenbasis
 
         b = eigenbasis(st)["l"]
         lam = torch.einsum("im,bij,jn->bmn", b.U_G, grads, b.U_A) ** 2

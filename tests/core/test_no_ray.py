@@ -32,7 +32,7 @@ def probe(extra=""):
 
 def test_laplace_core_and_all_submodules_do_not_import_ray():
     out = probe()
-    assert "laplace_core.statistics" in out["imported"] and "laplace_core.sizes" in out["imported"]
+    assert "laplace_core.curvature.statistics" in out["imported"] and "laplace_core.posteriors.sizes" in out["imported"]
     assert out["ray"] == []
 
 

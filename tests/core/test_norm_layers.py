@@ -18,17 +18,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from laplace_core.collect import collect_statistics
-from laplace_core.likelihoods import sample_targets
-from laplace_core.eigenbasis import eigenbasis
-from laplace_core.glm import glm_covariance
-from laplace_core.layers import ScaleView, find_layers, perturbed
-from laplace_core.posterior import build_posterior
-from laplace_core.predictive import MCPredictor, draw_sample
-from laplace_core.sizes import model_sizes
-from laplace_core.structures.base import unvec, vec
-from laplace_core.structures.diag import DiagLayer
-from laplace_core.subnet import build_subnet_posterior, collect_subnet_fisher, select_subnetwork
+from laplace_core.curvature.collect import collect_statistics
+from laplace_core.curvature.likelihoods import sample_targets
+from laplace_core.basis.eigenbasis import eigenbasis
+from laplace_core.predictive.glm import glm_covariance
+from laplace_core.curvature.layers import ScaleView, find_layers, perturbed
+from laplace_core.posteriors.build import build_posterior
+from laplace_core.predictive.monte_carlo import MCPredictor, draw_sample
+from laplace_core.posteriors.sizes import model_sizes
+from laplace_core.posteriors.structures.base import unvec, vec
+from laplace_core.posteriors.structures.diag import DiagLayer
+from laplace_core.curvature.subnet_fisher import collect_subnet_fisher
+from laplace_core.posteriors.subnet import build_subnet_posterior, select_subnetwork
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fisher_reference import dense_covariance, dense_jacobian, exact_fisher_diag  # noqa: E402

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_core.batch_loop import PassOptions
-from laplace_core.collect import collect_efb, collect_statistics
-from laplace_core.eigenbasis import eigenbasis
+from laplace_core.curvature.batch_loop import PassOptions
+from laplace_core.curvature.collect import collect_efb, collect_statistics
+from laplace_core.basis.eigenbasis import eigenbasis
 
 F64 = torch.float64
 #: bf16 keeps 8 significant bits (unit round-off 2^-9 = 0.2%); the captured inputs and output

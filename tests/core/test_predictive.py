@@ -1,4 +1,4 @@
-"""laplace_core.predictive: MC predictive over posterior weight samples, and MAP.
+"""laplace_core.predictive.monte_carlo: MC predictive over posterior weight samples, and MAP.
 
 The posterior is a hand-made dense Gaussian per layer (covariance ``Σ = L L^T`` in
 vec order), so the tests do not depend on any structure module. Forward passes in
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from laplace_core import predictive as P
-from laplace_core.layers import find_layers, get_matrix
-from laplace_core.structures.base import LayerPosterior, Posterior, unvec, vec
+from laplace_core.predictive import monte_carlo as P
+from laplace_core.curvature.layers import find_layers, get_matrix
+from laplace_core.posteriors.structures.base import LayerPosterior, Posterior, unvec, vec
 
 DT = torch.float64
 EXACT = 1e-13        # same θ_t, same summation order: equal up to BLAS blocking
@@ -232,7 +232,7 @@ def test_float32_model_float64_posterior():
 
 
 def test_diag_structure_if_available():
-    diag = pytest.importorskip("laplace_core.structures.diag")
+    diag = pytest.importorskip("laplace_core.posteriors.structures.diag")
     model, x = setup(n=5)
     modules, infos, _ = find_layers(model)
     g = torch.Generator().manual_seed(2)

@@ -1,8 +1,8 @@
-"""laplace_core.sample_apply: a factored draw ``δ = L C R^T`` applied to a layer's inputs
+"""laplace_core.predictive.sample_apply: a factored draw ``δ = L C R^T`` applied to a layer's inputs
 (``δ x~`` added to the output) gives the predictions of ``δ`` added to the weights.
 
-Ground truth: the weight-space forward with :func:`laplace_core.layers.perturbed` and the
-deltas of :func:`laplace_core.predictive.draw_sample` (itself checked against explicit
+Ground truth: the weight-space forward with :func:`laplace_core.curvature.layers.perturbed` and the
+deltas of :func:`laplace_core.predictive.monte_carlo.draw_sample` (itself checked against explicit
 ``F.conv2d`` / ``F.linear`` forwards in test_predictive.py), float64, on convolutions with
 padding, stride, dilation and no bias, and on linear layers with 2-D and 3-D inputs.
 """
@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_core.collect import collect_statistics
-from laplace_core.eigenbasis import eigenbasis
-from laplace_core.layers import find_layers, perturbed
-from laplace_core.posterior import build_posterior
-from laplace_core.predictive import MCPredictor, draw_sample, draw_sample_factored, sample_generator
-from laplace_core.sample_apply import applied, draw_costs, input_space_cheaper
-from laplace_core.structures.base import ScaleFactors
+from laplace_core.curvature.collect import collect_statistics
+from laplace_core.basis.eigenbasis import eigenbasis
+from laplace_core.curvature.layers import find_layers, perturbed
+from laplace_core.posteriors.build import build_posterior
+from laplace_core.predictive.monte_carlo import MCPredictor, draw_sample, draw_sample_factored, sample_generator
+from laplace_core.predictive.sample_apply import applied, draw_costs, input_space_cheaper
+from laplace_core.posteriors.structures.base import ScaleFactors
 
 F64 = torch.float64
 EXACT = 1e-12  # same draw, another summation order: rounding only (relative to the largest entry)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import laplace_core as lc
-from laplace_core.glm import GLMPredictor
-from laplace_core.last_layer import LastLayerGLMPredictor
-from laplace_core.predictive import MCPredictor
+from laplace_core.predictive.glm import GLMPredictor
+from laplace_core.predictive.last_layer import LastLayerGLMPredictor
+from laplace_core.predictive.monte_carlo import MCPredictor
 from pipelines.ingest.models import tiny_cnn
 from pipelines.serve.uncertainty import entropy, predict_columns
 

@@ -1,9 +1,9 @@
-"""Input-space draws on the layer views (laplace_core.sample_apply): grouped and depthwise
+"""Input-space draws on the layer views (laplace_core.predictive.sample_apply): grouped and depthwise
 convolutions, the packed q/k/v projection of ``nn.MultiheadAttention`` and linear layers
 applied with ``F.linear`` on 3-D inputs (``out_proj``, torchvision Swin's ``qkv`` / ``proj``).
 
 Ground truth: the weight-space forward, the same draw (:func:`draw_sample`) added to the
-weights with :func:`laplace_core.layers.perturbed` and the model run as usual (the library's
+weights with :func:`laplace_core.curvature.layers.perturbed` and the model run as usual (the library's
 own attention, fused kernel included), in float64; the input-space route
 (``applied(..., "inputs")``) must agree to 1e-10 relative to the largest output, and must have
 been taken (``used``), so that a route that silently fell back to the weights cannot pass.
@@ -14,12 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_core.collect import collect_statistics
-from laplace_core.eigenbasis import eigenbasis
-from laplace_core.layers import GroupView, InProjView, TapView, find_layers, perturbed
-from laplace_core.posterior import build_posterior
-from laplace_core.predictive import MCPredictor, draw_sample, draw_sample_factored
-from laplace_core.sample_apply import applied, draw_costs
+from laplace_core.curvature.collect import collect_statistics
+from laplace_core.basis.eigenbasis import eigenbasis
+from laplace_core.curvature.layers import GroupView, InProjView, TapView, find_layers, perturbed
+from laplace_core.posteriors.build import build_posterior
+from laplace_core.predictive.monte_carlo import MCPredictor, draw_sample, draw_sample_factored
+from laplace_core.predictive.sample_apply import applied, draw_costs
 
 F64 = torch.float64
 TOL = 1e-10  # relative to the largest entry of the weight-space output

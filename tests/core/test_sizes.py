@@ -1,4 +1,4 @@
-"""laplace_core.sizes against independent counts: per-parameter sums, brute-force INF minima,
+"""laplace_core.posteriors.sizes against independent counts: per-parameter sums, brute-force INF minima,
 and the numbers printed in Lee et al. (2020), Table 3."""
 import itertools
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_core import sizes
-from laplace_core.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
+from laplace_core.posteriors import sizes
+from laplace_core.curvature.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
 
 
 class Toy(nn.Module):
@@ -124,7 +124,7 @@ def test_inf_exact_from_eigenvalues_and_bound():
 
 
 def test_real_sparsify_gives_the_same_rows_and_cols():
-    sp = pytest.importorskip("laplace_core.sparsify")
+    sp = pytest.importorskip("laplace_core.posteriors.sparsify")
     g = torch.Generator().manual_seed(1)
     infos = _infos()
     lam = {k: torch.rand(v.shape, generator=g, dtype=torch.float64) for k, v in infos.items()}

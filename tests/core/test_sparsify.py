@@ -6,13 +6,13 @@ import itertools
 import pytest
 import torch
 
-from laplace_core.eigenbasis import eigenbasis
-from laplace_core.posterior import build_posterior
-from laplace_core.sparsify import sparsify
-from laplace_core.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
-from laplace_core.structures.base import vec
-from laplace_core.posterior import with_hyper
-from laplace_core.structures.inf import DP_FLOOR, diagonal_correction, diagonal_precision
+from laplace_core.basis.eigenbasis import eigenbasis
+from laplace_core.posteriors.build import build_posterior
+from laplace_core.posteriors.sparsify import sparsify
+from laplace_core.curvature.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
+from laplace_core.posteriors.structures.base import vec
+from laplace_core.posteriors.build import with_hyper
+from laplace_core.posteriors.structures.inf import DP_FLOOR, diagonal_correction, diagonal_precision
 
 F64 = torch.float64
 

@@ -17,12 +17,12 @@ import textwrap
 import pytest
 import torch
 
-from laplace_core.eigenbasis import layer_eigenbasis
-from laplace_core.posterior import METHODS, Method, build_posterior, with_hyper
-from laplace_core.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
-from laplace_core.structures.base import unvec, vec
-from laplace_core.structures.inf import DP_FLOOR, InfLayer
-from laplace_core.structures.registry import LAYER_CLASSES, layer_class
+from laplace_core.basis.eigenbasis import layer_eigenbasis
+from laplace_core.posteriors.build import METHODS, Method, build_posterior, with_hyper
+from laplace_core.curvature.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
+from laplace_core.posteriors.structures.base import unvec, vec
+from laplace_core.posteriors.structures.inf import DP_FLOOR, InfLayer
+from laplace_core.posteriors.structures.registry import LAYER_CLASSES, layer_class
 
 F64 = torch.float64
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -266,7 +266,7 @@ def test_tau_zero_allowed_when_positive_definite(stats):
 
 _MEMORY_SCRIPT = textwrap.dedent("""
     import json, resource, sys, torch
-    from laplace_core.structures.inf import InfLayer
+    from laplace_core.posteriors.structures.inf import InfLayer
 
     def peak_kib():
         # VmHWM: this process image's peak RSS. (ru_maxrss survives execve on Linux, so it

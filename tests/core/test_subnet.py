@@ -1,4 +1,4 @@
-"""Subnetwork Laplace (laplace_core.subnet, structures/subnet.py) against dense ground truth.
+"""Subnetwork Laplace (laplace_core.posteriors.subnet, structures/subnet.py) against dense ground truth.
 
 * selection: exactly the top-S diagonal-Laplace marginal variances (ties by position);
   random selection is seeded;
@@ -24,21 +24,32 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_core.collect import collect_statistics
-from laplace_core.likelihoods import sample_targets
-from laplace_core.glm import GLMPredictor, glm_covariance
-from laplace_core.structures.base import load_posterior
-from laplace_core.keyed_rng import KeyedSampler
-from laplace_core.layers import find_layers
-from laplace_core.posterior import build_posterior, with_hyper
-from laplace_core.predictive import MCPredictor
-from laplace_core.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
-from laplace_core.structures.base import Posterior, unvec, vec
-from laplace_core.structures.diag import DiagLayer
-from laplace_core.structures.subnet import SubnetPosterior
-from laplace_core.subnet import (
-    LIVE_RTOL, SELECTION_RULES, build_subnet_posterior, check_subnet_memory, collect_subnet_fisher, live_weights,
-    marginal_variances, max_subnet_size, select_subnetwork, subnet_laplace, subnet_size,
+from laplace_core.curvature.collect import collect_statistics
+from laplace_core.curvature.likelihoods import sample_targets
+from laplace_core.predictive.glm import GLMPredictor, glm_covariance
+from laplace_core.posteriors.structures.base import load_posterior
+from laplace_core.curvature.keyed_rng import KeyedSampler
+from laplace_core.curvature.layers import find_layers
+from laplace_core.posteriors.build import build_posterior, with_hyper
+from laplace_core.predictive.monte_carlo import MCPredictor
+from laplace_core.curvature.statistics import CurvatureStatistics, LayerInfo, LayerStatistics
+from laplace_core.posteriors.structures.base import Posterior, unvec, vec
+from laplace_core.posteriors.structures.diag import DiagLayer
+from laplace_core.posteriors.structures.subnet import SubnetPosterior
+from laplace_core.curvature.subnet_fisher import (
+    check_subnet_memory,
+    collect_subnet_fisher,
+    max_subnet_size,
+    subnet_size,
+)
+from laplace_core.posteriors.subnet import (
+    LIVE_RTOL,
+    SELECTION_RULES,
+    build_subnet_posterior,
+    live_weights,
+    marginal_variances,
+    select_subnetwork,
+    subnet_laplace,
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -282,7 +293,7 @@ def test_keyed_mc_subnet_fisher_uses_the_pass1_labels(problem):
     F, count = collect_subnet_fisher(model, keyed, masks, fisher="mc", mc_samples=3, generator=KeyedSampler(11),
                                      likelihood=lik)
     # reference: the same keyed draws made here, each fed as "empirical" labels
-    from laplace_core.likelihoods import likelihood_for
+    from laplace_core.curvature.likelihoods import likelihood_for
     ref = torch.zeros_like(F)
     for x, y, keys in keyed:
         with torch.no_grad():

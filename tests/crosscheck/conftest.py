@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from laplace_core.collect import collect_statistics
+from laplace_core.curvature.collect import collect_statistics
 
 DTYPE = torch.float64
 M = 6

@@ -25,8 +25,8 @@ curvlinops = pytest.importorskip(
 from curvlinops import EFLinearOperator, EKFACLinearOperator, KFACLinearOperator  # noqa: E402
 from torch.nn import CrossEntropyLoss  # noqa: E402
 
-from laplace_core.collect import collect_efb  # noqa: E402
-from laplace_core.eigenbasis import LayerBasis, eigenbasis  # noqa: E402
+from laplace_core.curvature.collect import collect_efb  # noqa: E402
+from laplace_core.basis.eigenbasis import LayerBasis, eigenbasis  # noqa: E402
 
 from .conftest import M, RTOL, rel_err, torch_order_permutation  # noqa: E402
 

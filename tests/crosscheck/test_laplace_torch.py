@@ -23,7 +23,7 @@ from laplace import Laplace  # noqa: E402
 from laplace.curvature import CurvlinopsEF  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from laplace_core.posterior import build_posterior  # noqa: E402
+from laplace_core.posteriors.build import build_posterior  # noqa: E402
 
 from .conftest import M, RTOL, rel_err, torch_order_permutation  # noqa: E402
 

@@ -189,7 +189,7 @@ def _number(cell: str) -> float:
 # --------------------------------------------------------------------------- tests
 def test_each_model_has_its_own_complete_run(audit_run):
     out, log, inputs = audit_run
-    from laplace_core.structures.base import load_posterior
+    from laplace_core.posteriors.structures.base import load_posterior
 
     for model in MODELS:
         sub = out / "models" / model

@@ -647,7 +647,7 @@ def test_resnet50_allreduce_bytes_are_exact():
     import torchvision
 
     from jobs.imagenet_inf import config_from_args, get_args_parser
-    from laplace_core.layers import find_layers
+    from laplace_core.curvature.layers import find_layers
 
     with torch.device("meta"):
         model = torchvision.models.resnet50()
@@ -680,7 +680,7 @@ def test_resnet50_interval_schedule_figures():
     import torchvision
 
     from jobs.imagenet_inf import config_from_args, get_args_parser
-    from laplace_core.layers import find_layers
+    from laplace_core.curvature.layers import find_layers
 
     with torch.device("meta"):
         model = torchvision.models.resnet50()

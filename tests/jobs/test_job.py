@@ -230,7 +230,7 @@ def test_submitted_job_writes_every_artifact(submitted):
         metrics = _json(f"{out}/eval/{m}/metrics.json", ep)
         assert metrics["status"] == "ok" and 0.0 <= metrics["accuracy"] <= 1.0
         assert "ece_equal_width_15" in metrics
-    from laplace_core.structures.base import load_posterior
+    from laplace_core.posteriors.structures.base import load_posterior
     from pipelines.storage import uris as storage
 
     for m in SMOKE_METHODS:
@@ -284,7 +284,7 @@ def test_one_allreduce_per_pass_of_exactly_the_payload(submitted):
     pass): every rank makes exactly one reduce per pass, one all-reduce call of exactly the
     payload (A and G as upper triangles + the diagonal; the EFB sums), and rank 0 writes one
     pass-1 checkpoint of that payload; asserted from run.json."""
-    from laplace_core.statistics import CurvatureStatistics
+    from laplace_core.curvature.statistics import CurvatureStatistics
     from pipelines.storage import uris as storage
     from pipelines.distributed.kinds import efb_payload_numbers, pass1_payload_numbers
 

@@ -50,7 +50,7 @@ def test_subnet_glm_job_reports_subnet(glm_run):
     assert sub["subnet_size"] == 500 and sub["fisher"] == "ggn" and sub["computed"]
     assert sub["count"] == run["curvature"]["count"] == 200 and sum(sub["per_layer"].values()) == 500
     assert run["curvature"]["num_workers"] == 2
-    from laplace_core.structures.base import load_posterior
+    from laplace_core.posteriors.structures.base import load_posterior
 
     post = load_posterior(str(out / "posterior" / "subnet"))
     S = 500

@@ -1,0 +1,218 @@
+"""The search on Ray Tune (pipelines.evaluation.tune): the paper's protocol exactly, ASHA at a
+fraction of its cost, retries and resumption.
+
+Data: ``tiny_cnn`` (3 classes) on 256 random 8x8 images, labels = the model's own argmax
+with 30% replaced at random (so the NLL of a configuration depends on ``(N, τ)``); for ASHA
+the demo data (digits at 32x32 as in the demo preset, ``demo_cnn``). Diag and KFAC posteriors from an MC Fisher;
+real local Ray (``ray_session``), 2 trials at once, 0.5 CPU each. Ground truth:
+``search_shard``, the loop the data-parallel search ran, in this process on the whole split
+(every configuration, every example).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pipelines.evaluation.runtime import SearchConfig
+from pipelines.evaluation.search import search, search_shard
+from pipelines.evaluation.trials import sample_configs
+
+N_EXAMPLES = 256
+ASHA_CONFIGS = 24  # per method, the issue's minimum
+DIGITS_SIZE = 32  # the demo preset's image size
+METHODS = ("diag", "kfac")
+METRICS = ("nll", "ece", "accuracy", "brier")
+
+
+@pytest.fixture(scope="module")
+def data(tiny_cnn_posteriors):
+    return tiny_cnn_posteriors(N_EXAMPLES, METHODS)
+
+
+def _cfg(**kw) -> SearchConfig:
+    base = dict(num_actors=2, batch_size=8, chunk_size=16, mc_samples=2, cpus_per_actor=0.5, torch_threads=1, seed=3,
+                num_configs=24, log10_n=(0.0, 4.0), log10_tau=(-2.0, 3.0),
+                method_ranges=(("kfac", None, (-1.0, 4.0)),))
+    base.update(kw)
+    return SearchConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def reference(data):
+    """``search_shard`` (the hand-written loop) in this process over the whole split as one
+    chunk, for every configuration of :func:`_cfg` (an example's prediction does not depend
+    on the chunking), per method: ``config_id -> metrics``, and the MAP's."""
+    cfg = _cfg(num_configs=12)
+    ref = search_shard(data["net"], data["posts"], data["batches"], dataclasses.replace(cfg, chunk_size=N_EXAMPLES))
+    assert not any(ref["failed"].values())
+    return {m: {cid: a.compute() for cid, a in ref["acc"][m].items()} for m in METHODS} | {
+        "map": ref["map"].compute()}
+
+
+def test_random_without_scheduler_is_the_paper_protocol_exactly(ray_session, data, reference):
+    """Acceptance 1: ``scheduler: none, algorithm: random`` scores the same configurations (ids,
+    log10 N, log10 τ) as ``sample_configs`` (the first 12 of the reference's: the draws are a
+    prefix-stable sequence) with the hand-written loop's values to 1e-12, and chooses as it."""
+    cfg = _cfg(num_configs=12, chunk_size=64)
+    ds = ray_session.data.from_items(data["rows"], override_num_blocks=3)
+    full = search(data["model"], data["uris"], ds, cfg, output=str(data["root"] / "full"))
+    for m in METHODS:
+        rows = sorted((r for r in full.rows if r["method"] == m), key=lambda r: r["config_id"])
+        assert [(r["config_id"], r["log10_n"], r["log10_tau"]) for r in rows] == [
+            (c.config_id, c.log10_n, c.log10_tau) for c in sample_configs(cfg, m)]
+        for r in rows:
+            want = reference[m][r["config_id"]]
+            assert r["status"] == "ok" and r["count"] == r["images"] == N_EXAMPLES
+            for k in METRICS:
+                assert r[k] == pytest.approx(want[k], rel=1e-12, abs=1e-15), (m, r["config_id"], k)
+        best = min(rows, key=lambda r: (r["nll"], r["config_id"]))
+        assert full.chosen[m]["config_id"] == best["config_id"]
+    assert all(full.map[k] == pytest.approx(reference["map"][k], rel=1e-12) for k in METRICS)
+    assert full.info["image_samples"] == full.info["image_samples_full"] == 2 * 12 * N_EXAMPLES * 2
+    assert full.info["chunks"] == N_EXAMPLES // 64 and full.info["wall_s"] > 0
+
+
+@pytest.fixture(scope="module")
+def digits(demo_cnn_posteriors):
+    """The demo data: scikit-learn digits as a 32x32 ImageFolder, ``demo_cnn`` trained on train,
+    diag and KFAC posteriors from an MC Fisher; the val split in memory (the search split)."""
+    return demo_cnn_posteriors(DIGITS_SIZE, METHODS)
+
+
+def test_asha_evaluates_a_quarter_and_chooses_within_one_percent(ray_session, digits):
+    """Acceptance 2, on the demo data: ASHA (grace period one chunk of 16 images, reduction
+    factor 4, the default) on 24 configurations per method evaluates at most a quarter of
+    the full search's image-samples, and the configuration it chooses (one it evaluated on the
+    whole split) is within 1% of the full search's best NLL on the whole split. The full
+    search is the hand-written loop over every configuration and example of the val split."""
+    import pyarrow.parquet as pq
+
+    from pipelines.ingest.batches import build_dataset
+    from pipelines.ingest.index import DataConfig
+    from pipelines.ingest.scan import scan
+
+    cfg = _cfg(num_configs=ASHA_CONFIGS, scheduler="asha", mc_samples=4, log10_n=(0.0, 5.0), log10_tau=(-2.0, 4.0),
+               method_ranges=())
+    xv, yv = digits["val"]
+    full = search_shard(digits["net"], digits["posts"], [(xv, yv)], dataclasses.replace(cfg, chunk_size=len(yv)))
+    assert not any(full["failed"].values())
+    reference = {m: {cid: a.compute()["nll"] for cid, a in full["acc"][m].items()} for m in METHODS}
+    dc = DataConfig(root=str(digits["root"] / "digits"), split="val", image_size=DIGITS_SIZE,
+                    resize_size=DIGITS_SIZE, mean=(0.5,) * 3, std=(0.5,) * 3, decode_batch_size=64)
+    out = str(digits["root"] / "asha")
+    res = search(digits["model"], digits["uris"], build_dataset(scan(dc), dc), cfg, output=out)
+    n = len(yv)
+    full_cost = len(METHODS) * ASHA_CONFIGS * n * cfg.mc_samples
+    assert res.info["examples"] == n and res.info["image_samples_full"] == full_cost
+    assert res.info["image_samples"] <= full_cost / 4, res.info
+    for m in METHODS:
+        best = min(reference[m].values())
+        got = res.chosen[m]
+        assert got is not None
+        assert got["nll"] == pytest.approx(reference[m][got["config_id"]], rel=1e-9)  # scored on the whole split
+        assert got["nll"] <= 1.01 * best, (m, got, best)
+        t = pq.read_table(f"{out}/eval/{m}/search.parquet").to_pylist()
+        assert len(t) == ASHA_CONFIGS and {r["status"] for r in t} <= {"ok", "stopped"}
+        assert any(r["status"] == "stopped" for r in t)
+        for r in t:  # the images each configuration was evaluated on: whole chunks, all of them when "ok"
+            assert (r["images"] == n) == (r["status"] == "ok"), r
+            assert r["images"] == n or r["images"] % 16 == 0, r
+    assert res.info["stopped"]["diag"] > 0 and res.info["scheduler"] == "asha"
+
+
+# --------------------------------------------------------------------------- failures, resumption
+def _small(**kw) -> SearchConfig:
+    return _cfg(num_configs=3, chunk_size=64, method_ranges=(), **kw)
+
+
+def _want(reference):
+    """The first 3 configurations of diag (``_small``: no method ranges; diag has none either)."""
+    return {cid: reference["diag"][cid] for cid in range(3)}
+
+
+def _check(trials, want):
+    import json
+
+    from pipelines.evaluation.trials import SearchAccumulator
+
+    got = {int(t["trial"].split(":")[1]): SearchAccumulator.from_json(json.loads(t["acc"])).compute()
+           for t in trials if t["trial"].startswith("diag:")}
+    assert got.keys() == want.keys()
+    for cid in want:
+        assert got[cid]["count"] == N_EXAMPLES
+        for k in METRICS:
+            assert got[cid][k] == pytest.approx(want[cid][k], rel=1e-12, abs=1e-15), (cid, k)
+
+
+def test_a_killed_trial_actor_is_retried_with_the_same_result(ray_session, data, reference, tmp_path):
+    """Acceptance 3: the first trial actor to finish a chunk exits its process (``fault_marker``);
+    Tune starts the trial again on a new actor and every configuration's sums are the
+    hand-written loop's."""
+    from pipelines.evaluation.tune import chunk_refs, run_experiment
+
+    marker = str(tmp_path / "fault.json")
+    cfg = _small(fault_marker=marker, max_failures=1)
+    ds = ray_session.data.from_items(data["rows"], override_num_blocks=3)
+    chunks, images, _ = chunk_refs(ds, cfg)
+    assert len(chunks) == N_EXAMPLES // 64 and images == N_EXAMPLES
+    trials = run_experiment(data["model"], {"diag": data["uris"]["diag"]}, chunks, images, cfg,
+                            storage_root=str(tmp_path / "tune"))
+    import os
+
+    assert os.path.exists(marker)  # the fault happened
+    _check(trials, _want(reference))
+
+
+def test_a_half_finished_search_resumes_and_a_finished_one_is_not_run_again(ray_session, data, reference, tmp_path):
+    """Acceptance 3: without retries the killed trial ends the call (``StageError``) while the
+    experiment state keeps the finished trials; the next call with the same settings runs only
+    what is left (the others' last results are from before it) and gives the hand-written
+    loop's sums; a third call finds the experiment finished and runs nothing (a fresh fault
+    marker stays unwritten)."""
+    import os
+    import time
+
+    from pipelines.errors import StageError
+    from pipelines.evaluation.tune import chunk_refs, run_experiment
+
+    marker = str(tmp_path / "fault.json")
+    root = str(tmp_path / "tune")
+    uris = {"diag": data["uris"]["diag"]}
+    ds = ray_session.data.from_items(data["rows"], override_num_blocks=3)
+    cfg = _small(fault_marker=marker, max_failures=0, num_actors=1)
+    chunks, images, _ = chunk_refs(ds, cfg)
+    with pytest.raises(StageError, match="search trial .* failed"):
+        run_experiment(data["model"], uris, chunks, images, cfg, storage_root=root, key="k")
+    assert os.path.exists(marker)
+    time.sleep(1.1)  # Tune's result timestamps are whole seconds
+    t_resume = time.time()
+    trials = run_experiment(data["model"], uris, chunks, images, cfg, storage_root=root, key="k")
+    _check(trials, _want(reference))
+    fresh = [t for t in trials if t["timestamp"] >= int(t_resume)]
+    assert 1 <= len(fresh) < len(trials), [(t["trial"], t["timestamp"], t_resume) for t in trials]
+    again = dataclasses.replace(cfg, fault_marker=str(tmp_path / "second.json"))
+    trials2 = run_experiment(data["model"], uris, chunks, images, again, storage_root=root, key="k")
+    assert not os.path.exists(again.fault_marker)  # no trial ran a chunk
+    assert {t["trial"]: t["acc"] for t in trials2} == {t["trial"]: t["acc"] for t in trials}
+
+
+def test_tpe_proposes_num_configs_in_the_method_s_ranges(ray_session, data):
+    """``algorithm: tpe``: Optuna's sampler proposes ``num_configs`` configurations per method
+    inside that method's own ranges; each is scored on the whole split like any other (its
+    values checked against the hand-written loop at the same ``(N, τ)``)."""
+    from pipelines.evaluation.trials import HyperConfig
+
+    cfg = _cfg(num_configs=4, chunk_size=128, algorithm="tpe", method_ranges=(("diag", (1.0, 3.0), (0.0, 2.0)),))
+    ds = ray_session.data.from_items(data["rows"], override_num_blocks=3)
+    res = search(data["model"], {"diag": data["uris"]["diag"]}, ds, cfg)
+    rows = res.rows
+    assert [r["config_id"] for r in rows] == [0, 1, 2, 3] and res.info["algorithm"] == "tpe"
+    assert all(1.0 <= r["log10_n"] <= 3.0 and 0.0 <= r["log10_tau"] <= 2.0 for r in rows)
+    r = rows[0]
+    one = search_shard(data["net"], {"diag": data["posts"]["diag"]}, data["batches"],
+                       dataclasses.replace(cfg, chunk_size=N_EXAMPLES, algorithm="random"),
+                       configs=[HyperConfig(0, r["log10_n"], r["log10_tau"])])
+    want = one["acc"]["diag"][0].compute()
+    assert r["count"] == N_EXAMPLES and r["nll"] == pytest.approx(want["nll"], rel=1e-12)
