@@ -32,6 +32,7 @@ from pipelines.config.load import to_dict
 from pipelines.config.schema import STAGES, ModelSpec, RunConfig
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = ["RunResult", "run", "verdict_lines"]
 
@@ -56,23 +57,23 @@ def _versions() -> dict[str, str]:
             "ray": ray.__version__, "infoform": laplace_core.__version__}
 
 
-def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: DataPlan,
+def _run_model(cfg: RunConfig, spec: ModelSpec, store: RunStore, plan: DataPlan,
                ensure_ray: Callable[[], None]) -> dict[str, Any]:
-    """All stages for one model; returns the run summary (also written as run.json)."""
+    """All stages for one model under ``store``'s output; returns the run summary (also written as run.json)."""
     t_start = time.perf_counter()
-    model_run = ModelRun(cfg, spec, output, plan, ensure_ray)
+    model_run = ModelRun(cfg, spec, store, plan, ensure_ray)
     stages = model_run.run_all()
-    summary = _summary(cfg, model_run.spec, model_run.model_info, model_run.data_info, model_run.results, output)
+    summary = _summary(cfg, model_run.spec, model_run.model_info, model_run.data_info, model_run.results, store)
     summary["timings"]["total_this_run"] = time.perf_counter() - t_start
     for line in skipped_lines(summary["skipped_images"]):
         log(line)
     if stages.evaluate.summary is not None:
         model_run.report(stages.evaluate, summary)
-    storage.write_json_atomic(layout.run_json_uri(output), _stable_run_json(summary), model_run.store)
+    store.write_json_atomic(store.run_json_uri(), _stable_run_json(summary))
     return summary
 
 
-def _inf_clipping(posteriors: dict[str, Any], chosen: dict[str, Any], ep: storage.Store = None) -> dict[str, Any] | None:
+def _inf_clipping(posteriors: dict[str, Any], chosen: dict[str, Any], store: RunStore) -> dict[str, Any] | None:
     """INF's clipped ``D`` entries and diagonal error at the chosen ``(N, τ)`` (None without both)."""
     uri, c = (posteriors.get("inf") or {}).get("uri"), chosen.get("inf")
     if not uri or not c:
@@ -80,7 +81,7 @@ def _inf_clipping(posteriors: dict[str, Any], chosen: dict[str, Any], ep: storag
     from pipelines.passes.posterior import inf_clipping_at
 
     try:
-        return inf_clipping_at(uri, 10.0 ** c["log10_n"], 10.0 ** c["log10_tau"], ep)
+        return inf_clipping_at(uri, 10.0 ** c["log10_n"], 10.0 ** c["log10_tau"], store)
     except Exception as e:  # a report detail: never fail the run over it
         log(f"INF clipping at the chosen (N, tau) not computed: {type(e).__name__}: {e}")
         return None
@@ -96,7 +97,7 @@ def _temperature(fit: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: fit.get(k) for k in ("temperature", "temperature_fit", "fallback", "count")}
 
 
-def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: dict[str, Any], output: str):
+def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: dict[str, Any], store: RunStore):
     curv = results.get("curvature") or {}
     post = results.get("posterior") or {}
     srch = results.get("search") or {}
@@ -110,7 +111,7 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
               for m, c_ in (srch.get("chosen") or {}).items() if c_}
     if (posteriors.get("inf") or {}).get("uri") and chosen.get("inf"):
         log("summary: INF's clipped D entries at the chosen (N, tau) (loads the INF posterior)")
-    inf_clip = _inf_clipping(posteriors, chosen, cfg.storage_options())
+    inf_clip = _inf_clipping(posteriors, chosen, store)
     return {
         "title": f"infoform report: {spec.name}" + (" (demo)" if cfg.data.demo else ""),
         "run_id": fingerprint(to_dict(cfg))[:8],
@@ -139,7 +140,7 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
         "temperature": _temperature(srch.get("temperature")),
         "evaluate": {"device": evl.get("device")},
         "results": evl.get("methods"),
-        "output": output,
+        "output": store.output,
     }
 
 
@@ -247,35 +248,35 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
         cfg = dataclasses.replace(cfg, output=output)
     cfg = absolute_inputs(cfg)
     plan = config_plan(cfg, output)
-    storage.write_json_atomic(layout.config_uri(output), to_dict(cfg), cfg.storage_options())
+    store = RunStore.open(output, cfg.storage_options())  # the run's one store, handed to every stage and worker
+    store.write_json_atomic(store.config_uri(), to_dict(cfg))
     models = cfg.all_models()
     if len(models) == 1:
-        summary = _run_model(cfg, models[0], output, plan, ensure_ray)
+        summary = _run_model(cfg, models[0], store, plan, ensure_ray)
         report = layout.report_uris(output)["html"]
         return RunResult(output=output, report_path=report, summary=summary)
     from pipelines.report.load import load_eval_metrics
     from pipelines.report.write import write_audit_report
 
-    ep = cfg.storage_options()
     per_model, tables, listing = {}, {}, {}
     for spec in models:
-        sub = layout.model_dir(output, spec.name)
-        log(f"audit: model {spec.name} -> {sub}")
+        sub = store.for_model(spec.name)
+        log(f"audit: model {spec.name} -> {sub.output}")
         summary = _run_model(cfg, spec, sub, plan, ensure_ray)
         listing[spec.name] = {k: summary.get(k) for k in ("output", "model", "results", "posterior_sizes", "chosen")}
         if summary.get("results") is None:  # evaluate not run (--stages): nothing to compare for this model
             continue
-        per_model[spec.name] = (summary, load_eval_metrics(sub, ep))
-        tables[spec.name] = read_search(sub, ep)
+        per_model[spec.name] = (summary, load_eval_metrics(sub))
+        tables[spec.name] = read_search(sub)
     audit = {"preset": cfg.preset, "config": to_dict(cfg), "models": listing, "report": None}
     paths = {}
     if per_model:
-        paths = write_audit_report(output, per_model, search_tables=tables, endpoint_url=ep)
+        paths = write_audit_report(store, per_model, search_tables=tables)
         audit["report"] = {"html": paths["html"], "md": paths["md"]}
         audit["figures"] = {k: v for k, v in paths.items() if k not in ("html", "md")}
     else:
         log("audit: no model has evaluation results yet; no comparison report written")
-    storage.write_json_atomic(layout.run_json_uri(output), audit, ep)
+    store.write_json_atomic(store.run_json_uri(), audit)
     # without a comparison (no model evaluated yet) the run.json listing is what there is to show
     return RunResult(output=output, report_path=paths.get("html", layout.run_json_uri(output)), summary=audit)
 

@@ -35,7 +35,6 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from pipelines.storage import uris as storage
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import allreduce_sum, broadcast_object, new_comm_record
 from .progress import Progress, say
@@ -290,9 +289,9 @@ class PassRun:
             self.progress(n)
             if (fi is not None and fi.pass_no == pass_no and fi.partition == pid and fi.rank in (None, rank)
                     and counter.batches >= fi.after_batches):
-                if not storage.exists(fi.once_marker, job.store):
-                    storage.write_json_atomic(fi.once_marker, {"pass": pass_no, "partition": pid, "rank": rank,
-                                                               "time": time.time()}, job.store)
+                if not job.store.exists(fi.once_marker):
+                    job.store.write_json_atomic(fi.once_marker, {"pass": pass_no, "partition": pid, "rank": rank,
+                                                                 "time": time.time()})
                     say(f"[{self.kind.tag}] fault injection: rank {rank} exits in pass {pass_no} partition {pid}")
                     os._exit(1)
 

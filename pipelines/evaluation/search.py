@@ -53,9 +53,9 @@ from pipelines.errors import StageError
 from pipelines.evaluation.chunks import iter_chunks
 from pipelines.evaluation.trials import HyperConfig, SearchAccumulator, sample_configs
 from pipelines.evaluation.predictors import MAP, finite_or_reason, make_predictor, model_ref, predict_chunk
-from pipelines.evaluation.runtime import OBJECTIVES, SearchConfig, eval_uri
-from pipelines.storage import layout
+from pipelines.evaluation.runtime import OBJECTIVES, SearchConfig
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = [
     "TABLE_COLUMNS",
@@ -220,8 +220,7 @@ def search(
     val_ds: Any,
     cfg: SearchConfig = SearchConfig(),
     *,
-    output: str | None = None,
-    endpoint_url: str | None = None,
+    store: RunStore = RunStore(),
     key: str = "",
 ) -> SearchResult:
     """Search of ``(N, τ)`` per method on ``val_ds`` (Ray Dataset with image/label/path/valid
@@ -229,7 +228,7 @@ def search(
     method (:mod:`pipelines.evaluation.tune`: ``cfg.scheduler``, ``cfg.algorithm``; at most
     ``cfg.num_actors`` trials at once). ``posterior_uris``: ``method -> artifact URI`` (any
     stored ``(N, τ)``; each configuration is applied with ``with_hyper``). Returns a
-    :class:`SearchResult`; with ``output`` keeps the Tune experiments under ``eval/tune/``
+    :class:`SearchResult`; with an output in ``store`` (the run's store) keeps the Tune experiments under ``eval/tune/``
     (a repeated call resumes them; ``key`` names the data, e.g. the split's fingerprint)
     and writes ``<output>/eval/<method>/search.parquet`` and ``search.json``."""
     from pipelines.evaluation import tune as search_tune
@@ -244,15 +243,15 @@ def search(
     chunks, images, skipped = search_tune.chunk_refs(val_ds, cfg)
     if not chunks:
         raise StageError("search: the validation split has no valid image")
-    root = None if output is None else layout.tune_uri(output)
-    kw = dict(storage_root=root, key=key, endpoint_url=endpoint_url)
+    root = None if store.output is None else store.tune_uri()
+    kw = dict(storage_root=root, key=key, store=store)
     if cfg.algorithm == "random":  # one experiment: the MAP reference and every method's grid
         trials = search_tune.run_experiment(ref, uris, chunks, images, cfg, **kw)
     else:  # one TPE sampler per method
         trials = [t for m in uris for t in search_tune.run_experiment(ref, {m: uris[m]}, chunks, images, cfg, **kw)]
     by_method = {m: [t for t in trials if t["trial"].split(":")[0] == m] for m in uris}
     maps = [t for t in trials if t["trial"].split(":")[0] == search_tune.MAP_TRIAL]
-    map_json = json.loads(maps[0]["acc"]) if maps else search_tune.map_reference(ref, chunks, cfg, endpoint_url)
+    map_json = json.loads(maps[0]["acc"]) if maps else search_tune.map_reference(ref, chunks, cfg, store)
     map_acc = SearchAccumulator.from_json(map_json)
     rows: list[dict[str, Any]] = []
     chosen: dict[str, dict[str, Any] | None] = {}
@@ -295,12 +294,11 @@ def search(
         "stopped": {m: sum(1 for r in rows if r["method"] == m and r["status"] == "stopped") for m in uris},
     }
     result = SearchResult(tuple(rows), chosen, notes, map_acc.compute() if map_acc.count else {}, info)
-    if output is not None:
+    if store.output is not None:
         for m in uris:
-            d = eval_uri(output, m)
-            storage.write_bytes_atomic(storage.join(d, "search.parquet"), _parquet_bytes(result.table(m)),
-                                       endpoint_url)
-            storage.write_json_atomic(storage.join(d, "search.json"),
-                                      {"method": m, "chosen": chosen[m], "note": notes.get(m, ""),
-                                       "map_validation": result.map, **info}, endpoint_url)
+            d = store.eval_uri(m)
+            store.write_bytes_atomic(storage.join(d, "search.parquet"), _parquet_bytes(result.table(m)))
+            store.write_json_atomic(storage.join(d, "search.json"),
+                                    {"method": m, "chosen": chosen[m], "note": notes.get(m, ""),
+                                     "map_validation": result.map, **info})
     return result

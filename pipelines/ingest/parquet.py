@@ -11,6 +11,7 @@ import math
 from pipelines.ingest.decode import read_files, read_parquet_rows
 from pipelines.ingest.index import DataError, DatasetIndex
 from pipelines.storage import uris as storage
+from pipelines.storage.uris import StorageOptions
 
 __all__ = ["PARQUET_META_FILE", "PARQUET_CLASSES_KEY", "convert_to_parquet"]
 
@@ -24,16 +25,16 @@ def convert_to_parquet(
     index: DatasetIndex,
     out_uri: str,
     rows_per_file: int = 1000,
-    endpoint_url: str | None = None,
-    out_endpoint_url: str | None = None,
+    options: StorageOptions | None = None,
+    out_options: StorageOptions | None = None,
     num_threads: int = 8,
 ) -> list[str]:
     """Copy the encoded bytes of ``index``'s files (unchanged, so decoding gives identical
     tensors and bad files stay bad) into ``out_uri/part-XXXXX.parquet`` with columns
     image (binary), label (int64), path (string), ``rows_per_file`` rows each, in index
     order, plus ``out_uri/dataset.json`` (classes, counts, shard list). Each file is
-    written atomically. ``endpoint_url`` is for reading, ``out_endpoint_url`` for
-    writing (defaults to ``endpoint_url``). Returns the shard URIs.
+    written atomically. ``options`` (storage options) are for reading, ``out_options`` for
+    writing (defaults to ``options``). Returns the shard URIs.
     Reads run on ``num_threads`` threads in this process (convert once, offline).
     """
     from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,7 @@ def convert_to_parquet(
         raise ValueError(f"rows_per_file must be a positive int, got {rows_per_file!r}")
     if len(index) == 0:
         raise DataError("cannot convert an empty index")
-    out_ep = out_endpoint_url if out_endpoint_url is not None else endpoint_url
+    out_ep = out_options if out_options is not None else options
     schema = pa.schema(
         [("image", pa.binary()), ("label", pa.int64()), ("path", pa.string())],
         metadata={PARQUET_CLASSES_KEY: json.dumps(list(index.classes)).encode()},
@@ -57,9 +58,9 @@ def convert_to_parquet(
         if index.format == "parquet":
             return read_parquet_rows(
                 index.root, [index.shards[s] for s, _ in index.locations[a:b]],
-                [r for _, r in index.locations[a:b]], endpoint_url,
+                [r for _, r in index.locations[a:b]], options,
             )
-        return read_files(index.root, index.paths[a:b], endpoint_url)
+        return read_files(index.root, index.paths[a:b], options)
 
     with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
         for k in range(n_files):

@@ -27,7 +27,7 @@ from pipelines.report.inputs import (SEARCH_OBJECTIVES, check_metrics, chosen_po
                                      is_finite, objective_info, pick_variant, posterior_sizes, reliability_points,
                                      scored, search_rows, variant_label)
 from pipelines.report.methods import method_color, method_label, order_methods
-from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = ["FIGURE_NAMES", "render_reliability", "render_entropy", "render_hyper", "render_comparison",
            "render_standard", "plot_reliability", "plot_entropy", "plot_hyper"]
@@ -285,20 +285,20 @@ def _clip_range(vals: Sequence[float]) -> tuple[float, float]:
 
 
 def plot_reliability(metrics_by_method: Mapping[str, Mapping[str, Any]], path: str, variant: str | None = None,
-                     endpoint_url: str | None = None) -> None:
+                     store: RunStore = RunStore()) -> None:
     """Write ``reliability.png`` (see :func:`render_reliability`) to ``path`` (local or s3://)."""
-    storage.write_bytes_atomic(path, render_reliability(metrics_by_method, variant), endpoint_url)
+    store.write_bytes_atomic(path, render_reliability(metrics_by_method, variant))
 
 
-def plot_entropy(metrics_by_method: Mapping[str, Mapping[str, Any]], path: str, endpoint_url: str | None = None) -> None:
+def plot_entropy(metrics_by_method: Mapping[str, Mapping[str, Any]], path: str, store: RunStore = RunStore()) -> None:
     """Write ``entropy.png`` (see :func:`render_entropy`) to ``path`` (local or s3://)."""
-    storage.write_bytes_atomic(path, render_entropy(metrics_by_method), endpoint_url)
+    store.write_bytes_atomic(path, render_entropy(metrics_by_method))
 
 
 def plot_hyper(search_table: Any, chosen: Mapping[str, Any] | None, path: str,
-               objectives: Sequence[str] | None = None, endpoint_url: str | None = None) -> None:
+               objectives: Sequence[str] | None = None, store: RunStore = RunStore()) -> None:
     """Write ``hyper.png`` (see :func:`render_hyper`) to ``path`` (local or s3://)."""
-    storage.write_bytes_atomic(path, render_hyper(search_table, chosen, objectives), endpoint_url)
+    store.write_bytes_atomic(path, render_hyper(search_table, chosen, objectives))
 
 
 def render_standard(mbm: Mapping[str, Mapping[str, Any]], summary: Mapping[str, Any], rows: list[dict],

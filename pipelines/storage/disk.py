@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = ["expected_bytes", "announce", "tree_bytes", "drop", "human"]
 
@@ -67,19 +67,19 @@ def announce(est: Mapping[str, Any], keep_stats: bool) -> str:
             f"{human(stays)} stay after the run" + ("" if keep_stats else " (storage.keep_stats=false)"))
 
 
-def tree_bytes(uri: str, endpoint_url: storage.Store = None) -> int:
+def tree_bytes(uri: str, store: RunStore) -> int:
     """Bytes of every file under ``uri`` (0 when it does not exist)."""
-    if not storage.exists(uri, endpoint_url):
+    if not store.exists(uri):
         return 0
-    fs, path = storage.get_fs(uri, endpoint_url)
+    fs, path = store.fs(uri)
     return int(sum(fs.du(path, total=False).values())) if fs.isdir(path) else int(fs.size(path))
 
 
-def drop(uris: Iterable[str], endpoint_url: storage.Store = None) -> int:
+def drop(uris: Iterable[str], store: RunStore) -> int:
     """Remove the artifacts at ``uris`` (folders); returns the bytes freed."""
     freed = 0
     for uri in uris:
-        if storage.exists(uri, endpoint_url):
-            freed += tree_bytes(uri, endpoint_url)
-            storage.remove(uri, recursive=True, endpoint_url=endpoint_url)
+        if store.exists(uri):
+            freed += tree_bytes(uri, store)
+            store.remove(uri, recursive=True)
     return freed
