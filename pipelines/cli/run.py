@@ -217,6 +217,29 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
     """
     cfg.validate()
     forget_placement()
+    from pipelines.distributed.cluster import resolve_output
+
+    # Ray workers do not share the driver's working directory: an absolute path, outside a
+    # `ray job submit --working-dir` copy (pipelines.distributed.cluster.resolve_output)
+    output = resolve_output(cfg.output)
+    if output != cfg.output:
+        cfg = dataclasses.replace(cfg, output=output)
+    cfg = absolute_inputs(cfg)
+    plan = config_plan(cfg, output)
+    ensure_ray = _ray_starter(cfg, init_ray)
+    store = RunStore.open(output, cfg.storage_options())  # the run's one store, handed to every stage and worker
+    store.write_json_atomic(store.config_uri(), to_dict(cfg))
+    models = cfg.all_models()
+    if len(models) == 1:
+        summary = _run_model(cfg, models[0], store, plan, ensure_ray)
+        report = layout.report_uris(output)["html"]
+        return RunResult(output=output, report_path=report, summary=summary)
+    return _run_audit(cfg, models, store, plan, ensure_ray)
+
+
+def _ray_starter(cfg: RunConfig, init_ray: Callable[[], None] | None) -> Callable[[], None]:
+    """``ensure_ray()``: connects to (or starts) Ray on its first call and says the cluster's
+    shape, checking the local paths against it; later calls do nothing."""
     started = []
 
     def ensure_ray() -> None:
@@ -239,22 +262,12 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
              f"({shape.driver_node_cpus:g} CPUs beside the driver)")
         check_paths(cfg, shape)  # local paths on several nodes: one line, before any pass
 
-    from pipelines.distributed.cluster import resolve_output
+    return ensure_ray
 
-    # Ray workers do not share the driver's working directory: an absolute path, outside a
-    # `ray job submit --working-dir` copy (pipelines.distributed.cluster.resolve_output)
-    output = resolve_output(cfg.output)
-    if output != cfg.output:
-        cfg = dataclasses.replace(cfg, output=output)
-    cfg = absolute_inputs(cfg)
-    plan = config_plan(cfg, output)
-    store = RunStore.open(output, cfg.storage_options())  # the run's one store, handed to every stage and worker
-    store.write_json_atomic(store.config_uri(), to_dict(cfg))
-    models = cfg.all_models()
-    if len(models) == 1:
-        summary = _run_model(cfg, models[0], store, plan, ensure_ray)
-        report = layout.report_uris(output)["html"]
-        return RunResult(output=output, report_path=report, summary=summary)
+
+def _run_audit(cfg: RunConfig, models, store: RunStore, plan: DataPlan, ensure_ray: Callable[[], None]) -> RunResult:
+    """Every model under ``models/<name>/`` (:meth:`RunStore.for_model`), then the comparison
+    report and the top-level run.json listing the models."""
     from pipelines.report.load import load_eval_metrics
     from pipelines.report.write import write_audit_report
 
@@ -278,7 +291,7 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
         log("audit: no model has evaluation results yet; no comparison report written")
     store.write_json_atomic(store.run_json_uri(), audit)
     # without a comparison (no model evaluated yet) the run.json listing is what there is to show
-    return RunResult(output=output, report_path=paths.get("html", layout.run_json_uri(output)), summary=audit)
+    return RunResult(output=store.output, report_path=paths.get("html", store.run_json_uri()), summary=audit)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -100,9 +100,7 @@ def _parse_page(stream, strip: int, keep: bool) -> _Page:
     import xml.etree.ElementTree as ET
 
     page, root = _Page(), None
-    paths: list[str] = []
-    sizes: list[int] = []
-    etags: list[str] = []
+    cols: tuple[list, list, list] = ([], [], [])  # path, size, etag of the keys not yet in a batch
     for event, el in ET.iterparse(stream, events=("start", "end")):
         if root is None:
             root = el
@@ -112,23 +110,37 @@ def _parse_page(stream, strip: int, keep: bool) -> _Page:
         if tag == "Contents":
             page.keys += 1
             if keep:
-                paths.append(el.findtext(_NS + "Key")[strip:])
-                sizes.append(int(el.findtext(_NS + "Size") or 0))
-                etags.append((el.findtext(_NS + "ETag") or "").strip('"'))
-                if len(paths) >= _FLUSH:
-                    page.batches.append(_batch(paths, sizes, etags))
-                    paths, sizes, etags = [], [], []
+                _add_key(page, cols, el, strip)
             root.clear()
-        elif tag == "CommonPrefixes":
-            page.prefixes.append(el.findtext(_NS + "Prefix"))
+        elif _page_field(page, tag, el):
             root.clear()
-        elif tag == "IsTruncated":
-            page.truncated = (el.text or "").strip().lower() == "true"
-        elif tag == "NextContinuationToken":
-            page.token = el.text
-    if paths:
-        page.batches.append(_batch(paths, sizes, etags))
+    if cols[0]:
+        page.batches.append(_batch(*cols))
     return page
+
+
+def _add_key(page: _Page, cols: tuple[list, list, list], el, strip: int) -> None:
+    """One ``Contents`` element's key (less ``strip`` characters), size and ETag into ``cols``;
+    every :data:`_FLUSH` keys they become one Arrow batch of ``page``."""
+    cols[0].append(el.findtext(_NS + "Key")[strip:])
+    cols[1].append(int(el.findtext(_NS + "Size") or 0))
+    cols[2].append((el.findtext(_NS + "ETag") or "").strip('"'))
+    if len(cols[0]) >= _FLUSH:
+        page.batches.append(_batch(*cols))
+        for c in cols:
+            c.clear()
+
+
+def _page_field(page: _Page, tag: str, el) -> bool:
+    """A page-level element into ``page``; True for a ``CommonPrefixes`` element (done with it)."""
+    if tag == "CommonPrefixes":
+        page.prefixes.append(el.findtext(_NS + "Prefix"))
+        return True
+    if tag == "IsTruncated":
+        page.truncated = (el.text or "").strip().lower() == "true"
+    elif tag == "NextContinuationToken":
+        page.token = el.text
+    return False
 
 
 _HTTP: dict[int, Any] = {}

@@ -273,23 +273,7 @@ def _train_loop(config: dict) -> None:
     run2 = PassRun(kind2, job, rank, world, device, pass_uri(job.output_uri, kind2.name)).start() \
         if job.passes.get("pass2") else None
     if cfg.needs_basis:
-        buri = basis_uri(job.output_uri)
-        have = broadcast_object(job.store.exists(_manifest(buri)) if rank == 0 else None, rank)
-        t0 = time.perf_counter()
-        if have:
-            basis = load_eigenbasis(buri, job.store)
-            rec["eigenbasis"] = "loaded"
-        else:
-            if rank == 0:
-                say(f"[curvature] eigenbasis: {_eigen_work(stats)}, spread over {world} worker(s)")
-            basis = distributed_eigenbasis(stats, rank, world, device, rec, every_s=cfg.log_every_s)
-            rec["eigenbasis"] = "computed"
-            if rank == 0:
-                save_eigenbasis(buri, basis, stats.count, job.store)
-            dist.barrier()
-        rec["eigen_s"] = time.perf_counter() - t0
-        if rank == 0:
-            say(f"[curvature] eigenbasis {rec['eigenbasis']} in {rec['eigen_s']:.1f} s")
+        basis = _eigenbasis(job, stats, rank, world, device, rec)
 
     if run2 is not None:
         dev_basis = Eigenbasis(layers={k: b.to(device=device) for k, b in basis.layers.items()},
@@ -300,6 +284,39 @@ def _train_loop(config: dict) -> None:
         rec["skipped_pass2"] = res2.info()
         stats = stats.with_efb(kind2.efb(res2.state), res2.counts["efb_count"])
         del res2
+
+    _write_reduced(job, stats, rank, world, rec, t_all)
+
+
+def _eigenbasis(job: Job, stats: CurvatureStatistics, rank: int, world: int, device, rec: dict[str, Any]) -> Eigenbasis:
+    """The run's eigenbasis: loaded when an earlier attempt saved it, else spread over the
+    workers and saved by rank 0; ``rec`` gets ``eigenbasis`` ("loaded"/"computed") and ``eigen_s``."""
+    import torch.distributed as dist
+
+    buri = basis_uri(job.output_uri)
+    have = broadcast_object(job.store.exists(_manifest(buri)) if rank == 0 else None, rank)
+    t0 = time.perf_counter()
+    if have:
+        basis = load_eigenbasis(buri, job.store)
+        rec["eigenbasis"] = "loaded"
+    else:
+        if rank == 0:
+            say(f"[curvature] eigenbasis: {_eigen_work(stats)}, spread over {world} worker(s)")
+        basis = distributed_eigenbasis(stats, rank, world, device, rec, every_s=job.cfg.log_every_s)
+        rec["eigenbasis"] = "computed"
+        if rank == 0:
+            save_eigenbasis(buri, basis, stats.count, job.store)
+        dist.barrier()
+    rec["eigen_s"] = time.perf_counter() - t0
+    if rank == 0:
+        say(f"[curvature] eigenbasis {rec['eigenbasis']} in {rec['eigen_s']:.1f} s")
+    return basis
+
+
+def _write_reduced(job: Job, stats: CurvatureStatistics, rank: int, world: int, rec: dict[str, Any],
+                   t_all: float) -> None:
+    """Rank 0 writes ``stats/reduced`` and the worker report (every rank's record); all ranks meet after."""
+    import torch.distributed as dist
 
     if rank == 0:
         t0 = time.perf_counter()
@@ -381,6 +398,15 @@ def run_curvature(
     fit_interruptibly(trainer, trainer_cpus(cfg, data_config), "curvature")
     fit_s = time.perf_counter() - t0
 
+    return _curvature_result(job, done, fit_s)
+
+
+def _curvature_result(job: Job, done: Mapping[str, Sequence[int]], fit_s: float) -> CurvatureResult:
+    """After the fit: the reduced statistics, the eigenbasis and the worker report read back, the
+    partitions computed here and those taken from checkpoints (``done``), and the summary written
+    to ``stats/curvature.json``."""
+    store, cfg, passes = job.store, job.cfg, job.passes
+    output_uri = store.output
     stats = CurvatureStatistics.load(store.reduced_uri(), store.fsspec_options(output_uri))
     basis = load_eigenbasis(basis_uri(output_uri), store) if cfg.needs_basis else None
     report = store.read_json(store.worker_report_uri())
@@ -393,14 +419,14 @@ def run_curvature(
     timings = {"fit_s": fit_s, "worker": report}
     skipped = {"pass1": report.get("skipped_pass1", {}), "pass2": report.get("skipped_pass2", {})}
     summary = {
-        "run_id": run_id,
-        "model": dataclasses.asdict(model),
+        "run_id": job.run_id,
+        "model": dataclasses.asdict(job.model),
         "config": _cfg_json(cfg),
-        "fingerprint": fp,
+        "fingerprint": job.fingerprint,
         "num_workers": cfg.num_workers,
-        "use_gpu": bool(use_gpu),
-        "partitions": list(ids),
-        "efb_partitions": list(efb_ids),
+        "use_gpu": job.use_gpu,
+        "partitions": list(passes["pass1"]),
+        "efb_partitions": list(passes["pass2"]),
         "computed_partitions": {k: list(v) for k, v in computed.items()},
         "reused_partitions": {k: list(v) for k, v in reused.items()},
         "count": stats.count,
@@ -417,7 +443,7 @@ def run_curvature(
     return CurvatureResult(
         output_uri=output_uri, stats=stats, basis=basis, timings=timings, allreduce_seconds=ar_s,
         allreduce_bytes=ar_b, skipped=skipped, computed_partitions=computed, reused_partitions=reused,
-        efb_partitions=tuple(efb_ids), num_workers=cfg.num_workers, use_gpu=bool(use_gpu), run_id=run_id,
+        efb_partitions=tuple(passes["pass2"]), num_workers=cfg.num_workers, use_gpu=job.use_gpu, run_id=job.run_id,
         passes=summary["passes"],
     )
 

@@ -357,36 +357,18 @@ def run_subnet_pass(
     masks, S, D = select_masks(stats, scfg)
     model = model_ref(model_spec)
     ids, by_id, rows = index_partitions(partitions)
-    meta = {
-        "subnet_size": S, "requested_size": int(scfg.subnet_size), "d_total": D, "fisher": scfg.fisher,
-        "mc_samples": cfg.mc_samples if scfg.fisher == "mc" else 1, "seed": cfg.seed, "rule": scfg.rule,
-        "n_data": scfg.n_data, "prior_precision": scfg.prior_precision, "dtype": scfg.dtype,
-        "model_dtype": cfg.model_dtype, "per_layer": {k: int(mk.sum()) for k, mk in masks.items()},
-        "zero_fisher": int(sum(int((stats.layers[k].diag[mk.to(stats.layers[k].diag.device)] == 0).sum())
-                               for k, mk in masks.items())),
-    }
-    if meta["zero_fisher"]:
-        say(f"[subnet] note: {meta['zero_fisher']} of the S = {S} selected weights have a zero Fisher diagonal "
-              "(dead units: prior variance, no effect on the training data's predictions; Daxberger et al. §6.3)")
-        if scfg.rule == "wasserstein":
-            say("[subnet] hint: --set posterior.subnet_rule=wasserstein_live ranks only weights with a live "
-                  "Fisher diagonal")
-    fp = fingerprint({
+    meta = _subnet_meta(stats, masks, S, D, cfg, scfg)
+    meta["fingerprint"] = fp = fingerprint({
         "model": dataclasses.asdict(model), "partitions": ids, "rows": [rows[p] for p in ids],
         "data": [getattr(by_id[p], "fingerprint", None) for p in ids], "masks": _masks_digest(masks),
         **{k: meta[k] for k in ("fisher", "mc_samples", "seed", "dtype", "model_dtype")},
     })
-    meta["fingerprint"] = fp
     uri = subnet_uri(output_uri)
     old = store.read_json(storage.join(uri, ckpt.MANIFEST)).get("meta", {}) \
         if store.exists(storage.join(uri, ckpt.MANIFEST)) else {}
     if old.get("format") == FORMAT and old.get("fingerprint") == fp:
         say(f"[subnet] {uri}: done earlier (same fingerprint), reused")
-        return SubnetResult(uri=uri, subnet_size=S, d_total=D, count=int(old["count"]), fisher=scfg.fisher,
-                            computed=False,
-                            fit_s=0.0, allreduce_s=0.0, allreduce_bytes=0, rows=int(old.get("rows", 0)),
-                            skipped=old.get("skipped", {}), per_layer=meta["per_layer"],
-                            zero_fisher=meta["zero_fisher"])
+        return _result(uri, meta, old, scfg, computed=False, fit_s=0.0)
 
     if not ray.is_initialized():
         ray.init()
@@ -409,11 +391,40 @@ def run_subnet_pass(
     fit_interruptibly(trainer, trainer_cpus(cfg, data_config), "subnet")
     fit_s = time.perf_counter() - t0
     written = store.read_json(storage.join(uri, ckpt.MANIFEST))["meta"]
-    count = int(written["count"])
-    return SubnetResult(uri=uri, subnet_size=S, d_total=D, count=count, fisher=scfg.fisher, computed=True, fit_s=fit_s,
-                        allreduce_s=float(written.get("allreduce_s", 0.0)),
-                        allreduce_bytes=int(written.get("allreduce_bytes", 0)), rows=int(written.get("rows", 0)),
-                        skipped=written.get("skipped", {}), per_layer=meta["per_layer"], zero_fisher=meta["zero_fisher"],
+    return _result(uri, meta, written, scfg, computed=True, fit_s=fit_s)
+
+
+def _subnet_meta(stats: CurvatureStatistics, masks: Mapping[str, torch.Tensor], S: int, D: int,
+                 cfg: CurvatureConfig, scfg: SubnetConfig) -> dict[str, Any]:
+    """The artifact's metadata of a selection (without its fingerprint); dead selected weights said in one line."""
+    meta = {
+        "subnet_size": S, "requested_size": int(scfg.subnet_size), "d_total": D, "fisher": scfg.fisher,
+        "mc_samples": cfg.mc_samples if scfg.fisher == "mc" else 1, "seed": cfg.seed, "rule": scfg.rule,
+        "n_data": scfg.n_data, "prior_precision": scfg.prior_precision, "dtype": scfg.dtype,
+        "model_dtype": cfg.model_dtype, "per_layer": {k: int(mk.sum()) for k, mk in masks.items()},
+        "zero_fisher": int(sum(int((stats.layers[k].diag[mk.to(stats.layers[k].diag.device)] == 0).sum())
+                               for k, mk in masks.items())),
+    }
+    if meta["zero_fisher"]:
+        say(f"[subnet] note: {meta['zero_fisher']} of the S = {S} selected weights have a zero Fisher diagonal "
+              "(dead units: prior variance, no effect on the training data's predictions; Daxberger et al. §6.3)")
+        if scfg.rule == "wasserstein":
+            say("[subnet] hint: --set posterior.subnet_rule=wasserstein_live ranks only weights with a live "
+                  "Fisher diagonal")
+    return meta
+
+
+def _result(uri: str, meta: Mapping[str, Any], written: Mapping[str, Any], scfg: SubnetConfig, *,
+            computed: bool, fit_s: float) -> SubnetResult:
+    """The :class:`SubnetResult` of the artifact at ``uri`` (``written``: its manifest's metadata);
+    an artifact reused from before reports no collection (no all-reduce, no partitions)."""
+    common = dict(uri=uri, subnet_size=meta["subnet_size"], d_total=meta["d_total"], count=int(written["count"]),
+                  fisher=scfg.fisher, computed=computed, fit_s=fit_s, rows=int(written.get("rows", 0)),
+                  skipped=written.get("skipped", {}), per_layer=meta["per_layer"], zero_fisher=meta["zero_fisher"])
+    if not computed:
+        return SubnetResult(**common, allreduce_s=0.0, allreduce_bytes=0)
+    return SubnetResult(**common, allreduce_s=float(written.get("allreduce_s", 0.0)),
+                        allreduce_bytes=int(written.get("allreduce_bytes", 0)),
                         computed_partitions=tuple(written.get("computed_partitions", ())),
                         reused_partitions=tuple(written.get("reused_partitions", ())),
                         passes=pass_records({"ranks": [{"subnet": r} for r in written.get("ranks", [])]}))

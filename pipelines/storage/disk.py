@@ -40,21 +40,22 @@ def expected_bytes(report: Any, methods: Iterable[str], *, stats_bytes: int = 8,
         else:
             stats += m * n
             ckpt += m * n
-    posts: dict[str, int] = {}
-    for meth in methods:
-        if meth in ("kfac",):  # eigenvalues only, the eigenvectors are the eigenbasis'
-            num = sum((ls.m + ls.n) if ls.counts.get("kfac", 0) != ls.m * ls.n else ls.m * ls.n for ls in report.layers)
-        elif meth in ("efb", "kfac_exact"):
-            num = sum(ls.m * ls.n for ls in report.layers)
-        elif meth == "inf":
-            num = sum(ls.inf_lower or ls.m * ls.n for ls in report.layers)
-        elif meth == "diag":
-            num = sum(ls.counts["diag"] for ls in report.layers)
-        else:
-            continue
-        posts[meth] = num * post_bytes
+    posts = {meth: num * post_bytes for meth in methods if (num := _posterior_numbers(meth, report.layers)) is not None}
     return {"statistics": stats * stats_bytes, "eigenbasis": basis * 8, "checkpoint": ckpt * stats_bytes,
             "posteriors": posts}
+
+
+def _posterior_numbers(meth: str, layers: Iterable[Any]) -> int | None:
+    """Numbers a saved posterior of ``meth`` stores (None: a method not counted here)."""
+    if meth == "kfac":  # eigenvalues only, the eigenvectors are the eigenbasis'
+        return sum((ls.m + ls.n) if ls.counts.get("kfac", 0) != ls.m * ls.n else ls.m * ls.n for ls in layers)
+    if meth in ("efb", "kfac_exact"):
+        return sum(ls.m * ls.n for ls in layers)
+    if meth == "inf":
+        return sum(ls.inf_lower or ls.m * ls.n for ls in layers)
+    if meth == "diag":
+        return sum(ls.counts["diag"] for ls in layers)
+    return None
 
 
 def announce(est: Mapping[str, Any], keep_stats: bool) -> str:
