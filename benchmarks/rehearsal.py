@@ -140,6 +140,8 @@ def _curvature(parts, dc, output: str, store, classes: int) -> dict:
 
     from pipelines.config.schema import ModelSpec
     from pipelines.passes.curvature import CurvatureConfig, run_curvature
+    from pipelines.storage.store import RunStore
+    from pipelines.storage.uris import StorageOptions
 
     tmp = tempfile.mkdtemp(prefix="rh", dir="/tmp")
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tmp, logging_level=logging.WARNING,
@@ -150,8 +152,8 @@ def _curvature(parts, dc, output: str, store, classes: int) -> dict:
         cfg = CurvatureConfig(num_workers=2, cpus_per_worker=0.5, fisher="mc", batch_size=256, methods=("kfac",),
                               checkpoint_every_s=0, log_every_s=60.0)
         t0 = time.perf_counter()
-        res = run_curvature(ModelSpec(name="tiny_cnn", weights=None, num_classes=classes), parts, cfg, output,
-                            data_config=dc, endpoint_url=store, run_name="rehearsal")
+        res = run_curvature(ModelSpec(name="tiny_cnn", weights=None, num_classes=classes), parts, cfg,
+                            RunStore.open(output, StorageOptions(store)), data_config=dc, run_name="rehearsal")
         stage_s = time.perf_counter() - t0
     finally:
         worker_peak = watch.stop()
@@ -187,7 +189,7 @@ def rehearse(args) -> dict:
         out["write_s"] = round(time.perf_counter() - t0, 1)
     output = args.output or storage.join(args.root, "_rehearsal_out")
     if storage.exists(storage.join(output, "index"), store):
-        storage.remove(storage.join(output, "index"), recursive=True, endpoint_url=store)
+        storage.remove(storage.join(output, "index"), recursive=True, options=store)
     if args.moto:
         import listing_bench as lb
 
@@ -214,7 +216,8 @@ def rehearse(args) -> dict:
                                                   "heap_per_key", "seconds")}
         out["listing_heap"]["max_in_flight"] = m["server"]["max_in_flight"]
     t0 = time.perf_counter()
-    dc = DataConfig(root=args.root, split="train", image_size=16, resize_size=16, endpoint_url=store)
+    dc = DataConfig(root=args.root, split="train", image_size=16, resize_size=16,
+                    storage_options=storage.StorageOptions(store).resolved())
     index = scan(dc, lambda _uri: table)
     del table
     parts = partition(index, partition_size=args.partition_size)

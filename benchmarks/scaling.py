@@ -85,6 +85,7 @@ def main(argv=None) -> int:
     import torch
 
     from pipelines.passes.curvature import CurvatureConfig, run_curvature
+    from pipelines.storage.store import RunStore
     from pipelines.ingest.models import load_model
 
     work = tempfile.mkdtemp(prefix="infoform-scaling-")
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
                                       torch_threads=1, log_every_s=30.0)
                 out = os.path.join(work, f"run-w{w}-r{rep}")
                 t0 = time.perf_counter()
-                res = run_curvature(spec, parts, cfg, out)
+                res = run_curvature(spec, parts, cfg, RunStore.open(out))
                 total = time.perf_counter() - t0
                 p1 = res.timings["worker"]["pass1"]
                 ranks = [r["pass1"] for r in res.timings["worker"].get("ranks", [])] or [p1]

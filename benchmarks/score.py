@@ -146,6 +146,7 @@ def main(argv=None) -> int:
     import ray
 
     from pipelines.serve.run_loader import read_run
+    from pipelines.storage.store import RunStore
     from pipelines.serve.score import ScoreSettings
     from pipelines.ingest.scan import scan
 
@@ -155,7 +156,7 @@ def main(argv=None) -> int:
              logging_level=logging.WARNING)
     ray.data.DataContext.get_current().enable_progress_bars = False
     load = [os.getloadavg()]
-    runs = {name: read_run(make_run(work, name)) for name in RUNS}
+    runs = {name: read_run(RunStore.open(make_run(work, name))) for name in RUNS}
     data = a.data or str(Path(runs["all"].uri) / "demo-data" / "digits")
     index = scan(runs["all"].data_config(data))
     _log(f"{len(index)} images from {data}")

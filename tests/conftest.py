@@ -2,8 +2,8 @@
 on sys.path, and one moto S3 server per session.
 
 - ``moto_s3``: a moto ``ThreadedMotoServer`` on 127.0.0.1 (free port); yields its endpoint
-  URL ``http://127.0.0.1:PORT``. Pass it as ``endpoint_url=`` (``pipelines.storage.uris``,
-  ``DataConfig``), to the job as ``--endpoint-url``, or to s3fs as
+  URL ``http://127.0.0.1:PORT``. Pass it as ``StorageOptions(endpoint)`` (to ``RunStore.open``,
+  ``DataConfig(storage_options=...)``), to the job as ``--endpoint-url``, or to s3fs as
   ``client_kwargs={"endpoint_url": ...}``.
 - ``s3_bucket`` (function-scoped): creates a fresh, uniquely named bucket on ``moto_s3``
   and yields ``(uri "s3://name", endpoint)``.

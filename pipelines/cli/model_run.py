@@ -23,8 +23,7 @@ from pipelines.cli.stages import Stages, fingerprint, log
 from pipelines.config.load import derive, to_dict
 from pipelines.config.schema import ActorSpec, ConfigError, EvalSpec, ModelSpec, RunConfig
 from pipelines.config.settings import fingerprint_fields
-from pipelines.storage import layout
-from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = ["ModelRun", "StageResult", "CurvatureResult", "SearchResult", "RunResult", "actor_resources",
            "forget_placement", "FINGERPRINT_VERSION"]
@@ -108,12 +107,14 @@ def actor_resources(evaluate_spec: EvalSpec) -> dict[str, float]:
 
 
 class ModelRun:
-    """The stages of one model under ``output``; ``model_info`` and ``data_info`` go to the summary."""
+    """The stages of one model under ``store.output`` (the run's store, or the model's own in an
+    audit: :meth:`RunStore.for_model`); ``model_info`` and ``data_info`` go to the summary."""
 
-    def __init__(self, cfg: RunConfig, spec: ModelSpec, output: str, plan: DataPlan, ensure_ray: Callable[[], None]):
-        self.cfg, self.output, self.plan = cfg, output, plan
-        self.store = cfg.storage_options()
-        self.stages = Stages(cfg, output, ensure_ray)
+    def __init__(self, cfg: RunConfig, spec: ModelSpec, store: RunStore, plan: DataPlan,
+                 ensure_ray: Callable[[], None]):
+        self.cfg, self.store, self.plan = cfg, store, plan
+        self.output = output = store.output
+        self.stages = Stages(cfg, store, ensure_ray)
         self.model_info: dict[str, Any] = {"name": spec.name, "weights": spec.weights}
         if plan.demo is not None and spec.name == "demo_cnn" and spec.weights is None:
             # the embedded demo: the small CNN trained on the spot (any other model is used as given)
@@ -137,7 +138,7 @@ class ModelRun:
         self.methods = tuple(cfg.posterior.methods)
         # methods with a posterior (``temperature`` has none: it is fitted in the search stage)
         self.post_methods = tuple(m for m in self.methods if method_info(m).posterior)
-        self.uris = {m: layout.posterior_uri(output, m) for m in self.post_methods}
+        self.uris = {m: store.posterior_uri(m) for m in self.post_methods}
         from pipelines.cli.reuse import plan_reuse
 
         # an earlier run's curvature, posteriors and search, when schedule.reuse finds one (read in place)
@@ -189,20 +190,18 @@ class ModelRun:
 
         train_dcfg = self.splits.train_config
         self._announce_disk()
-        res = run_curvature(self.spec, self.splits.parts, curv_cfg, self.output, data_config=train_dcfg,
-                            endpoint_url=self.store)
+        res = run_curvature(self.spec, self.splits.parts, curv_cfg, self.store, data_config=train_dcfg)
         passes, subnet = dict(res.passes), None
         if subnet_cfg is not None:  # Daxberger et al. (2021): select from the reduced sums, S x S Fisher pass
             from pipelines.passes.subnet import run_subnet_pass
 
-            subnet_res = run_subnet_pass(self.spec, self.splits.parts, curv_cfg, subnet_cfg, self.output,
-                                         data_config=train_dcfg, endpoint_url=self.store, stats=res.stats)
+            subnet_res = run_subnet_pass(self.spec, self.splits.parts, curv_cfg, subnet_cfg, self.store,
+                                         data_config=train_dcfg, stats=res.stats)
             passes.update(subnet_res.passes)
             subnet = {k: v for k, v in dataclasses.asdict(subnet_res).items() if k != "passes"}
-        from pipelines.passes.curvature import pass_uri
         from pipelines.storage.disk import drop, human
 
-        freed = drop([pass_uri(self.output, p) for p in ("pass1", "pass2")], self.store)
+        freed = drop([self.store.pass_uri(p) for p in ("pass1", "pass2")], self.store)
         if freed:
             log(f"disk: removed the pass checkpoints ({human(freed)}): stats/reduced holds the same sums")
         return {
@@ -228,14 +227,13 @@ class ModelRun:
         from pipelines.passes.posterior import build_posteriors
 
         from pipelines.errors import StageError
-        from pipelines.passes.curvature import reduced_uri
 
         post = self.cfg.posterior
-        if not storage.exists(reduced_uri(self.output), self.store):
-            raise StageError(f"posterior: {reduced_uri(self.output)} was dropped after an earlier posterior stage "
+        if not self.store.exists(self.store.reduced_uri()):
+            raise StageError(f"posterior: {self.store.reduced_uri()} was dropped after an earlier posterior stage "
                              "(storage.keep_stats=false); redo the statistics with --force curvature")
-        out = {"posteriors": build_posteriors(self.output, self.post_methods, post.rank, n_data=post.n_data,
-                                              prior_precision=post.prior_precision, endpoint_url=self.store)}
+        out = {"posteriors": build_posteriors(self.store, self.post_methods, post.rank, n_data=post.n_data,
+                                              prior_precision=post.prior_precision)}
         self._keep_or_drop_stats()
         return out
 
@@ -258,20 +256,19 @@ class ModelRun:
     def _keep_or_drop_stats(self) -> None:
         """After the posteriors: ``storage.keep_stats=false`` drops what only built them; the log
         says what stays (the eigenbasis always: the kfac/efb posteriors reference its eigenvectors)."""
-        from pipelines.passes.curvature import basis_uri, reduced_uri
-        from pipelines.passes.subnet import subnet_uri
         from pipelines.storage.disk import drop, human, tree_bytes
 
-        stats = [reduced_uri(self.output), subnet_uri(self.output)]
+        store = self.store
+        stats = [store.reduced_uri(), store.subnet_uri()]
         if self.cfg.storage.keep_stats:
             kept = sum(tree_bytes(u, self.store) for u in stats)
             log(f"disk: kept stats/reduced ({human(kept)}) to rebuild posteriors with other settings, and "
-                f"stats/eigenbasis ({human(tree_bytes(basis_uri(self.output), self.store))}); "
+                f"stats/eigenbasis ({human(tree_bytes(store.basis_uri(), store))}); "
                 "storage.keep_stats=false drops the statistics after this stage")
         else:
             freed = drop(stats, self.store)
             log(f"disk: dropped the statistics ({human(freed)}, storage.keep_stats=false); kept stats/eigenbasis "
-                f"({human(tree_bytes(basis_uri(self.output), self.store))}), which the posteriors reference")
+                f"({human(tree_bytes(store.basis_uri(), store))}), which the posteriors reference")
 
     # ------------------------------------------------------------------ (N, tau) search
     def search(self, posterior: StageResult) -> SearchResult:
@@ -283,7 +280,7 @@ class ModelRun:
         summary = self.stages.run("search", fp, lambda: self._do_search(fp))
         if summary is None:
             return SearchResult(fp, None)
-        write_search_table(self.output, self.post_methods, self.store)
+        write_search_table(self.store, self.post_methods)
         from pipelines.evaluation.temperature import with_fallback
 
         fitted = summary.get("temperature")
@@ -302,11 +299,11 @@ class ModelRun:
                                    **actor_resources(self.cfg.evaluate),
                                    decode_cpus=float(self.cfg.data.decode_num_cpus))
         out: dict[str, Any] = {"chosen": {}, "notes": {}, "map": {}, "info": {"device": search_cfg.resolved_device},
-                               "failed": 0, "table": layout.search_table_uri(self.output)}
+                               "failed": 0, "table": self.store.search_table_uri()}
         if self.uris:
             # a re-submitted job resumes the Tune experiment of this key
             res = search(self.spec, self.uris, build_dataset(splits.search, splits.search_config), search_cfg,
-                         output=self.output, endpoint_url=self.store, key=fingerprint(fp)[:12])
+                         store=self.store, key=fingerprint(fp)[:12])
             from pipelines.report.edges import edge_notes
 
             for line in edge_notes(res.chosen, to_dict(self.cfg.search)):
@@ -319,7 +316,7 @@ class ModelRun:
             from pipelines.evaluation.temperature import fit_temperature_run
 
             fit = fit_temperature_run(self.spec, build_dataset(splits.search, splits.search_config), search_cfg,
-                                      output=self.output, endpoint_url=self.store)
+                                      store=self.store)
             if fit.get("fallback"):
                 log(fit["fallback"])
             else:
@@ -348,8 +345,7 @@ class ModelRun:
                                **actor_resources(evaluate_spec), decode_cpus=float(self.cfg.data.decode_num_cpus))
         ood_ds = None if splits.ood is None else build_dataset(splits.ood, splits.ood_config)
         res = evaluate(self.spec, self.uris, build_dataset(splits.test, splits.test_config), ood_ds, eval_cfg,
-                       output=self.output, hyper=searched.hyper, endpoint_url=self.store,
-                       temperature=searched.temperature)
+                       store=self.store, hyper=searched.hyper, temperature=searched.temperature)
         out = {"methods": {m: headline(r) for m, r in res.items()}, "device": eval_cfg.resolved_device,
                "skipped": {k: v for k, v in (("test", res["map"].get("skipped")),
                                              ("ood", res["map"].get("ood_skipped"))) if v is not None}}
@@ -357,8 +353,8 @@ class ModelRun:
             from pipelines.evaluation.shift import evaluate_shift
 
             docs = evaluate_shift(self.spec, self.uris, splits.test, splits.test_config, eval_cfg,
-                                  evaluate_spec.shift.corruptions, evaluate_spec.shift.severities, output=self.output,
-                                  hyper=searched.hyper, temperature=searched.temperature, endpoint_url=self.store)
+                                  evaluate_spec.shift.corruptions, evaluate_spec.shift.severities, store=self.store,
+                                  hyper=searched.hyper, temperature=searched.temperature)
             out["shift"] = {m: d["mean"] for m, d in docs.items()}
             from pipelines.report.shift import shift_headline
 
@@ -377,19 +373,19 @@ class ModelRun:
             from pipelines.report.shift import load_shift, render_shift
 
             log("report: the summary table, the figures (matplotlib) and the HTML/Markdown pages")
-            metrics = load_eval_metrics(self.output, self.store)
-            table = read_search(self.reuse.search_output, self.store)
+            metrics = load_eval_metrics(self.store)
+            table = read_search(self.store.at(self.reuse.search_output))
             figures = {}
-            shift = load_shift(self.output, metrics, self.store)
+            shift = load_shift(self.store, metrics)
             if shift:  # metric against severity, one line per method
-                figures["shift"] = layout.figure_uri(self.output, "shift")
-                storage.write_bytes_atomic(figures["shift"], render_shift(shift), self.store)
+                figures["shift"] = self.store.figure_uri("shift")
+                self.store.write_bytes_atomic(figures["shift"], render_shift(shift))
             from pipelines.report.history import trend_parts
 
-            trend_figures, trend_sections = trend_parts(self.cfg.schedule.history, self.output, self.spec.name,
-                                                        self.store)  # a scheduled audit's metrics over time
-            return {"paths": write_report(self.output, summary, metrics, table, figures={**figures, **trend_figures},
-                                          endpoint_url=self.store, sections=trend_sections)}
+            trend_figures, trend_sections = trend_parts(self.cfg.schedule.history, self.store.output, self.spec.name,
+                                                        self.store.options)  # a scheduled audit's metrics over time
+            return {"paths": write_report(self.store, summary, metrics, table, figures={**figures, **trend_figures},
+                                          sections=trend_sections)}
 
         fp = {**evaluated.fingerprint, "report": 1}
         return StageResult(fp, self.stages.run("report", fp, do_report))
@@ -436,31 +432,31 @@ def headline(r: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def write_search_table(output: str, methods, store) -> None:
+def write_search_table(store: RunStore, methods) -> None:
     """One search table for all methods at ``eval/search.parquet`` (from the per-method files)."""
     import io
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    target = layout.search_table_uri(output)
-    if storage.exists(target, store):
+    target = store.search_table_uri()
+    if store.exists(target):
         return
     tables = []
     for m in methods:
-        uri = layout.search_table_uri(output, m)
-        if storage.exists(uri, store):
-            tables.append(pq.read_table(io.BytesIO(storage.read_bytes(uri, store))))
+        uri = store.search_table_uri(m)
+        if store.exists(uri):
+            tables.append(pq.read_table(io.BytesIO(store.read_bytes(uri))))
     if tables:
         buf = io.BytesIO()
         pq.write_table(pa.concat_tables(tables), buf)
-        storage.write_bytes_atomic(target, buf.getvalue(), store)
+        store.write_bytes_atomic(target, buf.getvalue())
 
 
-def read_search(output: str, store):
+def read_search(store: RunStore):
     """The run's search table rows (None before the search)."""
-    uri = layout.search_table_uri(output)
-    if not storage.exists(uri, store):
+    uri = store.search_table_uri()
+    if not store.exists(uri):
         return None
     from pipelines.report.load import read_search_table
 

@@ -93,7 +93,7 @@ def _publish_demo(cfg: RunConfig, local: str, remote: str, split: str | None) ->
     meta_uri = storage.join(remote, PARQUET_META_FILE)
     if storage.exists(meta_uri, ep) and storage.read_json(meta_uri, ep).get("source_fingerprint") == index.fingerprint:
         return
-    convert_to_parquet(index, remote, endpoint_url=None, out_endpoint_url=ep)
+    convert_to_parquet(index, remote, options=None, out_options=ep)
 
 
 def prepare_demo(cfg: RunConfig, output: str) -> DataPlan:
@@ -148,7 +148,7 @@ def data_config(cfg: RunConfig, plan: DataPlan, split: str | None, *, limit=None
 
     norm = {k: v for k, v in (("mean", plan.mean), ("std", plan.std)) if v is not None and getattr(cfg.data, k) is None}
     kw: dict[str, Any] = dict(root=root or plan.root, split=split, limit=limit, per_class=per_class,
-                              endpoint_url=cfg.storage_options(), unlabeled=unlabeled, partition_size=None, **norm)
+                              storage_options=cfg.storage_options(), unlabeled=unlabeled, partition_size=None, **norm)
     if classes is not None:
         kw["classes"] = tuple(classes)
     extra = tuple(e if e.startswith(".") else "." + e for e in cfg.data.extensions)

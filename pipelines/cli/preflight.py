@@ -58,8 +58,12 @@ def _bucket_exists(fs, bucket: str) -> bool:
         raise
 
 
+#: what to check when the store does not answer: the CLI flag and its config key
+CHECK_ENDPOINT = "check --endpoint-url (storage.endpoint_url)"
+
+
 def _where(opts: storage.StorageOptions) -> str:
-    return f"endpoint {opts.endpoint_url}" if opts.endpoint_url else "AWS's default endpoint"
+    return f"endpoint {opts.endpoint}" if opts.endpoint else "AWS's default endpoint"
 
 
 def _explain(e: BaseException, uri: str, opts: storage.StorageOptions) -> str:
@@ -72,8 +76,7 @@ def _explain(e: BaseException, uri: str, opts: storage.StorageOptions) -> str:
             or "unable to locate credentials" in low:
         why = storage.unreachable(opts, CONNECT_TIMEOUT_S)
         if why:  # botocore asks for credentials before it connects: the endpoint is the first cause
-            return (f"cannot reach the S3 store at the {_where(opts)} for {uri} ({why}); "
-                    "check --endpoint-url (storage.endpoint_url)")
+            return f"cannot reach the S3 store at the {_where(opts)} for {uri} ({why}); {CHECK_ENDPOINT}"
         return (f"no AWS credentials found for {uri} (the {_where(opts)} answers): set AWS_ACCESS_KEY_ID / "
                 "AWS_SECRET_ACCESS_KEY, a shared config profile or an instance role")
     if "nosuchbucket" in low or "bucket does not exist" in low or "specified bucket does not exist" in low:
@@ -84,8 +87,7 @@ def _explain(e: BaseException, uri: str, opts: storage.StorageOptions) -> str:
                 f"(environment, shared config, instance role) and the bucket policy ({text[:160]})")
     if "connect" in low or "endpoint" in low or "timeout" in low or "timed out" in low or "name or service" in low \
             or name in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ClientConnectorError"):
-        return (f"cannot reach the S3 store at the {_where(opts)} for {uri} ({name}: {text[:160]}); "
-                "check --endpoint-url (storage.endpoint_url)")
+        return f"cannot reach the S3 store at the {_where(opts)} for {uri} ({name}: {text[:160]}); {CHECK_ENDPOINT}"
     return f"cannot read {uri} at the {_where(opts)} ({name}: {text[:200]})"
 
 
@@ -242,7 +244,7 @@ def check_weights_fit(cfg: RunConfig, opts: storage.StorageOptions) -> None:
         if spec.weights in (None, RANDOM_WEIGHTS) or is_enum_name(spec.weights):
             continue
         try:
-            fit = check_weights(spec.name, spec.weights, spec.num_classes, endpoint_url=opts)
+            fit = check_weights(spec.name, spec.weights, spec.num_classes, options=opts)
         except ValueError as e:
             raise PreflightError(f"--weights {spec.weights}: {e}") from None
         n_data = data_classes(cfg, opts) if n_data is None else n_data
@@ -259,7 +261,7 @@ def preflight(cfg: RunConfig, *, dry_run: bool = False) -> dict[str, Any]:
     Raises :class:`PreflightError` (one line) on the first problem. ``dry_run`` checks the
     configuration alone: no store is contacted, nothing is written, no cache is looked at."""
     opts = cfg.storage_options()
-    checked: dict[str, Any] = {"endpoint": opts.endpoint_url}
+    checked: dict[str, Any] = {"endpoint": opts.endpoint}
     _check_models(cfg, opts, world=not dry_run)
     if dry_run:
         return checked

@@ -223,7 +223,7 @@ def plan_reuse(model_run: Any, stages: Any) -> ReusePlan:
     """Decide, before any cluster work, which run (if any) this model run takes its curvature,
     posteriors and search from; raises :class:`PreflightError` for an explicit ``--reuse`` that
     does not match."""
-    cfg, output, store = model_run.cfg, model_run.output, model_run.store
+    cfg, output, store = model_run.cfg, model_run.output, model_run.store.options
     spec, mode = model_run.spec, cfg.schedule.reuse
     trees = stage_trees(model_run)
     identity = weights_identity(spec.weights, store)

@@ -32,6 +32,7 @@ from pipelines.config.load import to_dict
 from pipelines.config.schema import STAGES, ModelSpec, RunConfig
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = ["RunResult", "run", "verdict_lines"]
 
@@ -56,13 +57,13 @@ def _versions() -> dict[str, str]:
             "ray": ray.__version__, "infoform": laplace_core.__version__}
 
 
-def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: DataPlan,
+def _run_model(cfg: RunConfig, spec: ModelSpec, store: RunStore, plan: DataPlan,
                ensure_ray: Callable[[], None]) -> dict[str, Any]:
-    """All stages for one model; returns the run summary (also written as run.json)."""
+    """All stages for one model under ``store``'s output; returns the run summary (also written as run.json)."""
     t_start = time.perf_counter()
-    model_run = ModelRun(cfg, spec, output, plan, ensure_ray)
+    model_run = ModelRun(cfg, spec, store, plan, ensure_ray)
     stages = model_run.run_all()
-    summary = _summary(cfg, model_run.spec, model_run.model_info, model_run.data_info, model_run.results, output)
+    summary = _summary(cfg, model_run.spec, model_run.model_info, model_run.data_info, model_run.results, store)
     summary["timings"]["total_this_run"] = time.perf_counter() - t_start
     summary["reused"] = model_run.reuse.reused  # stage -> the earlier run it was read from (pipelines.cli.reuse)
     for line in skipped_lines(summary["skipped_images"]):
@@ -71,13 +72,13 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, output: str, plan: DataPlan,
         if cfg.schedule.history:  # one row per method in <history>/history.parquet, before the report's trend
             from pipelines.report.history import append_run
 
-            append_run(cfg.schedule.history, summary, model_run.splits, model_run.store, log=log)
+            append_run(cfg.schedule.history, summary, model_run.splits, model_run.store.options, log=log)
         model_run.report(stages.evaluate, summary)
-    storage.write_json_atomic(layout.run_json_uri(output), _stable_run_json(summary), model_run.store)
+    store.write_json_atomic(store.run_json_uri(), _stable_run_json(summary))
     return summary
 
 
-def _inf_clipping(posteriors: dict[str, Any], chosen: dict[str, Any], ep: storage.Store = None) -> dict[str, Any] | None:
+def _inf_clipping(posteriors: dict[str, Any], chosen: dict[str, Any], store: RunStore) -> dict[str, Any] | None:
     """INF's clipped ``D`` entries and diagonal error at the chosen ``(N, τ)`` (None without both)."""
     uri, c = (posteriors.get("inf") or {}).get("uri"), chosen.get("inf")
     if not uri or not c:
@@ -85,7 +86,7 @@ def _inf_clipping(posteriors: dict[str, Any], chosen: dict[str, Any], ep: storag
     from pipelines.passes.posterior import inf_clipping_at
 
     try:
-        return inf_clipping_at(uri, 10.0 ** c["log10_n"], 10.0 ** c["log10_tau"], ep)
+        return inf_clipping_at(uri, 10.0 ** c["log10_n"], 10.0 ** c["log10_tau"], store)
     except Exception as e:  # a report detail: never fail the run over it
         log(f"INF clipping at the chosen (N, tau) not computed: {type(e).__name__}: {e}")
         return None
@@ -101,7 +102,7 @@ def _temperature(fit: dict[str, Any] | None) -> dict[str, Any] | None:
     return {k: fit.get(k) for k in ("temperature", "temperature_fit", "fallback", "count")}
 
 
-def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: dict[str, Any], output: str):
+def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: dict[str, Any], store: RunStore):
     curv = results.get("curvature") or {}
     post = results.get("posterior") or {}
     srch = results.get("search") or {}
@@ -115,7 +116,7 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
               for m, c_ in (srch.get("chosen") or {}).items() if c_}
     if (posteriors.get("inf") or {}).get("uri") and chosen.get("inf"):
         log("summary: INF's clipped D entries at the chosen (N, tau) (loads the INF posterior)")
-    inf_clip = _inf_clipping(posteriors, chosen, cfg.storage_options())
+    inf_clip = _inf_clipping(posteriors, chosen, store)
     return {
         "title": f"infoform report: {spec.name}" + (" (demo)" if cfg.data.demo else ""),
         "run_id": fingerprint(to_dict(cfg))[:8],
@@ -144,7 +145,7 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
         "temperature": _temperature(srch.get("temperature")),
         "evaluate": {"device": evl.get("device")},
         "results": evl.get("methods"),
-        "output": output,
+        "output": store.output,
     }
 
 
@@ -221,6 +222,29 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
     """
     cfg.validate()
     forget_placement()
+    from pipelines.distributed.cluster import resolve_output
+
+    # Ray workers do not share the driver's working directory: an absolute path, outside a
+    # `ray job submit --working-dir` copy (pipelines.distributed.cluster.resolve_output)
+    output = resolve_output(cfg.output)
+    if output != cfg.output:
+        cfg = dataclasses.replace(cfg, output=output)
+    cfg = absolute_inputs(cfg)
+    plan = config_plan(cfg, output)
+    ensure_ray = _ray_starter(cfg, init_ray)
+    store = RunStore.open(output, cfg.storage_options())  # the run's one store, handed to every stage and worker
+    store.write_json_atomic(store.config_uri(), to_dict(cfg))
+    models = cfg.all_models()
+    if len(models) == 1:
+        summary = _run_model(cfg, models[0], store, plan, ensure_ray)
+        report = layout.report_uris(output)["html"]
+        return RunResult(output=output, report_path=report, summary=summary)
+    return _run_audit(cfg, models, store, plan, ensure_ray)
+
+
+def _ray_starter(cfg: RunConfig, init_ray: Callable[[], None] | None) -> Callable[[], None]:
+    """``ensure_ray()``: connects to (or starts) Ray on its first call and says the cluster's
+    shape, checking the local paths against it; later calls do nothing."""
     started = []
 
     def ensure_ray() -> None:
@@ -243,49 +267,40 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
              f"({shape.driver_node_cpus:g} CPUs beside the driver)")
         check_paths(cfg, shape)  # local paths on several nodes: one line, before any pass
 
-    from pipelines.distributed.cluster import resolve_output
+    return ensure_ray
 
-    # Ray workers do not share the driver's working directory: an absolute path, outside a
-    # `ray job submit --working-dir` copy (pipelines.distributed.cluster.resolve_output)
-    output = resolve_output(cfg.output)
-    if output != cfg.output:
-        cfg = dataclasses.replace(cfg, output=output)
-    cfg = absolute_inputs(cfg)
-    plan = config_plan(cfg, output)
-    storage.write_json_atomic(layout.config_uri(output), to_dict(cfg), cfg.storage_options())
-    models = cfg.all_models()
-    if len(models) == 1:
-        summary = _run_model(cfg, models[0], output, plan, ensure_ray)
-        report = layout.report_uris(output)["html"]
-        return RunResult(output=output, report_path=report, summary=summary)
+
+def _run_audit(cfg: RunConfig, models, store: RunStore, plan: DataPlan, ensure_ray: Callable[[], None]) -> RunResult:
+    """Every model under ``models/<name>/`` (:meth:`RunStore.for_model`), then the comparison
+    report and the top-level run.json listing the models."""
     from pipelines.report.load import load_eval_metrics
     from pipelines.report.write import write_audit_report
 
-    ep = cfg.storage_options()
     per_model, tables, listing = {}, {}, {}
     for spec in models:
-        sub = layout.model_dir(output, spec.name)
-        log(f"audit: model {spec.name} -> {sub}")
+        sub = store.for_model(spec.name)
+        log(f"audit: model {spec.name} -> {sub.output}")
         summary = _run_model(cfg, spec, sub, plan, ensure_ray)
         listing[spec.name] = {k: summary.get(k) for k in ("output", "model", "results", "posterior_sizes", "chosen")}
         if summary.get("results") is None:  # evaluate not run (--stages): nothing to compare for this model
             continue
-        per_model[spec.name] = (summary, load_eval_metrics(sub, ep))
-        tables[spec.name] = read_search((summary.get("reused") or {}).get("search", sub), ep)
+        per_model[spec.name] = (summary, load_eval_metrics(sub))
+        reused = (summary.get("reused") or {}).get("search")  # a scheduled audit's origin (pipelines.cli.reuse)
+        tables[spec.name] = read_search(sub.at(reused) if reused else sub)
     audit = {"preset": cfg.preset, "config": to_dict(cfg), "models": listing, "report": None}
     paths = {}
     if per_model:
         from pipelines.report.history import audit_trends
 
-        paths = write_audit_report(output, per_model, search_tables=tables, endpoint_url=ep,
-                                   model_figures=audit_trends(output, list(per_model), ep))  # scheduled audits
+        paths = write_audit_report(store, per_model, search_tables=tables,
+                                   model_figures=audit_trends(store.output, list(per_model), store.options))
         audit["report"] = {"html": paths["html"], "md": paths["md"]}
         audit["figures"] = {k: v for k, v in paths.items() if k not in ("html", "md")}
     else:
         log("audit: no model has evaluation results yet; no comparison report written")
-    storage.write_json_atomic(layout.run_json_uri(output), audit, ep)
+    store.write_json_atomic(store.run_json_uri(), audit)
     # without a comparison (no model evaluated yet) the run.json listing is what there is to show
-    return RunResult(output=output, report_path=paths.get("html", layout.run_json_uri(output)), summary=audit)
+    return RunResult(output=store.output, report_path=paths.get("html", store.run_json_uri()), summary=audit)
 
 
 if __name__ == "__main__":  # pragma: no cover

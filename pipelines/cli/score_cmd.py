@@ -47,7 +47,7 @@ def add_score_parser(sub: argparse._SubParsersAction, init_ray: Callable[[str | 
     p.set_defaults(func=lambda a: cmd_score(a, init_ray))
 
 
-def resolve_data(info: Any, data: str, ep: Any) -> tuple[Any, Any]:
+def resolve_data(info: Any, data: str) -> tuple[Any, Any]:
     """``(index, data config)`` of ``--data``: one of the run's splits, or the images under a URI
     decoded with the run's transforms (scanned on the driver; unlabeled)."""
     from pipelines.ingest.scan import scan
@@ -57,7 +57,7 @@ def resolve_data(info: Any, data: str, ep: Any) -> tuple[Any, Any]:
         if name not in RUN_SPLITS:
             raise ValueError(f"--data {data!r}: valid run splits are {', '.join('run:' + s for s in RUN_SPLITS)}")
         return info.split(name)
-    dcfg = info.data_config(data, ep)
+    dcfg = info.data_config(data)
     return scan(dcfg), dcfg
 
 
@@ -74,19 +74,20 @@ def _settings(args: argparse.Namespace, info: Any):
 
 
 def _prepare(args: argparse.Namespace):
-    """Every check before the cluster: ``(info, settings, index, data config, store)``."""
+    """Every check before the cluster: ``(info, settings, index, data config)``; the run's store
+    (:class:`pipelines.storage.store.RunStore`, built here once) travels in ``info.store``."""
     from pipelines.serve.run_loader import read_run
     from pipelines.serve.score import plan_blocks
+    from pipelines.storage.store import RunStore
     from pipelines.storage.uris import StorageOptions
 
-    ep = StorageOptions(args.endpoint_url).resolved()
-    info = read_run(args.run, ep, args.model_name)
+    info = read_run(RunStore.open(args.run, StorageOptions(args.endpoint_url)), args.model_name)
     s = _settings(args, info)
     if args.flag_at is not None and not (args.flag_at == args.flag_at):
         raise ValueError("--flag-at must be a number")
-    index, dcfg = resolve_data(info, args.data, ep)
-    plan_blocks(info, index, args.output, s, args.flag_at, ep, check_only=True)
-    return info, s, index, dcfg, ep
+    index, dcfg = resolve_data(info, args.data)
+    plan_blocks(info, index, args.output, s, args.flag_at, check_only=True)
+    return info, s, index, dcfg
 
 
 def cmd_score(args: argparse.Namespace, init_ray: Callable[[str | None], None], prog: str = "infoform score") -> int:
@@ -94,7 +95,7 @@ def cmd_score(args: argparse.Namespace, init_ray: Callable[[str | None], None], 
     from pipelines.errors import StageError
 
     try:
-        info, s, index, dcfg, ep = _prepare(args)
+        info, s, index, dcfg = _prepare(args)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
@@ -115,8 +116,8 @@ def cmd_score(args: argparse.Namespace, init_ray: Callable[[str | None], None], 
     try:
         threshold = args.flag_at
         if threshold is None:
-            threshold = flag_threshold(info, s, ep)["entropy"]
-        res = score_index(info, index, dcfg, args.output, s, threshold, ep)
+            threshold = flag_threshold(info, s)["entropy"]
+        res = score_index(info, index, dcfg, args.output, s, threshold)
     except StageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 1

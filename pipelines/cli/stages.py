@@ -14,8 +14,7 @@ import time
 from typing import Any, Callable
 
 from pipelines.config.schema import RunConfig
-from pipelines.storage import uris as storage
-from pipelines.storage.layout import stage_marker_uri
+from pipelines.storage.store import RunStore
 
 __all__ = ["log", "fingerprint", "Stages"]
 
@@ -31,26 +30,26 @@ def fingerprint(obj: Any) -> str:
 
 
 class Stages:
-    """Run-or-skip bookkeeping for one output folder; ``results`` holds each stage's summary."""
+    """Run-or-skip bookkeeping for one output folder (``store``'s); ``results`` holds each stage's summary."""
 
-    def __init__(self, cfg: RunConfig, output: str, ensure_ray: Callable[[], None]):
+    def __init__(self, cfg: RunConfig, store: RunStore, ensure_ray: Callable[[], None]):
         self.cfg = cfg
-        self.output = output
-        self.ep = cfg.storage_options()
+        self.output = store.output
+        self.store = store
         self.ensure_ray = ensure_ray
         self.results: dict[str, Any] = {}
 
     def run(self, stage: str, fp_obj: Any, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
-        uri = stage_marker_uri(self.output, stage)
+        uri = self.store.stage_marker_uri(stage)
         fp = fingerprint(fp_obj)
         if stage not in self.cfg.stages:
-            if storage.exists(uri, self.ep):
-                self.results[stage] = storage.read_json(uri, self.ep)["summary"]
+            if self.store.exists(uri):
+                self.results[stage] = self.store.read_json(uri)["summary"]
                 return self.results[stage]
             log(f"stage {stage}: not requested (--stages) and no earlier result")
             return None
-        if storage.exists(uri, self.ep) and stage not in self.cfg.force:
-            marker = storage.read_json(uri, self.ep)
+        if self.store.exists(uri) and stage not in self.cfg.force:
+            marker = self.store.read_json(uri)
             if marker.get("fingerprint") != fp:
                 raise ValueError(
                     f"{self.output} already holds a {stage} result made with other settings; "
@@ -64,7 +63,7 @@ class Stages:
         t0 = time.perf_counter()
         summary = fn()
         summary = {**summary, "seconds": time.perf_counter() - t0}
-        storage.write_json_atomic(uri, {"stage": stage, "fingerprint": fp, "summary": summary}, self.ep)
+        self.store.write_json_atomic(uri, {"stage": stage, "fingerprint": fp, "summary": summary})
         log(f"stage {stage}: finished in {summary['seconds']:.1f} s")
         self.results[stage] = summary
         return summary

@@ -21,6 +21,7 @@ from laplace_core.io import load_tensors, save_tensors
 
 from pipelines.distributed.progress import say
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = ["MANIFEST", "list_checkpoints", "load_checkpoint", "save_checkpoint", "tensor_bytes"]
 
@@ -32,21 +33,21 @@ def tensor_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     return int(sum(t.numel() * t.element_size() for t in tensors.values()))
 
 
-def list_checkpoints(base: str, fingerprint: str, store: storage.Store = None, fmt: str | None = None,
+def list_checkpoints(base: str, fingerprint: str, store: RunStore = RunStore(), fmt: str | None = None,
                      tag: str = "curvature") -> list[tuple[str, dict[str, Any]]]:
     """``(uri, meta)`` of every committed checkpoint under ``base`` with ``fingerprint`` (and
     format ``fmt`` when given), most finished partitions first. A manifest that cannot be read
     is reported in one line and skipped."""
     found = []
-    for name in storage.listdir(base, store):
+    for name in store.listdir(base):
         if not name.startswith("ckpt-") or not name[5:].isdigit():
             continue
         uri = storage.join(base, name)
         man = storage.join(uri, MANIFEST)
-        if not storage.exists(man, store):
+        if not store.exists(man):
             continue  # cut short before its commit point
         try:
-            meta = storage.read_json(man, store).get("meta", {})
+            meta = store.read_json(man).get("meta", {})
             done = len(meta["done"]) if fmt is None or meta.get("format") == fmt else -1
         except (ValueError, OSError, KeyError, TypeError, AttributeError) as e:
             say(f"[{tag}] checkpoint {uri} has an unreadable manifest ({type(e).__name__}); not used")
@@ -57,14 +58,14 @@ def list_checkpoints(base: str, fingerprint: str, store: storage.Store = None, f
     return [(uri, meta) for _, _, uri, meta in found]
 
 
-def load_checkpoint(base: str, fingerprint: str, store: storage.Store = None, fmt: str | None = None,
+def load_checkpoint(base: str, fingerprint: str, store: RunStore = RunStore(), fmt: str | None = None,
                     tag: str = "curvature") -> tuple[str, dict[str, Any], dict[str, torch.Tensor]] | None:
     """``(uri, meta, tensors)`` of the most advanced checkpoint that loads and passes its
     SHA-256 check; a corrupt or truncated one is reported in one line and passed over (its
     partitions are computed again). ``None`` when none is usable."""
     for uri, meta in list_checkpoints(base, fingerprint, store, fmt, tag):
         try:
-            tensors, _ = load_tensors(uri, storage.fsspec_options(uri, store))
+            tensors, _ = load_tensors(uri, store.fsspec_options(uri))
             return uri, meta, tensors
         except (ValueError, OSError, KeyError) as e:
             say(f"[{tag}] checkpoint {uri} is unusable ({str(e).splitlines()[0][:200]}); "
@@ -73,13 +74,13 @@ def load_checkpoint(base: str, fingerprint: str, store: storage.Store = None, fm
 
 
 def save_checkpoint(base: str, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
-                    store: storage.Store = None) -> tuple[str, int]:
+                    store: RunStore = RunStore()) -> tuple[str, int]:
     """Commit ``ckpt-<len(meta['done'])>`` under ``base``, then remove every other checkpoint
     there. Returns ``(uri, bytes of tensor data written)``."""
     name = f"ckpt-{len(meta['done']):06d}"
     uri = storage.join(base, name)
-    save_tensors(uri, tensors, dict(meta), storage.fsspec_options(uri, store))
-    for other in storage.listdir(base, store):  # the older ones, now that this one is committed
+    save_tensors(uri, tensors, dict(meta), store.fsspec_options(uri))
+    for other in store.listdir(base):  # the older ones, now that this one is committed
         if other.startswith("ckpt-") and other != name:
-            storage.remove(storage.join(base, other), recursive=True, endpoint_url=store)
+            store.remove(storage.join(base, other), recursive=True)
     return uri, tensor_bytes(tensors)

@@ -35,7 +35,6 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from pipelines.storage import uris as storage
 from .checkpoint import load_checkpoint, save_checkpoint
 from .comm import allreduce_sum, broadcast_object, new_comm_record
 from .progress import Progress, say
@@ -290,9 +289,9 @@ class PassRun:
             self.progress(n)
             if (fi is not None and fi.pass_no == pass_no and fi.partition == pid and fi.rank in (None, rank)
                     and counter.batches >= fi.after_batches):
-                if not storage.exists(fi.once_marker, job.store):
-                    storage.write_json_atomic(fi.once_marker, {"pass": pass_no, "partition": pid, "rank": rank,
-                                                               "time": time.time()}, job.store)
+                if not job.store.exists(fi.once_marker):
+                    job.store.write_json_atomic(fi.once_marker, {"pass": pass_no, "partition": pid, "rank": rank,
+                                                                 "time": time.time()})
                     say(f"[{self.kind.tag}] fault injection: rank {rank} exits in pass {pass_no} partition {pid}")
                     os._exit(1)
 
@@ -300,8 +299,6 @@ class PassRun:
     def run(self, every_s: float | None) -> PassResult:
         """Compute every unfinished partition, reducing and checkpointing every ``every_s``
         seconds (``0``: after each partition; ``None``: only at the end)."""
-        import torch.distributed as dist
-
         self.start()
         k, rec, rank = self.kind, self.rec, self.rank
         t_pass = time.perf_counter()
@@ -321,38 +318,11 @@ class PassRun:
         local = [0] * len(k.count_names)
         last = time.perf_counter()
         for i, pid in enumerate(self.todo):
-            counter, pre = self.opened.pop(pid)
-            counters[pid] = counter
-            t0 = time.perf_counter()
-            first, batches = pre.get()
-            blocked = time.perf_counter() - t0
-            counter.wait_s += blocked - (counter.first_wait_s or 0.0)  # what the loop waited, not the thread
-            counter.first_wait_s = blocked
-            if i + 1 < len(self.todo):  # the next partition's pipeline starts while this one computes
-                self._open(self.todo[i + 1])
-            if first is not None:
-                def chain(first=first, batches=batches):
-                    yield first
-                    yield from batches
-
-                local = [a + int(b) for a, b in zip(local, k.collect(state, chain()))]
-            rec["compute_s"] += time.perf_counter() - t0 - counter.wait_s
-            rec["data_wait_s"] += counter.wait_s
-            rec["data_start_s"] += counter.first_wait_s or 0.0
+            counters[pid], counts = self._compute(i, pid, state)
+            local = [a + int(b) for a, b in zip(local, counts)]
             seg.append(pid)
             final = i == len(self.todo) - 1
-            if final:
-                due = True
-            elif every_s is None:
-                due = False
-            elif every_s <= 0:
-                due = True
-            else:  # one decision for every rank
-                flag = torch.tensor([float(time.perf_counter() - last >= every_s)], device=self.device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                rec["control_allreduce_calls"] += 1
-                due = bool(flag.item())
-            if not due:
+            if not self._due(final, every_s, last):
                 continue
             flat = self._reduce(state, seg, counters, local, keep=final)
             if rank == 0 and (not final or k.final_checkpoint):
@@ -367,6 +337,45 @@ class PassRun:
         t = self.totals
         return PassResult(state=state, counts=dict(t.counts), rows=sum(t.rows.values()),
                           invalid=sum(t.invalid.values()), skipped=t.skipped, record=rec)
+
+    def _compute(self, i: int, pid: int, state) -> tuple["_Counter", Sequence[int]]:
+        """Collect partition ``pid`` (the ``i``-th to compute) into ``state``, the next one's data
+        pipeline opened meanwhile; returns its counter and the counts it added (zeros without data)."""
+        k, rec = self.kind, self.rec
+        counter, pre = self.opened.pop(pid)
+        t0 = time.perf_counter()
+        first, batches = pre.get()
+        blocked = time.perf_counter() - t0
+        counter.wait_s += blocked - (counter.first_wait_s or 0.0)  # what the loop waited, not the thread
+        counter.first_wait_s = blocked
+        if i + 1 < len(self.todo):  # the next partition's pipeline starts while this one computes
+            self._open(self.todo[i + 1])
+        counts: Sequence[int] = [0] * len(k.count_names)
+        if first is not None:
+            def chain(first=first, batches=batches):
+                yield first
+                yield from batches
+
+            counts = k.collect(state, chain())
+        rec["compute_s"] += time.perf_counter() - t0 - counter.wait_s
+        rec["data_wait_s"] += counter.wait_s
+        rec["data_start_s"] += counter.first_wait_s or 0.0
+        return counter, counts
+
+    def _due(self, final: bool, every_s: float | None, last: float) -> bool:
+        """Whether to reduce (and checkpoint) now: after the last partition, after each with
+        ``every_s <= 0``, never before the end with ``None``; else once ``every_s`` seconds passed
+        since ``last`` on any rank (one all-reduced decision for every rank)."""
+        import torch.distributed as dist
+
+        if final or (every_s is not None and every_s <= 0):
+            return True
+        if every_s is None:
+            return False
+        flag = torch.tensor([float(time.perf_counter() - last >= every_s)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.rec["control_allreduce_calls"] += 1
+        return bool(flag.item())
 
     def _reduce(self, state, seg: list[int], counters: dict, local: list[int], keep: bool):
         """SUM-all-reduce the states (every rank then holds the running sum), the counts, rows and

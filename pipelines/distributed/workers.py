@@ -2,8 +2,8 @@
 the ``TorchTrainer`` factory (lossless data split, gloo or NCCL, ``FailureConfig``), the
 worker set-up, the partition bookkeeping on the driver, and the test-only fault injection.
 
-Nothing here sets ``os.environ``: the store settings (:class:`pipelines.storage.uris.StorageOptions`)
-travel inside :class:`Job` and are passed explicitly to every read and write.
+Nothing here sets ``os.environ``: the run's store (:class:`pipelines.storage.store.RunStore`: the
+output and the resolved storage options) travels inside :class:`Job` and does every read and write.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from pipelines.config import schema
 from pipelines.distributed.cluster import train_log_level
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = ["DTYPES", "FaultInjection", "ModelRef", "Job", "model_ref", "make_trainer", "lossless_data_config",
            "gpu_shortfall", "worker_setup", "index_partitions", "partition_dataset", "path_keys", "fingerprint",
@@ -72,7 +73,7 @@ class Job:
     ``cfg``: the runtime settings (a :class:`pipelines.passes.curvature.CurvatureConfig`: workers,
     batch size, Fisher type, seed, dtypes, bucket size, log interval, fault injection).
     ``passes``: pass name -> the partition ids it covers, in order. ``rows``: expected rows
-    per partition (``None``: unknown). ``store``: the store settings for every artifact.
+    per partition (``None``: unknown). ``store``: the run's store (output and storage options).
     ``extra``: what a pass kind needs beyond that (picklable). ``sources``: an object ref of
     the small dict of :func:`put_sources` (the data config and one object ref per partition and
     rank); each rank then fetches and builds the dataset of its own share of a partition when
@@ -80,8 +81,7 @@ class Job:
 
     model: ModelRef
     cfg: Any
-    output_uri: str
-    store: storage.Store
+    store: RunStore
     passes: dict[str, tuple[int, ...]]
     rows: dict[int, int | None]
     run_id: str
@@ -89,6 +89,11 @@ class Job:
     fingerprint: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     sources: Any = None
+
+    @property
+    def output_uri(self) -> str:
+        """The run's output (the store's)."""
+        return self.store.output
 
 
 def put_sources(by_id: dict, pids, data_config, world: int = 1) -> tuple[Any, dict]:

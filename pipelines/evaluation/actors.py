@@ -25,6 +25,7 @@ from pipelines.errors import StageError, cause_line, is_deterministic
 from pipelines.evaluation.predictors import load_eval_model, load_posteriors
 from pipelines.evaluation.runtime import RuntimeFields
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = ["ActorProgress", "ModelActor", "inject_fault", "actor_options", "wait_for_actors", "round_size",
            "await_round", "run_actors"]
@@ -79,7 +80,7 @@ class ModelActor:
 
     def __init__(self, model: Mapping[str, Any], posterior_uris: Mapping[str, str],
                  hyper: Mapping[str, Sequence[float]] | None, cfg: RuntimeFields,
-                 endpoint_url: storage.Store = None):
+                 store: RunStore = RunStore()):
         # an exception here is kept, not raised: Ray would print its traceback from every
         # actor; the driver asks ``started()`` and reports the first one in one line
         self.cfg = cfg
@@ -87,7 +88,7 @@ class ModelActor:
         self.beats, self.waiting = 0, False  # batches read, and whether it waits for the next: the stall watchdog's view
         self.init_deterministic = False  # a retry would fail the same way (pipelines.errors.DETERMINISTIC)
         try:
-            self._load(model, posterior_uris, hyper, cfg, endpoint_url)
+            self._load(model, posterior_uris, hyper, cfg, store)
         except Exception as e:  # noqa: BLE001 - reported to the driver, which stops the stage
             self.init_error = f"{type(e).__name__}: {e}"
             self.init_deterministic = is_deterministic(e)
@@ -118,16 +119,16 @@ class ModelActor:
             self.beats += 1
             yield item
 
-    def _load(self, model, posterior_uris, hyper, cfg, endpoint_url) -> None:
+    def _load(self, model, posterior_uris, hyper, cfg, store: RunStore) -> None:
         t0 = time.perf_counter()
         torch.set_num_threads(cfg.threads)
         tune_malloc()  # reuse the per-batch buffers instead of page-faulting them in again
         self.model = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device,
-                                     endpoint_url=endpoint_url, precision=cfg.precision)
+                                     store=store, precision=cfg.precision)
         dev = torch.device(cfg.resolved_device)
         # draws happen where the model runs (the posterior's device, laplace_core.predictive.monte_carlo)
         self.posteriors = {m: p if dev.type == "cpu" else p.to(dev)
-                           for m, p in load_posteriors(posterior_uris, hyper, endpoint_url).items()}
+                           for m, p in load_posteriors(posterior_uris, hyper, store).items()}
         self.load_seconds = time.perf_counter() - t0
 
 

@@ -74,9 +74,10 @@ from laplace_core.metrics.suite import MetricSuite
 from pipelines.evaluation.actors import ActorProgress, ModelActor, inject_fault, run_actors
 from pipelines.evaluation.chunks import iter_chunks, valid_batches
 from pipelines.evaluation.predictors import MAP, finite_or_reason, make_predictor, model_ref, predict_chunk_stats
-from pipelines.evaluation.runtime import EvalConfig, eval_uri
+from pipelines.evaluation.runtime import EvalConfig
 from pipelines.evaluation.temperature import TemperaturePredictor
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = [
     "EvalAccumulator",
@@ -231,8 +232,8 @@ class EvalWorker(ModelActor):
 
     def __init__(self, model: Mapping[str, Any], posterior_uris: Mapping[str, str],
                  hyper: Mapping[str, Sequence[float]] | None, cfg: EvalConfig,
-                 endpoint_url: str | None = None, temperature: float | None = None):
-        super().__init__(model, posterior_uris, hyper, cfg, endpoint_url)
+                 store: RunStore = RunStore(), temperature: float | None = None):
+        super().__init__(model, posterior_uris, hyper, cfg, store)
         self.temperature = temperature
 
     def run(self, in_shard: Any, ood_shard: Any = None, actor_index: int = 0) -> dict[str, Any]:
@@ -313,9 +314,8 @@ def evaluate(
     ood_ds: Any | None,
     cfg: EvalConfig = EvalConfig(),
     *,
-    output: str | None = None,
+    store: RunStore = RunStore(),
     hyper: Mapping[str, Sequence[float]] | None = None,
-    endpoint_url: str | None = None,
     temperature: float | None = None,
 ) -> dict[str, dict[str, Any]]:
     """MC evaluation of the MAP baseline and every posterior on Ray actors.
@@ -330,8 +330,9 @@ def evaluate(
     :meth:`EvalAccumulator.compute` plus ``method``, ``status`` ("ok"/"failed"),
     ``reason``, ``pred_type``, ``mc_samples``, ``seed``, ``n_data``, ``prior_precision``,
     ``timing`` (``seconds_sum`` / ``seconds_max`` over actors, ``wall_s``, ``load_s_max``),
-    ``skipped`` / ``ood_skipped`` (invalid images). With ``output``, writes
-    ``<output>/eval/<method>/metrics.json`` and ``accumulators.json`` (atomic).
+    ``skipped`` / ``ood_skipped`` (invalid images). ``store``: the run's store (its storage options
+    read the model and posteriors); with an output, writes ``<output>/eval/<method>/metrics.json``
+    and ``accumulators.json`` (atomic).
     """
     if not isinstance(cfg, EvalConfig):
         raise ValueError(f"cfg must be an EvalConfig, got {type(cfg).__name__}")
@@ -347,13 +348,13 @@ def evaluate(
         raise ValueError(f"{TEMPERATURE!r} has no posterior: pass its fitted T as temperature=")
     methods = [MAP, *uris, *([TEMPERATURE] if temperature is not None else [])]
     t0 = time.perf_counter()
-    results = run_actors(EvalWorker, (ref, uris, dict(hyper) if hyper else None, cfg, endpoint_url, temperature),
+    results = run_actors(EvalWorker, (ref, uris, dict(hyper) if hyper else None, cfg, store, temperature),
                          [in_ds, ood_ds], cfg)
     wall = time.perf_counter() - t0
     merged = merge_worker_results(results, methods, cfg)
     skipped = _merge_skips([r["skipped"] for r in results])
     ood_skipped = _merge_skips([r["ood_skipped"] for r in results])
-    hyper_used = _hyper_of(uris, hyper, endpoint_url)
+    hyper_used = _hyper_of(uris, hyper, store)
     intervals = paired_intervals(merged, cfg)
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
@@ -374,17 +375,16 @@ def evaluate(
                          "load_s_max": max(r["load_seconds"] for r in results), "num_actors": cfg.num_actors}
         res["skipped"], res["ood_skipped"] = skipped, ood_skipped
         out[m] = res
-        if output is not None:
-            d = eval_uri(output, m)
-            storage.write_json_atomic(storage.join(d, "metrics.json"), res, endpoint_url)
+        if store.output is not None:
+            d = store.eval_uri(m)
+            store.write_json_atomic(storage.join(d, "metrics.json"), res)
             if e["accumulator"] is not None:
-                storage.write_json_atomic(storage.join(d, "accumulators.json"), e["accumulator"].to_json(),
-                                          endpoint_url)
+                store.write_json_atomic(storage.join(d, "accumulators.json"), e["accumulator"].to_json())
     return out
 
 
 def _hyper_of(uris: Mapping[str, str], hyper: Mapping[str, Sequence[float]] | None,
-              endpoint_url: str | None = None) -> dict[str, dict[str, Any]]:
+              store: RunStore) -> dict[str, dict[str, Any]]:
     """``method -> {"n_data", "prior_precision", "hyper_source"}`` as evaluated: from ``hyper``
     when given, else from the artifact's manifest (``meta.n_data`` / ``meta.prior_precision``)."""
     from laplace_core.io import MANIFEST_FILE
@@ -395,7 +395,7 @@ def _hyper_of(uris: Mapping[str, str], hyper: Mapping[str, Sequence[float]] | No
             n, t = hyper[m]
             out[m] = {"n_data": float(n), "prior_precision": float(t), "hyper_source": "given"}
         else:
-            meta = storage.read_json(storage.join(uri, MANIFEST_FILE), endpoint_url).get("meta", {})
+            meta = store.read_json(storage.join(uri, MANIFEST_FILE)).get("meta", {})
             out[m] = {"n_data": meta.get("n_data"), "prior_precision": meta.get("prior_precision"),
                       "hyper_source": "artifact"}
     return out

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = [
     "PRED_TYPES",
@@ -93,12 +93,12 @@ def model_ref(spec: Any) -> dict[str, Any]:
 
 
 def load_eval_model(ref: Mapping[str, Any], *, dtype: torch.dtype, device: str,
-                    endpoint_url: str | None = None, precision: str = "fp32") -> nn.Module:
+                    store: RunStore = RunStore(), precision: str = "fp32") -> nn.Module:
     """``load_model(name, weights, num_classes)`` in eval mode, cast to ``dtype``, on ``device``,
     its forward run in ``precision`` (:func:`in_precision`)."""
     from pipelines.ingest.models import load_model
 
-    model = load_model(ref["name"], ref.get("weights"), ref.get("num_classes"), endpoint_url=endpoint_url)
+    model = load_model(ref["name"], ref.get("weights"), ref.get("num_classes"), options=store.options)
     return in_precision(model.to(device=device, dtype=dtype).eval(), precision)
 
 
@@ -132,7 +132,7 @@ def in_precision(model: nn.Module, precision: str) -> nn.Module:
 
 
 def load_posteriors(uris: Mapping[str, str], hyper: Mapping[str, Sequence[float]] | None = None,
-                    endpoint_url: storage.Store = None) -> dict[str, Any]:
+                    store: RunStore = RunStore()) -> dict[str, Any]:
     """``method -> Posterior`` from artifact URIs; ``hyper[method] = (N, τ)`` re-targets a
     posterior with ``laplace_core.posteriors.build.with_hyper`` (no eigendecomposition redone)."""
     from laplace_core.posteriors.structures.base import load_posterior
@@ -142,7 +142,7 @@ def load_posteriors(uris: Mapping[str, str], hyper: Mapping[str, Sequence[float]
     for method, uri in uris.items():
         if method == MAP:
             raise ValueError(f"{MAP!r} is the baseline and always evaluated; do not pass a posterior under that name")
-        post = load_posterior(uri, storage.fsspec_options(uri, endpoint_url))
+        post = load_posterior(uri, store.fsspec_options(uri))
         if hyper and method in hyper and hyper[method] is not None:
             n_data, tau = hyper[method]
             post = with_hyper(post, n_data, tau)

@@ -53,9 +53,9 @@ from pipelines.errors import StageError
 from pipelines.evaluation.chunks import iter_chunks
 from pipelines.evaluation.trials import HyperConfig, SearchAccumulator, sample_configs
 from pipelines.evaluation.predictors import MAP, finite_or_reason, make_predictor, model_ref, predict_chunk
-from pipelines.evaluation.runtime import OBJECTIVES, SearchConfig, eval_uri
-from pipelines.storage import layout
+from pipelines.evaluation.runtime import OBJECTIVES, SearchConfig
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = [
     "TABLE_COLUMNS",
@@ -95,43 +95,50 @@ def search_shard(
     failed: dict[str, dict[int, str]] = {m: {} for m in posteriors}
     seconds: dict[str, dict[int, float]] = {m: {c.config_id: 0.0 for c in by_method[m]} for m in posteriors}
     map_acc = SearchAccumulator.create(cfg)
+    pairs = [(m, c) for m in posteriors for c in by_method[m]]
     n = 0
     with torch.no_grad():
         for chunk in iter_chunks(batches, cfg.batch_size, cfg.batches_per_chunk, dtype=cfg.torch_dtype,
                                  device=cfg.resolved_device):
             n += chunk.count
             y = torch.cat(chunk.ys)
-            p = torch.cat(predict_chunk(model, None, chunk))
-            map_acc = map_acc.update(p, y)
-            for m, post in posteriors.items():
-                for c in by_method[m]:
-                    cid = c.config_id
-                    if cid in failed[m]:
-                        continue
-                    t0 = time.perf_counter()
-                    try:
-                        post_c = with_hyper(post, c.n_data, c.prior_precision)
-                    except ValueError as e:
-                        failed[m][cid] = str(e)
-                        continue
-                    pred = make_predictor(model, post_c, cfg.pred_type, cfg.mc_samples, cfg.seed, 0)
-                    p = torch.cat(predict_chunk(model, pred, chunk))
-                    reason = finite_or_reason(p)
-                    if reason:
-                        failed[m][cid] = reason
-                        continue
-                    try:
-                        acc[m][cid] = acc[m][cid].update(p, y)
-                    except ValueError as e:  # e.g. rows not summing to 1 after overflow
-                        failed[m][cid] = f"invalid predictions: {e}"
-                        continue
-                    seconds[m][cid] += time.perf_counter() - t0
-                    if progress is not None:
-                        progress(0, chunk.count)
+            map_acc = map_acc.update(torch.cat(predict_chunk(model, None, chunk)), y)
+            for m, c in pairs:
+                if c.config_id in failed[m]:
+                    continue
+                t0 = time.perf_counter()
+                updated, reason = _score_config(model, posteriors[m], c, cfg, chunk, y, acc[m][c.config_id])
+                if reason:
+                    failed[m][c.config_id] = reason
+                    continue
+                acc[m][c.config_id] = updated
+                seconds[m][c.config_id] += time.perf_counter() - t0
+                if progress is not None:
+                    progress(0, chunk.count)
     for m in posteriors:
         for cid in failed[m]:
             acc[m].pop(cid, None)
     return {"acc": acc, "map": map_acc, "failed": failed, "seconds": seconds, "examples": n}
+
+
+def _score_config(model: nn.Module, post: Any, c: HyperConfig, cfg: SearchConfig, chunk: Any, y: torch.Tensor,
+                  acc: SearchAccumulator) -> tuple[SearchAccumulator | None, str]:
+    """``(acc updated with one chunk under configuration c, "")``, or ``(None, why it failed)``."""
+    from laplace_core.posteriors.build import with_hyper
+
+    try:
+        post_c = with_hyper(post, c.n_data, c.prior_precision)
+    except ValueError as e:
+        return None, str(e)
+    pred = make_predictor(model, post_c, cfg.pred_type, cfg.mc_samples, cfg.seed, 0)
+    p = torch.cat(predict_chunk(model, pred, chunk))
+    reason = finite_or_reason(p)
+    if reason:
+        return None, reason
+    try:
+        return acc.update(p, y), ""
+    except ValueError as e:  # e.g. rows not summing to 1 after overflow
+        return None, f"invalid predictions: {e}"
 
 
 # --------------------------------------------------------------------------- driver
@@ -220,8 +227,7 @@ def search(
     val_ds: Any,
     cfg: SearchConfig = SearchConfig(),
     *,
-    output: str | None = None,
-    endpoint_url: str | None = None,
+    store: RunStore = RunStore(),
     key: str = "",
 ) -> SearchResult:
     """Search of ``(N, τ)`` per method on ``val_ds`` (Ray Dataset with image/label/path/valid
@@ -229,7 +235,7 @@ def search(
     method (:mod:`pipelines.evaluation.tune`: ``cfg.scheduler``, ``cfg.algorithm``; at most
     ``cfg.num_actors`` trials at once). ``posterior_uris``: ``method -> artifact URI`` (any
     stored ``(N, τ)``; each configuration is applied with ``with_hyper``). Returns a
-    :class:`SearchResult`; with ``output`` keeps the Tune experiments under ``eval/tune/``
+    :class:`SearchResult`; with an output in ``store`` (the run's store) keeps the Tune experiments under ``eval/tune/``
     (a repeated call resumes them; ``key`` names the data, e.g. the split's fingerprint)
     and writes ``<output>/eval/<method>/search.parquet`` and ``search.json``."""
     from pipelines.evaluation import tune as search_tune
@@ -244,37 +250,52 @@ def search(
     chunks, images, skipped = search_tune.chunk_refs(val_ds, cfg)
     if not chunks:
         raise StageError("search: the validation split has no valid image")
-    root = None if output is None else layout.tune_uri(output)
-    kw = dict(storage_root=root, key=key, endpoint_url=endpoint_url)
+    root = None if store.output is None else store.tune_uri()
+    kw = dict(storage_root=root, key=key, store=store)
     if cfg.algorithm == "random":  # one experiment: the MAP reference and every method's grid
         trials = search_tune.run_experiment(ref, uris, chunks, images, cfg, **kw)
     else:  # one TPE sampler per method
         trials = [t for m in uris for t in search_tune.run_experiment(ref, {m: uris[m]}, chunks, images, cfg, **kw)]
-    by_method = {m: [t for t in trials if t["trial"].split(":")[0] == m] for m in uris}
     maps = [t for t in trials if t["trial"].split(":")[0] == search_tune.MAP_TRIAL]
-    map_json = json.loads(maps[0]["acc"]) if maps else search_tune.map_reference(ref, chunks, cfg, endpoint_url)
+    map_json = json.loads(maps[0]["acc"]) if maps else search_tune.map_reference(ref, chunks, cfg, store)
     map_acc = SearchAccumulator.from_json(map_json)
+    rows, chosen, notes = _choose_per_method(trials, list(uris), images, len(chunks), cfg)
+    info = _search_info(cfg, list(uris), rows, images, len(chunks), skipped, time.perf_counter() - t0)
+    result = SearchResult(tuple(rows), chosen, notes, map_acc.compute() if map_acc.count else {}, info)
+    if store.output is not None:
+        _write_search(store, result)
+    return result
+
+
+def _choose_per_method(trials: Sequence[dict[str, Any]], methods: Sequence[str], images: int, n_chunks: int,
+                       cfg: SearchConfig) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, str]]:
+    """``(table rows, chosen configuration per method or None, why none was chosen)`` from the trials."""
     rows: list[dict[str, Any]] = []
     chosen: dict[str, dict[str, Any] | None] = {}
     notes: dict[str, str] = {}
-    for m in uris:
-        mrows = _rows(m, by_method[m], images, len(chunks))
+    for m in methods:
+        mrows = _rows(m, [t for t in trials if t["trial"].split(":")[0] == m], images, n_chunks)
         best, why = choose(mrows, cfg.objective, cfg.accuracy_floor)
         chosen[m] = None if best is None else {k: best[k] for k in (
             "config_id", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece", "accuracy", "brier")}
         if why:
             notes[m] = why
         rows.extend(mrows)
-    wall = time.perf_counter() - t0
+    return rows, chosen, notes
+
+
+def _search_info(cfg: SearchConfig, methods: Sequence[str], rows: Sequence[dict[str, Any]], images: int,
+                 n_chunks: int, skipped: dict[str, Any], wall: float) -> dict[str, Any]:
+    """The search's settings, counts and timings (``SearchResult.info``, ``search.json``)."""
     evaluated = sum(r["images"] for r in rows)
-    info = {
+    return {
         "objective": cfg.objective,
         "accuracy_floor": cfg.accuracy_floor,
         "num_configs": len(sample_configs(cfg)) if cfg.algorithm == "random" else cfg.num_configs,
         "log10_n": list(cfg.log10_n),
         "log10_tau": list(cfg.log10_tau),
         "method_ranges": {m: {"log10_n": list(rn), "log10_tau": list(rt)}
-                          for m, rn, rt in cfg.method_ranges if m in uris and cfg.configs is None},
+                          for m, rn, rt in cfg.method_ranges if m in methods and cfg.configs is None},
         "explicit_configs": cfg.configs is not None,
         "mc_samples": cfg.mc_samples,
         "seed": cfg.seed,
@@ -283,7 +304,7 @@ def search(
         "algorithm": cfg.algorithm,
         "reduction_factor": cfg.reduction_factor,
         "examples": images,
-        "chunks": len(chunks),
+        "chunks": n_chunks,
         "skipped": skipped["count"],
         "skipped_examples": skipped["examples"][:3],
         "images_evaluated": evaluated,
@@ -291,16 +312,16 @@ def search(
         "image_samples_full": len(rows) * images * cfg.mc_samples,
         "wall_s": wall,
         "num_actors": cfg.num_actors,
-        "failed": {m: sum(1 for r in rows if r["method"] == m and r["status"] == "failed") for m in uris},
-        "stopped": {m: sum(1 for r in rows if r["method"] == m and r["status"] == "stopped") for m in uris},
+        "failed": {m: sum(1 for r in rows if r["method"] == m and r["status"] == "failed") for m in methods},
+        "stopped": {m: sum(1 for r in rows if r["method"] == m and r["status"] == "stopped") for m in methods},
     }
-    result = SearchResult(tuple(rows), chosen, notes, map_acc.compute() if map_acc.count else {}, info)
-    if output is not None:
-        for m in uris:
-            d = eval_uri(output, m)
-            storage.write_bytes_atomic(storage.join(d, "search.parquet"), _parquet_bytes(result.table(m)),
-                                       endpoint_url)
-            storage.write_json_atomic(storage.join(d, "search.json"),
-                                      {"method": m, "chosen": chosen[m], "note": notes.get(m, ""),
-                                       "map_validation": result.map, **info}, endpoint_url)
-    return result
+
+
+def _write_search(store: RunStore, result: SearchResult) -> None:
+    """``eval/<method>/search.parquet`` and ``search.json`` of every method, under the store's output."""
+    for m, chosen in result.chosen.items():
+        d = store.eval_uri(m)
+        store.write_bytes_atomic(storage.join(d, "search.parquet"), _parquet_bytes(result.table(m)))
+        store.write_json_atomic(storage.join(d, "search.json"),
+                                {"method": m, "chosen": chosen, "note": result.notes.get(m, ""),
+                                 "map_validation": result.map, **result.info})

@@ -34,6 +34,7 @@ from pipelines.evaluation.evaluate import EvalWorker, evaluate_shard, merge_work
 from pipelines.evaluation.predictors import MAP, model_ref
 from pipelines.evaluation.runtime import EvalConfig, eval_uri
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = ["SHIFT_METRICS", "ShiftWorker", "evaluate_shift", "shift_means", "shift_file"]
 
@@ -88,14 +89,13 @@ def evaluate_shift(
     corruptions: Sequence[str],
     severities: Sequence[int],
     *,
-    output: str | None = None,
+    store: RunStore = RunStore(),
     hyper: Mapping[str, Sequence[float]] | None = None,
     temperature: float | None = None,
-    endpoint_url: str | None = None,
 ) -> dict[str, dict[str, Any]]:
     """The sweep (module docstring): ``test_source`` (a ``DatasetIndex`` of the test split)
     decoded with ``data_cfg`` under each ``(corruption, severity)``; returns ``method ->``
-    the ``shift.json`` document, written under ``output`` when given."""
+    the ``shift.json`` document, written under the store's output when it has one."""
     from laplace_core.posteriors.methods import TEMPERATURE
     from pipelines.ingest.batches import build_dataset
     from pipelines.ingest.corruptions import check_corruption
@@ -109,7 +109,7 @@ def evaluate_shift(
     t0 = time.perf_counter()
     datasets = [build_dataset(test_source, data_cfg, corruption=(c, s, cfg.seed)) for c, s in pairs]
     results = run_actors(ShiftWorker, (model_ref(model_spec), uris, dict(hyper) if hyper else None, cfg,
-                                       endpoint_url, temperature), datasets, cfg)
+                                       store, temperature), datasets, cfg)
     per: dict[str, dict[str, dict[str, Any]]] = {}
     cells = []
     for j, (c, s) in enumerate(pairs):
@@ -133,6 +133,6 @@ def evaluate_shift(
                "ece_variant": f"ece_{cfg.ece_mode}_{cfg.ece_bins}", "seed": cfg.seed,
                "metrics": metrics, "mean": shift_means(metrics, severities), "intervals": intervals.get(m)}
         out[m] = doc
-        if output is not None:
-            storage.write_json_atomic(shift_file(output, m), doc, endpoint_url)
+        if store.output is not None:
+            store.write_json_atomic(shift_file(store.output, m), doc)
     return out

@@ -40,6 +40,7 @@ from pipelines.evaluation.chunks import iter_chunks, valid_batches
 from pipelines.evaluation.predictors import model_ref
 from pipelines.evaluation.runtime import RuntimeFields, eval_uri
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = ["T_BOUNDS", "temperature_nll", "fit_temperature", "with_fallback", "TemperaturePredictor", "LogitsWorker",
            "map_logits", "fit_temperature_run", "temperature_file", "load_temperature"]
@@ -191,8 +192,8 @@ def map_logits(model: nn.Module, batches: Any, cfg: RuntimeFields, progress=None
 class LogitsWorker(ModelActor):
     """Ray actor: the MAP logits of one ``streaming_split`` shard (no posteriors)."""
 
-    def __init__(self, model: Mapping[str, Any], cfg: RuntimeFields, endpoint_url: storage.Store = None):
-        super().__init__(model, {}, None, cfg, endpoint_url)
+    def __init__(self, model: Mapping[str, Any], cfg: RuntimeFields, store: RunStore = RunStore()):
+        super().__init__(model, {}, None, cfg, store)
 
     def run(self, shard: Any, actor_index: int = 0) -> dict[str, Any]:
         if self.init_error is not None:
@@ -209,14 +210,14 @@ def temperature_file(output: str) -> str:
     return storage.join(eval_uri(output, TEMPERATURE), "temperature.json")
 
 
-def fit_temperature_run(model_spec: Any, val_ds: Any, cfg: RuntimeFields, *, output: str | None = None,
-                        endpoint_url: str | None = None) -> dict[str, Any]:
+def fit_temperature_run(model_spec: Any, val_ds: Any, cfg: RuntimeFields, *,
+                        store: RunStore = RunStore()) -> dict[str, Any]:
     """Fit ``T`` on ``val_ds`` (the search split, a Ray Dataset of
     :func:`pipelines.ingest.batches.build_dataset`): MAP logits on ``cfg.num_actors`` actors,
     :func:`fit_temperature` on the driver. Returns the fit plus ``num_stored`` (1),
-    ``skipped``, ``wall_s``; with ``output`` also writes :func:`temperature_file`."""
+    ``skipped``, ``wall_s``; with the store's output also writes :func:`temperature_file`."""
     t0 = time.perf_counter()
-    results = run_actors(LogitsWorker, (model_ref(model_spec), cfg, endpoint_url), [val_ds], cfg)
+    results = run_actors(LogitsWorker, (model_ref(model_spec), cfg, store), [val_ds], cfg)
     parts = [r for r in results if len(r["labels"])]
     if not parts:
         raise ValueError("temperature scaling: the search split has no valid image to fit T on")
@@ -225,11 +226,11 @@ def fit_temperature_run(model_spec: Any, val_ds: Any, cfg: RuntimeFields, *, out
     fit = with_fallback(fit_temperature(z, y))
     fit.update(method=TEMPERATURE, split="search", num_stored=method_info(TEMPERATURE).num_stored,
                skipped=sum(r["skipped"] for r in results), wall_s=time.perf_counter() - t0)
-    if output is not None:
-        storage.write_json_atomic(temperature_file(output), fit, endpoint_url)
+    if store.output is not None:
+        store.write_json_atomic(temperature_file(store.output), fit)
     return fit
 
 
-def load_temperature(output: str, endpoint_url: str | None = None) -> float:
+def load_temperature(store: RunStore) -> float:
     """The fitted ``T`` of a run (:func:`temperature_file`)."""
-    return float(storage.read_json(temperature_file(output), endpoint_url)["temperature"])
+    return float(store.read_json(temperature_file(store.output))["temperature"])

@@ -54,6 +54,7 @@ from pipelines.evaluation.chunks import Chunk, iter_chunks, valid_batches
 from pipelines.evaluation.runtime import SearchConfig
 from pipelines.evaluation.search_progress import SearchProgress
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 #: The ``trial`` name of the MAP reference (``"map:0"``).
 MAP_TRIAL = "map"
@@ -109,11 +110,11 @@ class SearchTrainable(tune.Trainable):
     ``sample_configs``; ``"map:0"`` scores the MAP reference) or ``{"log10_n": a, "log10_tau":
     b}`` (tpe, for ``method``). Set up through ``tune.with_parameters`` with ``model`` (model
     ref), ``uris`` (``method -> posterior URI``: every posterior is loaded once), ``method``
-    (tpe's), ``cfg``, ``chunks`` (object refs of :func:`chunk_refs`), ``endpoint_url``. Each result: ``objective`` (running NLL or
+    (tpe's), ``cfg``, ``chunks`` (object refs of :func:`chunk_refs`), ``store`` (the run's). Each result: ``objective`` (running NLL or
     ECE; ``inf`` once failed), ``images`` (scored so far), ``acc`` (accumulators as JSON),
     ``status`` / ``reason``, ``seconds``, ``done`` after the last chunk or a failure."""
 
-    def setup(self, config, model=None, uris=None, method=None, cfg=None, chunks=None, endpoint_url=None):
+    def setup(self, config, model=None, uris=None, method=None, cfg=None, chunks=None, store=None):
         self.cfg, self.default_method, self.chunks = cfg, method, list(chunks)
         from pipelines.distributed.cluster import verbose
 
@@ -123,7 +124,7 @@ class SearchTrainable(tune.Trainable):
         self.error = ""  # a deterministic error: reported as the trial's result, not raised (Tune would retry)
         self.k = self.images = 0
         self.seconds = 0.0
-        self.actor = ModelActor(model, dict(uris), None, cfg, endpoint_url)
+        self.actor = ModelActor(model, dict(uris), None, cfg, store)
         if self.actor.init_error is not None:
             if not self.actor.init_deterministic:  # e.g. the store did not answer: Tune retries the trial
                 raise StageError(f"search actor could not start: {self.actor.init_error}")
@@ -240,13 +241,13 @@ def experiment_key(cfg: SearchConfig, methods: Sequence[str], images: int, extra
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def _filesystem(uri: str, endpoint_url: storage.Store):
+def _filesystem(uri: str, store: RunStore):
     """``(pyarrow filesystem or None, path)`` for Tune's ``storage_path``."""
     if not storage.is_remote(uri):
         return None, os.path.abspath(uri)
     from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-    fs, path = storage.get_fs(uri, endpoint_url)
+    fs, path = store.fs(uri)
     return PyFileSystem(FSSpecHandler(fs)), path
 
 
@@ -304,7 +305,7 @@ def _fit_from(tuner: Any, where: str) -> Any:
 
 def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Sequence[Any], images: int,
                    cfg: SearchConfig, *, storage_root: str | None = None, key: str = "",
-                   endpoint_url: storage.Store = None) -> list[dict[str, Any]]:
+                   store: RunStore = RunStore()) -> list[dict[str, Any]]:
     """Run (or restore) one Tune experiment over the methods of ``uris`` (random: all of them
     and the MAP reference; tpe: exactly one method); returns one dict per trial: ``trial``
     (``"<method>:<i>"``, or ``"<method>:tpe"``), ``trial_id``, ``timestamp`` (of its last
@@ -316,19 +317,19 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
     tmp = None
     if storage_root is None:
         storage_root = tmp = tempfile.mkdtemp(prefix="tune-")
-    fs, path = _filesystem(storage_root, endpoint_url)
+    fs, path = _filesystem(storage_root, store)
     name = f"{'+'.join(methods)}-{experiment_key(cfg, methods, images, key)}"
     trainable = tune.with_resources(
         tune.with_parameters(SearchTrainable, model=dict(model), uris=dict(uris), method=methods[0], cfg=cfg,
-                             chunks=list(chunks), endpoint_url=endpoint_url),
+                             chunks=list(chunks), store=store),
         {"cpu": cfg.cpus_per_actor, "gpu": cfg.gpus_per_actor})
     space, alg, num_samples, scheduler, concurrent = _space_and_search(cfg, methods, max(1, len(chunks)))
     exp = f"{path.rstrip('/')}/{name}"
     done_uri = None if tmp is not None else storage.join(storage_root, name, DONE_FILE)
-    if done_uri is not None and storage.exists(done_uri, endpoint_url):  # finished before: nothing runs
+    if done_uri is not None and store.exists(done_uri):  # finished before: nothing runs
         print(f"[search] the Tune experiment at {storage.join(storage_root, name)} is finished; its results are reused",
               flush=True)
-        return json.loads(storage.read_bytes(done_uri, endpoint_url))["trials"]
+        return json.loads(store.read_bytes(done_uri))["trials"]
     _no_credentials_in_runtime_envs()
     try:
         if tune.Tuner.can_restore(exp, storage_filesystem=fs):
@@ -349,7 +350,7 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
         errors = [(r.config, r.metrics["error"]) for r in grid if r.metrics and r.metrics.get("error")]
         if errors:  # deterministic: not retried, and no experiment is left to resume into the same error
             if tmp is None:
-                storage.remove(storage.join(storage_root, name), recursive=True, endpoint_url=endpoint_url)
+                store.remove(storage.join(storage_root, name), recursive=True)
             raise StageError(f"search trial {errors[0][0]} failed: {errors[0][1]} (not retried: it would fail "
                              "the same way again)")
         out = []
@@ -362,7 +363,7 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
                         **{k: r.metrics[k] for k in ("objective", "images", "chunks", "seconds", "status", "reason",
                                                      "log10_n", "log10_tau", "acc")}})
         if done_uri is not None:  # the commit point of the experiment (Tune would resume paused trials)
-            storage.write_bytes_atomic(done_uri, json.dumps({"trials": out}).encode(), endpoint_url)  # NaN: MAP's N, τ
+            store.write_bytes_atomic(done_uri, json.dumps({"trials": out}).encode())  # NaN: MAP's N, τ
         return out
     finally:
         if tmp is not None:
@@ -397,17 +398,17 @@ def _no_credentials_in_runtime_envs() -> None:
 
 
 def map_reference(model: Mapping[str, Any], chunks: Sequence[Any], cfg: SearchConfig,
-                  endpoint_url: storage.Store = None) -> dict[str, Any]:
+                  store: RunStore = RunStore()) -> dict[str, Any]:
     """The MAP model's accumulators on the search split (JSON), in one Ray task."""
     import ray
 
     @ray.remote(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor)
-    def score(model, chunks, cfg, endpoint_url):
+    def score(model, chunks, cfg, store):
         from pipelines.evaluation.predictors import load_eval_model, predict_chunk
         from pipelines.evaluation.trials import SearchAccumulator
 
         torch.set_num_threads(cfg.threads)
-        net = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device, endpoint_url=endpoint_url,
+        net = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device, store=store,
                               precision=cfg.precision)
         acc = SearchAccumulator.create(cfg)
         with torch.no_grad():
@@ -416,4 +417,4 @@ def map_reference(model: Mapping[str, Any], chunks: Sequence[Any], cfg: SearchCo
                 acc = acc.update(torch.cat(predict_chunk(net, None, c)), torch.cat(c.ys))
         return acc.to_json()
 
-    return await_round([score.remote(dict(model), list(chunks), cfg, endpoint_url)], (), cfg, "map reference")[0]
+    return await_round([score.remote(dict(model), list(chunks), cfg, store)], (), cfg, "map reference")[0]

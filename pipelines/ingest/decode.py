@@ -94,10 +94,10 @@ def decode_image(
     return x, ""
 
 
-def read_files(root: str, paths: Sequence[str], endpoint_url: str | None) -> list[bytes]:
+def read_files(root: str, paths: Sequence[str], options: storage.Store) -> list[bytes]:
     """The bytes of ``root/<path>`` for each of ``paths``, in order (one concurrent ``cat``);
     a file that cannot be read raises DataError (that is not a bad image)."""
-    fs, base = storage.get_fs(root, endpoint_url)
+    fs, base = storage.get_fs(root, options)
     full = [base + "/" + p for p in paths]
     got = fs.cat(full, on_error="return") if full else {}  # list in -> dict out (s3fs: concurrent GETs)
     out = []
@@ -109,12 +109,12 @@ def read_files(root: str, paths: Sequence[str], endpoint_url: str | None) -> lis
     return out
 
 
-def read_parquet_rows(root: str, shards: Sequence[str], rows: Sequence[int], endpoint_url: str | None) -> list[bytes]:
+def read_parquet_rows(root: str, shards: Sequence[str], rows: Sequence[int], options: storage.Store) -> list[bytes]:
     """The ``image`` bytes of row ``rows[i]`` of shard ``root/shards[i]``, in order (b"" for a
     null); each shard is opened once and only the row groups holding wanted rows are read."""
     import pyarrow.parquet as pq
 
-    fs, base = storage.get_fs(root, endpoint_url)
+    fs, base = storage.get_fs(root, options)
     out: list[bytes | None] = [None] * len(rows)
     by_shard: dict[str, list[int]] = {}
     for i, s in enumerate(shards):
@@ -156,7 +156,7 @@ def read_decode_batch(
     *,
     root: str,
     format: str,
-    endpoint_url: str | None = None,
+    options: storage.Store = None,
     image_size: int = 224,
     resize_size: int = 256,
     mean=IMAGENET_MEAN,
@@ -174,9 +174,9 @@ def read_decode_batch(
     paths = [str(p) for p in batch["path"]]
     n = len(paths)
     if format == "parquet":
-        raw = read_parquet_rows(root, [str(s) for s in batch["shard"]], [int(r) for r in batch["row"]], endpoint_url)
+        raw = read_parquet_rows(root, [str(s) for s in batch["shard"]], [int(r) for r in batch["row"]], options)
     else:
-        raw = read_files(root, paths, endpoint_url) if n else []
+        raw = read_files(root, paths, options) if n else []
     images = np.zeros((n, 3, image_size, image_size), dtype=np.float32)
     valid = np.zeros(n, dtype=bool)
     errors = []

@@ -375,16 +375,37 @@ def train_small_cnn(
     accuracy on ``data_root/val``. ``num_threads`` temporarily sets torch's intra-op threads
     while training (1 is fastest on a busy 2-core machine); the old value is restored.
     """
-    from safetensors.torch import load_file, save_file
-
     if isinstance(epochs, bool) or int(epochs) != epochs or epochs < 1:
         raise ValueError(f"epochs must be a positive integer, got {epochs!r}")
     data_root = Path(data_root)
+    config = _train_config(data_root, epochs, seed, lr, batch_size, weight_decay)
+    cached = None if cache_path is None else _load_cached(Path(cache_path), config)
+    if cached is not None:
+        return cached
+    x_tr, y_tr, classes = load_imagefolder(data_root, "train")
+    x_va, y_va, _ = load_imagefolder(data_root, "val")
+    if classes != list(DIGIT_CLASSES):
+        raise ValueError(f"unexpected class folders in {data_root / 'train'}: {classes}")
+    t0 = time.perf_counter()
+    model = small_cnn(config["num_classes"], seed=seed)
+    _fit(model, x_tr, y_tr, config, num_threads)
+    train_seconds = time.perf_counter() - t0
+    model.eval()
+    info = TrainInfo(val_accuracy=_accuracy(model, x_va, y_va), train_accuracy=_accuracy(model, x_tr, y_tr),
+                     epochs=int(epochs), seed=int(seed), cached=False, train_seconds=train_seconds, config=config,
+                     cache_path=None if cache_path is None else str(cache_path))
+    if cache_path is not None:
+        _save_cache(Path(cache_path), model, info)
+    return model, info
+
+
+def _train_config(data_root: Path, epochs: int, seed: int, lr: float, batch_size: int,
+                  weight_decay: float) -> dict[str, Any]:
+    """What the trained weights depend on (the cache key): the settings and the data's marker config."""
     marker = data_root / DIGITS_MARKER
     if not marker.exists():
         raise ValueError(f"{data_root} has no {DIGITS_MARKER}: write it with write_digits_imagefolder first")
-    data_config = json.loads(marker.read_text())["config"]
-    config = {
+    return {
         "model": "SmallCNN",
         "num_classes": len(DIGIT_CLASSES),
         "epochs": int(epochs),
@@ -393,80 +414,73 @@ def train_small_cnn(
         "batch_size": int(batch_size),
         "weight_decay": float(weight_decay),
         "optimizer": "Adam",
-        "data": data_config,
+        "data": json.loads(marker.read_text())["config"],
         "normalize": {"mean": list(NORMALIZE_MEAN), "std": list(NORMALIZE_STD)},
     }
-    wfile = jfile = None
-    if cache_path is not None:
-        cdir = Path(cache_path)
-        wfile, jfile = cdir / "small_cnn.safetensors", cdir / "small_cnn.json"
-        if wfile.exists() and jfile.exists():
-            meta = json.loads(jfile.read_text())
-            if meta.get("config") == config:
-                model = small_cnn(config["num_classes"])
-                model.load_state_dict(load_file(str(wfile)), strict=True)
-                model.eval()
-                return model, TrainInfo(
-                    val_accuracy=float(meta["val_accuracy"]),
-                    train_accuracy=float(meta["train_accuracy"]),
-                    epochs=int(epochs),
-                    seed=int(seed),
-                    cached=True,
-                    train_seconds=float(meta["train_seconds"]),
-                    config=config,
-                    cache_path=str(cdir),
-                )
 
-    x_tr, y_tr, classes = load_imagefolder(data_root, "train")
-    x_va, y_va, _ = load_imagefolder(data_root, "val")
-    if classes != list(DIGIT_CLASSES):
-        raise ValueError(f"unexpected class folders in {data_root / 'train'}: {classes}")
-    t0 = time.perf_counter()
-    model = small_cnn(config["num_classes"], seed=seed)
-    gen = torch.Generator().manual_seed(int(seed))
-    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
+
+def _cache_files(cdir: Path) -> tuple[Path, Path]:
+    return cdir / "small_cnn.safetensors", cdir / "small_cnn.json"
+
+
+def _load_cached(cdir: Path, config: dict[str, Any]) -> tuple[SmallCNN, TrainInfo] | None:
+    """``(model in eval mode, TrainInfo)`` from ``cdir`` when it holds weights of this ``config``, else None."""
+    from safetensors.torch import load_file
+
+    wfile, jfile = _cache_files(cdir)
+    if not (wfile.exists() and jfile.exists()):
+        return None
+    meta = json.loads(jfile.read_text())
+    if meta.get("config") != config:
+        return None
+    model = small_cnn(config["num_classes"])
+    model.load_state_dict(load_file(str(wfile)), strict=True)
+    model.eval()
+    return model, TrainInfo(val_accuracy=float(meta["val_accuracy"]), train_accuracy=float(meta["train_accuracy"]),
+                            epochs=config["epochs"], seed=config["seed"], cached=True,
+                            train_seconds=float(meta["train_seconds"]), config=config, cache_path=str(cdir))
+
+
+def _fit(model: nn.Module, x: torch.Tensor, y: torch.Tensor, config: dict[str, Any], num_threads: int | None) -> None:
+    """Adam on cross-entropy for ``config["epochs"]`` epochs, the batch order drawn from a generator
+    seeded with ``config["seed"]``; torch's intra-op threads set to ``num_threads`` meanwhile."""
+    gen = torch.Generator().manual_seed(config["seed"])
+    opt = torch.optim.Adam(model.parameters(), lr=config["lr"], weight_decay=config["weight_decay"])
     loss_fn = nn.CrossEntropyLoss()
+    batch_size = config["batch_size"]
     old_threads = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(int(num_threads))
     try:
-        for _ in range(int(epochs)):
+        for _ in range(config["epochs"]):
             model.train()
-            perm = torch.randperm(len(x_tr), generator=gen)
+            perm = torch.randperm(len(x), generator=gen)
             for i in range(0, len(perm), batch_size):
                 idx = perm[i : i + batch_size]
                 opt.zero_grad(set_to_none=True)
-                loss = loss_fn(model(x_tr[idx]), y_tr[idx])
-                loss.backward()
+                loss_fn(model(x[idx]), y[idx]).backward()
                 opt.step()
     finally:
         torch.set_num_threads(old_threads)
-    train_seconds = time.perf_counter() - t0
-    model.eval()
-    info = TrainInfo(
-        val_accuracy=_accuracy(model, x_va, y_va),
-        train_accuracy=_accuracy(model, x_tr, y_tr),
-        epochs=int(epochs),
-        seed=int(seed),
-        cached=False,
-        train_seconds=train_seconds,
-        config=config,
-        cache_path=None if cache_path is None else str(cache_path),
+
+
+def _save_cache(cdir: Path, model: nn.Module, info: TrainInfo) -> None:
+    """The weights (safetensors) and the config/metrics (JSON) under ``cdir``, each written atomically."""
+    from safetensors.torch import save_file
+
+    wfile, jfile = _cache_files(cdir)
+    wfile.parent.mkdir(parents=True, exist_ok=True)
+    tmp = wfile.with_name(f".{wfile.name}.{uuid.uuid4().hex}.tmp")
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp))
+    os.replace(tmp, wfile)
+    _write_json_atomic(
+        jfile,
+        {
+            "format": "infoform.small_cnn",
+            "version": 1,
+            "config": info.config,
+            "val_accuracy": info.val_accuracy,
+            "train_accuracy": info.train_accuracy,
+            "train_seconds": info.train_seconds,
+        },
     )
-    if wfile is not None and jfile is not None:
-        wfile.parent.mkdir(parents=True, exist_ok=True)
-        tmp = wfile.with_name(f".{wfile.name}.{uuid.uuid4().hex}.tmp")
-        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(tmp))
-        os.replace(tmp, wfile)
-        _write_json_atomic(
-            jfile,
-            {
-                "format": "infoform.small_cnn",
-                "version": 1,
-                "config": config,
-                "val_accuracy": info.val_accuracy,
-                "train_accuracy": info.train_accuracy,
-                "train_seconds": info.train_seconds,
-            },
-        )
-    return model, info

@@ -81,7 +81,8 @@ class DataConfig:
     used in sorted order. extensions: keep only these suffixes (case-insensitive,
     e.g. (".jpeg", ".jpg")), by default :data:`IMAGE_EXTENSIONS`; None keeps every non-hidden
     file. unlabeled: no
-    labels (-1). endpoint_url: S3-compatible endpoint. num_partitions /
+    labels (-1). storage_options: how to reach an S3 root (the run's resolved
+    :class:`~pipelines.storage.uris.StorageOptions`; None: the environment's). num_partitions /
     partition_size: default partitioning for ``partition`` (at most one).
     decode_batch_size: most images per decode task batch (fewer when the source has
     fewer than ``MIN_DECODE_TASKS`` batches' worth, so that small partitions still
@@ -104,7 +105,7 @@ class DataConfig:
     extensions: tuple[str, ...] | None = IMAGE_EXTENSIONS
     unlabeled: bool = False
     format: str = "auto"
-    endpoint_url: str | None = None
+    storage_options: storage.StorageOptions | None = None
     num_partitions: int | None = None
     partition_size: int | None = None
     decode_batch_size: int = same_as(DataSpec, "decode_batch_size")

@@ -32,7 +32,7 @@ ROOT_KEY = b"infoform.root"
 def _read_table(cfg: DataConfig):
     import pyarrow.parquet as pq
 
-    return pq.read_table(io.BytesIO(storage.read_bytes(cfg.root, cfg.endpoint_url)))
+    return pq.read_table(io.BytesIO(storage.read_bytes(cfg.root, cfg.storage_options)))
 
 
 def is_index_file(cfg: DataConfig) -> bool:
@@ -40,11 +40,11 @@ def is_index_file(cfg: DataConfig) -> bool:
     import pyarrow.parquet as pq
 
     root = cfg.root.rstrip("/")
-    if not root.lower().endswith(".parquet") or storage.isdir(root, cfg.endpoint_url):
+    if not root.lower().endswith(".parquet") or storage.isdir(root, cfg.storage_options):
         return False
-    if not storage.exists(root, cfg.endpoint_url):
+    if not storage.exists(root, cfg.storage_options):
         raise DataError(f"data index does not exist: {cfg.root}")
-    fs, path = storage.get_fs(root, cfg.endpoint_url)
+    fs, path = storage.get_fs(root, cfg.storage_options)
     with fs.open(path, "rb") as f:
         names = pq.ParquetFile(f).schema_arrow.names
     return "path" in names and "image" not in names
@@ -66,7 +66,7 @@ def _classes(cfg: DataConfig, table, meta: dict) -> tuple[str, ...]:
     if cfg.classes is not None:
         return tuple(sorted(set(cfg.classes)))
     if cfg.classes_file is not None:
-        text = storage.read_bytes(cfg.classes_file, cfg.endpoint_url).decode("utf-8-sig")
+        text = storage.read_bytes(cfg.classes_file, cfg.storage_options).decode("utf-8-sig")
         return tuple(sorted({ln.split()[0] for ln in text.splitlines() if ln.strip()}))
     if "class" in table.column_names:
         return tuple(sorted({c for c in table.column("class").to_pylist() if c}))

@@ -80,10 +80,10 @@ class IndexedListing:
     ``lister(name)`` is the callable :func:`pipelines.ingest.scan.scan` takes: given the split
     URI it returns the listing table, reused or new. ``lines`` collects what each did."""
 
-    def __init__(self, output: str, store: storage.Store = None, relist: bool = False,
+    def __init__(self, output: str, options: storage.Store = None, relist: bool = False,
                  check_classes: int = CHECK_CLASSES, check_keys: int = CHECK_KEYS,
                  log: Callable[[str], None] | None = None):
-        self.output, self.store, self.relist = output, store, relist
+        self.output, self.options, self.relist = output, options, relist
         self.check_classes, self.check_keys = check_classes, check_keys
         self.log = log or (lambda _msg: None)
         self.lines: list[str] = []
@@ -104,7 +104,7 @@ class IndexedListing:
             if table is not None:
                 return table
         t0 = time.perf_counter()
-        table = list_records(split_uri, self.store)
+        table = list_records(split_uri, self.options)
         table = table.append_column("class", _class_column(table)).select(["path", "class", "size", "etag"])
         dt = time.perf_counter() - t0
         self._write(table, split_uri, pq_uri, fp_uri)
@@ -119,42 +119,42 @@ class IndexedListing:
 
         buf = io.BytesIO()  # the listed prefix travels in the file: --data <this file> reads the same images
         pq.write_table(table.replace_schema_metadata({ROOT_KEY: split_uri.encode()}), buf)
-        storage.write_bytes_atomic(pq_uri, buf.getvalue(), self.store)
+        storage.write_bytes_atomic(pq_uri, buf.getvalue(), self.options)
         tops, loose = _top(table)
         storage.write_json_atomic(fp_uri, {
             "format": _FORMAT, "version": 1, "prefix": split_uri, "count": table.num_rows,
             "digest": records_digest(table), "top_level": tops, "top_level_objects": loose,
-            "class_counts": _class_counts(table), "written_at": time.time()}, self.store)
+            "class_counts": _class_counts(table), "written_at": time.time()}, self.options)
 
     def _reuse(self, split_uri: str, pq_uri: str, fp_uri: str):
         """``(table, None)`` when the stored listing passes the cheap check, else ``(None, why)``."""
         import pyarrow.parquet as pq
 
-        if not storage.exists(fp_uri, self.store) or not storage.exists(pq_uri, self.store):
+        if not storage.exists(fp_uri, self.options) or not storage.exists(pq_uri, self.options):
             return None, "no stored index"
         try:
-            fp = storage.read_json(fp_uri, self.store)
+            fp = storage.read_json(fp_uri, self.options)
         except (ValueError, OSError) as e:
             return None, f"stored fingerprint unreadable: {e}"
         if fp.get("format") != _FORMAT or fp.get("prefix") != split_uri:
             return None, "the stored index lists another prefix"
-        tops, loose = top_level(split_uri, self.store)
+        tops, loose = top_level(split_uri, self.options)
         if tops != fp["top_level"] or loose != fp["top_level_objects"]:
             return None, "the top level changed"
         rng = random.Random()  # a new draw on every check, so repeated checks cover every class
         stored = fp["class_counts"]
         classes = sorted(stored)
         drawn = classes if len(classes) <= self.check_classes else rng.sample(classes, self.check_classes)
-        now = count_objects(split_uri, drawn, self.store)
+        now = count_objects(split_uri, drawn, self.options)
         changed = [c for c in drawn if now[c] != stored[c]]
         if changed:
             return None, f"object count changed under {changed[0]} ({stored[changed[0]]} -> {now[changed[0]]})"
-        table = pq.read_table(io.BytesIO(storage.read_bytes(pq_uri, self.store)))
+        table = pq.read_table(io.BytesIO(storage.read_bytes(pq_uri, self.options)))
         if table.num_rows != fp["count"]:
             return None, "the stored index does not match its fingerprint"
         rows = rng.sample(range(table.num_rows), min(self.check_keys, table.num_rows))
         sample = table.take(rows).to_pydict()
-        heads = head_records(split_uri, sample["path"], self.store)
+        heads = head_records(split_uri, sample["path"], self.options)
         for p, s, e, h in zip(sample["path"], sample["size"], sample["etag"], heads):
             if not p.endswith("/") and h != (s, e):
                 return None, f"{p} changed"

@@ -1,6 +1,6 @@
 """Listing the objects under a split folder as compact records ``(path, size, etag)``.
 
-``list_records(uri, store)`` returns a ``pyarrow.Table`` with the columns ``path`` (relative to
+``list_records(uri, options)`` returns a ``pyarrow.Table`` with the columns ``path`` (relative to
 ``uri``, ``/``-separated, sorted), ``size`` (bytes) and ``etag`` (the S3 ETag, or the local
 file's ``mtime_ns`` as text): one Arrow row per object, no Python object per key kept.
 
@@ -49,16 +49,16 @@ _CLIENTS: dict[tuple, Any] = {}
 _CLIENTS_LOCK = threading.Lock()
 
 
-def s3_client(store: storage.Store = None, pool: int = LIST_WORKERS):
-    """A botocore S3 client for ``store`` (its endpoint and the s3fs ``client_kwargs`` /
+def s3_client(options: storage.Store = None, pool: int = LIST_WORKERS):
+    """A botocore S3 client for ``options`` (its endpoint and the s3fs ``client_kwargs`` /
     ``config_kwargs`` options it understands), with ``pool`` connections; cached per process.
     Credentials come from the AWS chain."""
     import botocore.config
     import botocore.session
 
-    opts = storage.resolve_options(store)
+    opts = storage.resolve_options(options)
     o = dict(opts.options or {})
-    key = (opts.endpoint_url, repr(sorted(o.items())), pool)
+    key = (opts.endpoint, repr(sorted(o.items())), pool)
     with _CLIENTS_LOCK:
         if key not in _CLIENTS:
             cfg_kw = dict(o.get("config_kwargs") or {})
@@ -66,7 +66,7 @@ def s3_client(store: storage.Store = None, pool: int = LIST_WORKERS):
             client_kw = dict(o.get("client_kwargs") or {})
             session = botocore.session.get_session()
             _CLIENTS[key] = session.create_client(
-                "s3", endpoint_url=opts.endpoint_url, region_name=client_kw.pop("region_name", None),
+                "s3", endpoint_url=opts.endpoint, region_name=client_kw.pop("region_name", None),
                 config=botocore.config.Config(**cfg_kw), **{k: v for k, v in client_kw.items() if k == "verify"})
         return _CLIENTS[key]
 
@@ -100,9 +100,7 @@ def _parse_page(stream, strip: int, keep: bool) -> _Page:
     import xml.etree.ElementTree as ET
 
     page, root = _Page(), None
-    paths: list[str] = []
-    sizes: list[int] = []
-    etags: list[str] = []
+    cols: tuple[list, list, list] = ([], [], [])  # path, size, etag of the keys not yet in a batch
     for event, el in ET.iterparse(stream, events=("start", "end")):
         if root is None:
             root = el
@@ -112,23 +110,37 @@ def _parse_page(stream, strip: int, keep: bool) -> _Page:
         if tag == "Contents":
             page.keys += 1
             if keep:
-                paths.append(el.findtext(_NS + "Key")[strip:])
-                sizes.append(int(el.findtext(_NS + "Size") or 0))
-                etags.append((el.findtext(_NS + "ETag") or "").strip('"'))
-                if len(paths) >= _FLUSH:
-                    page.batches.append(_batch(paths, sizes, etags))
-                    paths, sizes, etags = [], [], []
+                _add_key(page, cols, el, strip)
             root.clear()
-        elif tag == "CommonPrefixes":
-            page.prefixes.append(el.findtext(_NS + "Prefix"))
+        elif _page_field(page, tag, el):
             root.clear()
-        elif tag == "IsTruncated":
-            page.truncated = (el.text or "").strip().lower() == "true"
-        elif tag == "NextContinuationToken":
-            page.token = el.text
-    if paths:
-        page.batches.append(_batch(paths, sizes, etags))
+    if cols[0]:
+        page.batches.append(_batch(*cols))
     return page
+
+
+def _add_key(page: _Page, cols: tuple[list, list, list], el, strip: int) -> None:
+    """One ``Contents`` element's key (less ``strip`` characters), size and ETag into ``cols``;
+    every :data:`_FLUSH` keys they become one Arrow batch of ``page``."""
+    cols[0].append(el.findtext(_NS + "Key")[strip:])
+    cols[1].append(int(el.findtext(_NS + "Size") or 0))
+    cols[2].append((el.findtext(_NS + "ETag") or "").strip('"'))
+    if len(cols[0]) >= _FLUSH:
+        page.batches.append(_batch(*cols))
+        for c in cols:
+            c.clear()
+
+
+def _page_field(page: _Page, tag: str, el) -> bool:
+    """A page-level element into ``page``; True for a ``CommonPrefixes`` element (done with it)."""
+    if tag == "CommonPrefixes":
+        page.prefixes.append(el.findtext(_NS + "Prefix"))
+        return True
+    if tag == "IsTruncated":
+        page.truncated = (el.text or "").strip().lower() == "true"
+    elif tag == "NextContinuationToken":
+        page.token = el.text
+    return False
 
 
 _HTTP: dict[int, Any] = {}
@@ -173,11 +185,11 @@ def _list_prefix(client, bucket: str, prefix: str, strip: int, pool: int) -> lis
     return [b for page in _pages(client, bucket, prefix, strip, pool=pool) for b in page.batches]
 
 
-def _list_s3(uri: str, store, workers: int):
+def _list_s3(uri: str, options, workers: int):
     import pyarrow as pa
 
     bucket, base = split_s3(uri)
-    client = s3_client(store, workers)
+    client = s3_client(options, workers)
     batches, prefixes = [], []
     for page in _pages(client, bucket, base, len(base), "/", pool=workers):  # the top level: prefixes, loose keys
         prefixes.extend(page.prefixes)
@@ -214,13 +226,13 @@ def _list_local(root: str):
     return pa.Table.from_batches(batches, schema=_schema())
 
 
-def list_records(uri: str, store: storage.Store = None, workers: int = LIST_WORKERS):
+def list_records(uri: str, options: storage.Store = None, workers: int = LIST_WORKERS):
     """The sorted ``(path, size, etag)`` table of every object under ``uri`` (see module doc)."""
     import numpy as np
     import pyarrow.compute as pc
 
     if storage.is_remote(uri):
-        table = _list_s3(uri, store, workers)  # pages of sorted prefixes in order: usually sorted already
+        table = _list_s3(uri, options, workers)  # pages of sorted prefixes in order: usually sorted already
     else:
         table = _list_local(storage.get_fs(uri)[1])
     order = pc.sort_indices(table, sort_keys=[("path", "ascending")]).to_numpy()
@@ -233,13 +245,13 @@ def _count_prefix(client, bucket: str, prefix: str, pool: int) -> int:
     return sum(page.keys for page in _pages(client, bucket, prefix, keep=False, pool=pool))
 
 
-def count_objects(uri: str, prefixes: Sequence[str], store: storage.Store = None,
+def count_objects(uri: str, prefixes: Sequence[str], options: storage.Store = None,
                   workers: int = LIST_WORKERS) -> dict[str, int]:
     """Objects under each of ``prefixes`` (relative to ``uri``, ending with ``/``), counted
     without keeping a key (S3: the prefixes' pages in parallel; local: the directory walk)."""
     if storage.is_remote(uri):
         bucket, base = split_s3(uri)
-        client = s3_client(store, workers)
+        client = s3_client(options, workers)
         with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="s3-count") as pool:
             counts = pool.map(lambda p: _count_prefix(client, bucket, base + p, workers), prefixes)
             return dict(zip(prefixes, counts))
@@ -253,13 +265,13 @@ def count_objects(uri: str, prefixes: Sequence[str], store: storage.Store = None
     return out
 
 
-def top_level(uri: str, store: storage.Store = None) -> tuple[list[str], int]:
+def top_level(uri: str, options: storage.Store = None) -> tuple[list[str], int]:
     """``(sorted prefixes / folders ending in "/", number of top-level objects)`` under ``uri``:
     one delimiter listing on S3 (a page per 1,000 entries)."""
     if storage.is_remote(uri):
         bucket, base = split_s3(uri)
         prefixes, n = [], 0
-        for page in _pages(s3_client(store), bucket, base, delimiter="/", keep=False):
+        for page in _pages(s3_client(options), bucket, base, delimiter="/", keep=False):
             prefixes.extend(p[len(base):] for p in page.prefixes)
             n += page.keys
         return sorted(prefixes), n
@@ -274,14 +286,14 @@ def top_level(uri: str, store: storage.Store = None) -> tuple[list[str], int]:
     return sorted(prefixes), n
 
 
-def head_records(uri: str, paths: Iterable[str], store: storage.Store = None,
+def head_records(uri: str, paths: Iterable[str], options: storage.Store = None,
                  workers: int = LIST_WORKERS) -> list[tuple[int, str] | None]:
     """``(size, etag)`` of each of ``paths`` (relative to ``uri``) as :func:`list_records` gives
     them, or ``None`` for a missing object (S3: HEAD requests in parallel; local: ``stat``)."""
     paths = list(paths)
     if storage.is_remote(uri):
         bucket, base = split_s3(uri)
-        client = s3_client(store, workers)
+        client = s3_client(options, workers)
 
         def head(p: str):
             try:

@@ -22,7 +22,7 @@ module or attribute, a factory that raises or one that returns something other t
   a test run of the pipeline);
 * a torchvision weights enum name such as ``"ResNet50_Weights.IMAGENET1K_V2"`` —
   resolved with ``torchvision.models.get_weight`` (downloads in real use);
-* a local path or URI (``s3://bucket/key``; ``endpoint_url`` or
+* a local path or URI (``s3://bucket/key``; the run's storage options, ``options=``, or
   ``AWS_ENDPOINT_URL_S3`` for S3-compatible stores, see :mod:`pipelines.storage.uris`)
   of a state dict: ``.safetensors`` is read with
   ``safetensors.torch.load``; anything else with
@@ -39,10 +39,13 @@ from __future__ import annotations
 
 import io
 import re
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pipelines.storage.uris import StorageOptions
 
 __all__ = [
     "EXTRA_MODELS",
@@ -200,11 +203,11 @@ def is_enum_name(weights: str) -> bool:
     return bool(_ENUM_RE.match(weights)) and "/" not in weights
 
 
-def _read_bytes(uri: str, endpoint_url: str | None) -> bytes:
+def _read_bytes(uri: str, options: StorageOptions | None) -> bytes:
     from pipelines.storage import uris as storage
 
     try:
-        return storage.read_bytes(uri, endpoint_url)
+        return storage.read_bytes(uri, options)
     except FileNotFoundError:
         raise ValueError(f"weights file not found: {uri}") from None
 
@@ -248,12 +251,12 @@ def _not_weights(uri: str, data: bytes) -> ValueError:
     return ValueError(f"weights file {uri} is neither a safetensors file nor a torch.save file; {how}")
 
 
-def read_state_dict(uri: str, *, endpoint_url: str | None = None) -> dict[str, torch.Tensor]:
+def read_state_dict(uri: str, *, options: StorageOptions | None = None) -> dict[str, torch.Tensor]:
     """Read a state dict from a local path or fsspec URI (``.safetensors`` or a torch file,
     told apart by their first bytes). torch files are read with ``weights_only=True`` (no
     arbitrary unpickling); a file that is neither (a text file, say) is a one-line
     ``ValueError`` that says so in words."""
-    data = _read_bytes(uri, endpoint_url)
+    data = _read_bytes(uri, options)
     if _is_safetensors(data) or (uri.endswith(".safetensors") and not data.startswith(b"PK")):
         from safetensors.torch import load as st_load
 
@@ -374,7 +377,7 @@ def load_model(
     weights: str | None = None,
     num_classes: int | None = None,
     *,
-    endpoint_url: str | None = None,
+    options: StorageOptions | None = None,
 ) -> nn.Module:
     """Build model ``name``, load ``weights`` and return it in ``eval()`` mode on CPU.
 
@@ -391,7 +394,7 @@ def load_model(
             raise ValueError(f"model {name!r} is a factory; give a state-dict file, not torchvision weights {weights!r}")
         model = _build_factory(name, num_classes)
         if weights is not None:
-            sd = read_state_dict(weights, endpoint_url=endpoint_url)
+            sd = read_state_dict(weights, options=options)
             check_state_dict(model, sd, name)
             model.load_state_dict(sd, strict=True)
         return model.eval()
@@ -407,7 +410,7 @@ def load_model(
             raise ValueError(f"{weights} has {n_cat} classes, num_classes={num_classes} was requested")
         model = _build(name, None, enum)
     else:
-        sd = read_state_dict(weights, endpoint_url=endpoint_url)
+        sd = read_state_dict(weights, options=options)
         model = _fit_state_dict(name, sd, num_classes, _build)
         model.load_state_dict(sd, strict=True)
     return model.eval()
@@ -425,12 +428,12 @@ def _build_meta(name: str, num_classes: int | None) -> nn.Module:
 
 
 def check_weights(name: str, weights: str, num_classes: int | None = None, *,
-                  endpoint_url=None) -> dict[str, object]:
+                  options: StorageOptions | None = None) -> dict[str, object]:
     """Read the state-dict file ``weights`` and match it against model ``name`` (built on the
     meta device: no memory, no download) as :func:`load_model` would, without loading it.
     Returns ``{"head": name of the last Linear layer or None, "num_classes": its outputs}``;
     one-line ``ValueError`` for a file that is not weights or weights that do not fit."""
-    sd = read_state_dict(weights, endpoint_url=endpoint_url)
+    sd = read_state_dict(weights, options=options)
     model = _fit_state_dict(name, sd, num_classes, _build_meta)
     head = _last_linear(model)
     return {"head": head, "num_classes": None if head is None else int(model.get_submodule(head).out_features)}

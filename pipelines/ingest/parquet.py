@@ -11,6 +11,7 @@ import math
 from pipelines.ingest.decode import read_files, read_parquet_rows
 from pipelines.ingest.index import DataError, DatasetIndex
 from pipelines.storage import uris as storage
+from pipelines.storage.uris import StorageOptions
 
 __all__ = ["PARQUET_META_FILE", "PARQUET_CLASSES_KEY", "convert_to_parquet"]
 
@@ -24,28 +25,27 @@ def convert_to_parquet(
     index: DatasetIndex,
     out_uri: str,
     rows_per_file: int = 1000,
-    endpoint_url: str | None = None,
-    out_endpoint_url: str | None = None,
+    options: StorageOptions | None = None,
+    out_options: StorageOptions | None = None,
     num_threads: int = 8,
 ) -> list[str]:
     """Copy the encoded bytes of ``index``'s files (unchanged, so decoding gives identical
     tensors and bad files stay bad) into ``out_uri/part-XXXXX.parquet`` with columns
     image (binary), label (int64), path (string), ``rows_per_file`` rows each, in index
     order, plus ``out_uri/dataset.json`` (classes, counts, shard list). Each file is
-    written atomically. ``endpoint_url`` is for reading, ``out_endpoint_url`` for
-    writing (defaults to ``endpoint_url``). Returns the shard URIs.
+    written atomically. ``options`` (storage options) are for reading, ``out_options`` for
+    writing (defaults to ``options``). Returns the shard URIs.
     Reads run on ``num_threads`` threads in this process (convert once, offline).
     """
     from concurrent.futures import ThreadPoolExecutor
 
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     if isinstance(rows_per_file, bool) or not isinstance(rows_per_file, int) or rows_per_file < 1:
         raise ValueError(f"rows_per_file must be a positive int, got {rows_per_file!r}")
     if len(index) == 0:
         raise DataError("cannot convert an empty index")
-    out_ep = out_endpoint_url if out_endpoint_url is not None else endpoint_url
+    out_ep = out_options if out_options is not None else options
     schema = pa.schema(
         [("image", pa.binary()), ("label", pa.int64()), ("path", pa.string())],
         metadata={PARQUET_CLASSES_KEY: json.dumps(list(index.classes)).encode()},
@@ -53,33 +53,15 @@ def convert_to_parquet(
     n_files = math.ceil(len(index) / rows_per_file)
     written, shard_meta = [], []
 
-    def read_chunk(a: int, b: int) -> list[bytes]:
-        if index.format == "parquet":
-            return read_parquet_rows(
-                index.root, [index.shards[s] for s, _ in index.locations[a:b]],
-                [r for _, r in index.locations[a:b]], endpoint_url,
-            )
-        return read_files(index.root, index.paths[a:b], endpoint_url)
-
     with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
         for k in range(n_files):
             a, b = k * rows_per_file, min((k + 1) * rows_per_file, len(index))
             step = max(1, math.ceil((b - a) / max(1, num_threads)))
-            chunks = list(pool.map(lambda s: read_chunk(s, min(s + step, b)), range(a, b, step)))
+            chunks = pool.map(lambda s: _read_rows(index, s, min(s + step, b), options), range(a, b, step))
             data = [d for c in chunks for d in c]
-            table = pa.table(
-                {
-                    "image": pa.array(data, pa.binary()),
-                    "label": pa.array(index.labels[a:b], pa.int64()),
-                    "path": pa.array(list(index.paths[a:b]), pa.string()),
-                },
-                schema=schema,
-            )
-            buf = pa.BufferOutputStream()
-            pq.write_table(table, buf, row_group_size=min(rows_per_file, 256))
             name = f"part-{k:05d}.parquet"
             uri = storage.join(out_uri, name)
-            storage.write_bytes_atomic(uri, buf.getvalue().to_pybytes(), out_ep)
+            storage.write_bytes_atomic(uri, _shard_bytes(index, a, b, data, schema, rows_per_file), out_ep)
             written.append(uri)
             shard_meta.append({"name": name, "rows": b - a})
     storage.write_json_atomic(
@@ -97,3 +79,23 @@ def convert_to_parquet(
         out_ep,
     )
     return written
+
+
+def _read_rows(index: DatasetIndex, a: int, b: int, options: StorageOptions | None) -> list[bytes]:
+    """The encoded bytes of entries ``a:b`` of ``index`` (its files, or its Parquet rows)."""
+    if index.format == "parquet":
+        return read_parquet_rows(index.root, [index.shards[s] for s, _ in index.locations[a:b]],
+                                 [r for _, r in index.locations[a:b]], options)
+    return read_files(index.root, index.paths[a:b], options)
+
+
+def _shard_bytes(index: DatasetIndex, a: int, b: int, data: list[bytes], schema, rows_per_file: int) -> bytes:
+    """One Parquet shard of entries ``a:b``: their bytes, labels and paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"image": pa.array(data, pa.binary()), "label": pa.array(index.labels[a:b], pa.int64()),
+                      "path": pa.array(list(index.paths[a:b]), pa.string())}, schema=schema)
+    buf = pa.BufferOutputStream()
+    pq.write_table(table, buf, row_group_size=min(rows_per_file, 256))
+    return buf.getvalue().to_pybytes()

@@ -54,11 +54,11 @@ def _hidden(rel: str) -> bool:
     return any(part.startswith(".") for part in rel.split("/"))
 
 
-def _walk(uri: str, endpoint_url: str | None, lister=None) -> tuple[set[str], list[str]]:
+def _walk(uri: str, options: storage.Store, lister=None) -> tuple[set[str], list[str]]:
     """(relative dirs, relative files) under ``uri``, recursively, hidden entries dropped.
     ``lister(uri)``: the listing's records (:mod:`pipelines.ingest.index_store`); S3 without one
     is listed in parallel (:func:`pipelines.ingest.listing.list_records`)."""
-    fs, base = storage.get_fs(uri, endpoint_url)
+    fs, base = storage.get_fs(uri, options)
     dirs: set[str] = set()
     files: list[str] = []
     if lister is None and not storage.is_remote(uri):
@@ -76,7 +76,7 @@ def _walk(uri: str, endpoint_url: str | None, lister=None) -> tuple[set[str], li
     # objects (how empty folders exist on S3)
     from pipelines.ingest.listing import list_records
 
-    table = lister(uri) if lister is not None else list_records(uri, endpoint_url)
+    table = lister(uri) if lister is not None else list_records(uri, options)
     for rel in (r for b in table.select(["path"]).to_batches(max_chunksize=65536) for r in b.column(0).to_pylist()):
         is_marker = rel.endswith("/")
         rel = rel.rstrip("/")
@@ -91,7 +91,7 @@ def _walk(uri: str, endpoint_url: str | None, lister=None) -> tuple[set[str], li
 
 
 def _split_dir(cfg: DataConfig) -> str:
-    ep = cfg.endpoint_url
+    ep = cfg.storage_options
     if not storage.exists(cfg.root, ep):
         raise DataError(f"data root does not exist: {cfg.root}")
     if not cfg.split:
@@ -112,7 +112,7 @@ def _explicit_classes(cfg: DataConfig) -> tuple[str, ...] | None:
         names = list(cfg.classes)
     if cfg.classes_file is not None:
         try:
-            text = storage.read_bytes(cfg.classes_file, cfg.endpoint_url).decode("utf-8-sig")
+            text = storage.read_bytes(cfg.classes_file, cfg.storage_options).decode("utf-8-sig")
         except FileNotFoundError:
             raise DataError(f"classes_file does not exist: {cfg.classes_file}") from None
         from_file = [ln.split()[0] for ln in text.splitlines() if ln.strip()]
@@ -145,13 +145,13 @@ def _stem(rel: str) -> str:
 
 def _find_labels_csv(split_uri: str, cfg: DataConfig) -> str | None:
     if cfg.labels_csv:
-        if not storage.exists(cfg.labels_csv, cfg.endpoint_url):
+        if not storage.exists(cfg.labels_csv, cfg.storage_options):
             raise DataError(f"labels_csv does not exist: {cfg.labels_csv}")
         return cfg.labels_csv
     cand = split_uri.rstrip("/")
     for _ in range(3):
         uri = storage.join(cand, _LOC_CSV)
-        if storage.exists(uri, cfg.endpoint_url):
+        if storage.exists(uri, cfg.storage_options):
             return uri
         parent = posixpath.dirname(cand)
         if not parent or parent == cand or parent.endswith(":/"):
@@ -160,9 +160,9 @@ def _find_labels_csv(split_uri: str, cfg: DataConfig) -> str | None:
     return None
 
 
-def _read_label_csv(uri: str, endpoint_url: str | None) -> dict[str, str]:
+def _read_label_csv(uri: str, options: storage.Store) -> dict[str, str]:
     """ImageId -> wnid (first token of PredictionString)."""
-    text = storage.read_bytes(uri, endpoint_url).decode("utf-8-sig")
+    text = storage.read_bytes(uri, options).decode("utf-8-sig")
     reader = csv.reader(io.StringIO(text))
     header = next(reader, None)
     if header is None:
@@ -188,14 +188,14 @@ def _read_label_csv(uri: str, endpoint_url: str | None) -> dict[str, str]:
     return out
 
 
-def _sibling_train_classes(split_uri: str, endpoint_url: str | None) -> tuple[str, ...] | None:
+def _sibling_train_classes(split_uri: str, options: storage.Store) -> tuple[str, ...] | None:
     parent = posixpath.dirname(split_uri.rstrip("/"))
     if not parent:
         return None
     train = storage.join(parent, "train")
-    if train.rstrip("/") == split_uri.rstrip("/") or not storage.isdir(train, endpoint_url):
+    if train.rstrip("/") == split_uri.rstrip("/") or not storage.isdir(train, options):
         return None
-    fs, path = storage.get_fs(train, endpoint_url)
+    fs, path = storage.get_fs(train, options)
     names = [
         posixpath.basename(e["name"].rstrip("/"))
         for e in fs.ls(path, detail=True)
@@ -212,7 +212,7 @@ def _examples(items: Iterable[str], k: int = 3) -> str:
 
 def _scan_folders(split_uri: str, cfg: DataConfig, lister=None):
     """(classes, rel files, labels, ignored rel files, num unmatched CSV rows) for folder / flat layouts."""
-    dirs, files = _walk(split_uri, cfg.endpoint_url, lister)
+    dirs, files = _walk(split_uri, cfg.storage_options, lister)
     top_dirs = sorted(d for d in dirs if "/" not in d)
     nested = [f for f in files if "/" in f]
     top_files = [f for f in files if "/" not in f]
@@ -242,12 +242,12 @@ def _scan_folders(split_uri: str, cfg: DataConfig, lister=None):
         raise DataError(
             f"{split_uri} has no class folders; pass labels_csv ({_LOC_CSV} style) or unlabeled=True"
         )
-    classes = explicit if explicit is not None else _sibling_train_classes(split_uri, cfg.endpoint_url)
+    classes = explicit if explicit is not None else _sibling_train_classes(split_uri, cfg.storage_options)
     if classes is None:
         raise DataError(
             f"flat split {split_uri} needs the class list: pass classes/classes_file or keep a sibling train/ dir"
         )
-    id_to_wnid = _read_label_csv(csv_uri, cfg.endpoint_url)
+    id_to_wnid = _read_label_csv(csv_uri, cfg.storage_options)
     csv_name = posixpath.basename(csv_uri.rstrip("/"))
     keep = [f for f in top_files if _ext_ok(f, cfg) and f != csv_name and not f.lower().endswith(".csv")]
     kept = set(keep)
@@ -270,27 +270,27 @@ def _scan_folders(split_uri: str, cfg: DataConfig, lister=None):
     return classes, keep, labels, ignored, unmatched
 
 
-def _parquet_files(split_uri: str, endpoint_url: str | None) -> tuple[str, list[str]]:
+def _parquet_files(split_uri: str, options: storage.Store) -> tuple[str, list[str]]:
     """(parquet dir URI, shard names relative to it)."""
-    if split_uri.rstrip("/").lower().endswith(".parquet") and not storage.isdir(split_uri, endpoint_url):
+    if split_uri.rstrip("/").lower().endswith(".parquet") and not storage.isdir(split_uri, options):
         base = posixpath.dirname(split_uri.rstrip("/"))
         return base, [posixpath.basename(split_uri.rstrip("/"))]
-    names = [n for n in storage.listdir(split_uri, endpoint_url) if n.lower().endswith(".parquet") and not n.startswith(".")]
+    names = [n for n in storage.listdir(split_uri, options) if n.lower().endswith(".parquet") and not n.startswith(".")]
     return split_uri, names
 
 
 def _scan_parquet(split_uri: str, cfg: DataConfig):
     import pyarrow.parquet as pq
 
-    base, shards = _parquet_files(split_uri, cfg.endpoint_url)
+    base, shards = _parquet_files(split_uri, cfg.storage_options)
     if not shards:
         raise DataError(f"no .parquet files under {split_uri}")
     classes = _explicit_classes(cfg)
     meta_uri = storage.join(base, PARQUET_META_FILE)
-    if classes is None and storage.exists(meta_uri, cfg.endpoint_url):
-        meta = storage.read_json(meta_uri, cfg.endpoint_url)
+    if classes is None and storage.exists(meta_uri, cfg.storage_options):
+        meta = storage.read_json(meta_uri, cfg.storage_options)
         classes = tuple(meta.get("classes") or ()) or None
-    fs, fs_base = storage.get_fs(base, cfg.endpoint_url)
+    fs, fs_base = storage.get_fs(base, cfg.storage_options)
     paths: list[str] = []
     labels: list[int] = []
     locations: list[tuple[int, int]] = []
@@ -352,7 +352,7 @@ def scan(cfg: DataConfig, lister=None) -> DatasetIndex:
         if not storage.is_remote(split_uri):
             split_uri = storage.get_fs(split_uri)[1]  # absolute local path: Ray workers may run elsewhere
         if fmt == "auto":
-            _, pq_files = _parquet_files(split_uri, cfg.endpoint_url)
+            _, pq_files = _parquet_files(split_uri, cfg.storage_options)
             fmt = "parquet" if pq_files else "imagefolder"
         if fmt == "parquet":
             split_uri, classes, paths, labels, shards, locations = _scan_parquet(split_uri, cfg)

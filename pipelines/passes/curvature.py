@@ -60,6 +60,7 @@ from laplace_core.curvature.statistics import CurvatureStatistics
 from pipelines.config.schema import CurvatureSpec, PosteriorSpec
 from pipelines.config.settings import same_as
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 from pipelines.distributed import (
     DTYPES,
     FaultInjection,
@@ -198,10 +199,10 @@ def _manifest(uri: str) -> str:
     return storage.join(uri, "manifest.json")
 
 
-def finished_partitions(output_uri: str, name: str, fp: str, store: storage.Store = None) -> list[int]:
+def finished_partitions(store: RunStore, name: str, fp: str) -> list[int]:
     """The finished partitions of pass ``name`` in its newest usable checkpoint with fingerprint
     ``fp`` (:func:`curvature_fingerprint`); [] when there is none."""
-    found = load_checkpoint(pass_uri(output_uri, name), fp, store)
+    found = load_checkpoint(store.pass_uri(name), fp, store)
     return [int(p) for p in found[1]["done"]] if found is not None else []
 
 
@@ -254,7 +255,7 @@ def _train_loop(config: dict) -> None:
     kind1 = Pass1Kind(cfg)
     run1 = PassRun(kind1, job, rank, world, device, pass_uri(job.output_uri, kind1.name)).start()  # overlaps the load
     t0 = time.perf_counter()
-    model = load_model(job.model.name, job.model.weights, job.model.num_classes, endpoint_url=job.store)
+    model = load_model(job.model.name, job.model.weights, job.model.num_classes, options=job.store.options)
     model = model.to(device=device, dtype=DTYPES[cfg.model_dtype]).eval()
     _, infos, excluded = find_layers(model, norm_layers=cfg.norm_layers, layers=cfg.layers)
     rec["model_load_s"] = time.perf_counter() - t0
@@ -272,23 +273,7 @@ def _train_loop(config: dict) -> None:
     run2 = PassRun(kind2, job, rank, world, device, pass_uri(job.output_uri, kind2.name)).start() \
         if job.passes.get("pass2") else None
     if cfg.needs_basis:
-        buri = basis_uri(job.output_uri)
-        have = broadcast_object(storage.exists(_manifest(buri), job.store) if rank == 0 else None, rank)
-        t0 = time.perf_counter()
-        if have:
-            basis = load_eigenbasis(buri, job.store)
-            rec["eigenbasis"] = "loaded"
-        else:
-            if rank == 0:
-                say(f"[curvature] eigenbasis: {_eigen_work(stats)}, spread over {world} worker(s)")
-            basis = distributed_eigenbasis(stats, rank, world, device, rec, every_s=cfg.log_every_s)
-            rec["eigenbasis"] = "computed"
-            if rank == 0:
-                save_eigenbasis(buri, basis, stats.count, job.store)
-            dist.barrier()
-        rec["eigen_s"] = time.perf_counter() - t0
-        if rank == 0:
-            say(f"[curvature] eigenbasis {rec['eigenbasis']} in {rec['eigen_s']:.1f} s")
+        basis = _eigenbasis(job, stats, rank, world, device, rec)
 
     if run2 is not None:
         dev_basis = Eigenbasis(layers={k: b.to(device=device) for k, b in basis.layers.items()},
@@ -300,17 +285,49 @@ def _train_loop(config: dict) -> None:
         stats = stats.with_efb(kind2.efb(res2.state), res2.counts["efb_count"])
         del res2
 
+    _write_reduced(job, stats, rank, world, rec, t_all)
+
+
+def _eigenbasis(job: Job, stats: CurvatureStatistics, rank: int, world: int, device, rec: dict[str, Any]) -> Eigenbasis:
+    """The run's eigenbasis: loaded when an earlier attempt saved it, else spread over the
+    workers and saved by rank 0; ``rec`` gets ``eigenbasis`` ("loaded"/"computed") and ``eigen_s``."""
+    import torch.distributed as dist
+
+    buri = basis_uri(job.output_uri)
+    have = broadcast_object(job.store.exists(_manifest(buri)) if rank == 0 else None, rank)
+    t0 = time.perf_counter()
+    if have:
+        basis = load_eigenbasis(buri, job.store)
+        rec["eigenbasis"] = "loaded"
+    else:
+        if rank == 0:
+            say(f"[curvature] eigenbasis: {_eigen_work(stats)}, spread over {world} worker(s)")
+        basis = distributed_eigenbasis(stats, rank, world, device, rec, every_s=job.cfg.log_every_s)
+        rec["eigenbasis"] = "computed"
+        if rank == 0:
+            save_eigenbasis(buri, basis, stats.count, job.store)
+        dist.barrier()
+    rec["eigen_s"] = time.perf_counter() - t0
+    if rank == 0:
+        say(f"[curvature] eigenbasis {rec['eigenbasis']} in {rec['eigen_s']:.1f} s")
+    return basis
+
+
+def _write_reduced(job: Job, stats: CurvatureStatistics, rank: int, world: int, rec: dict[str, Any],
+                   t_all: float) -> None:
+    """Rank 0 writes ``stats/reduced`` and the worker report (every rank's record); all ranks meet after."""
+    import torch.distributed as dist
+
     if rank == 0:
         t0 = time.perf_counter()
-        stats.save(reduced_uri(job.output_uri), storage.fsspec_options(job.output_uri, job.store))
+        stats.save(job.store.reduced_uri(), job.store.fsspec_options(job.output_uri))
         rec["write_reduced_s"] = time.perf_counter() - t0
         rec["reduced_bytes"] = tensor_bytes(stats.flat_tensors())
     rec["total_s"] = time.perf_counter() - t_all
     recs = [None] * world
     dist.all_gather_object(recs, {k: v for k, v in rec.items() if not k.startswith("skipped")})
     if rank == 0:
-        storage.write_json_atomic(storage.join(job.output_uri, "stats", "worker_report.json"),
-                                  {**rec, "ranks": recs}, job.store)
+        job.store.write_json_atomic(job.store.worker_report_uri(), {**rec, "ranks": recs})
     dist.barrier()
 
 
@@ -332,10 +349,9 @@ def run_curvature(
     model_spec,
     partitions: Sequence[Any],
     cfg: CurvatureConfig,
-    output_uri: str,
+    store: RunStore,
     *,
     data_config=None,
-    endpoint_url: storage.Store = None,
     run_name: str | None = None,
 ) -> CurvatureResult:
     """Run the curvature stage; see the module docstring.
@@ -346,7 +362,8 @@ def run_curvature(
     (``pipelines.ingest.index`` partitions, turned into Ray Datasets with ``build_dataset(partition,
     data_config)``, or ready ``ray.data.Dataset`` objects with columns ``image`` (float32
     3xHxW), ``label``, optional ``valid``/``path``). Partition ids are the partitions'
-    ``index`` or their list position. Ray must be initialised (or this calls ``ray.init()``).
+    ``index`` or their list position. ``store``: the run's store (its output and resolved storage
+    options), handed to every worker as is. Ray must be initialised (or this calls ``ray.init()``).
     """
     import ray
 
@@ -356,7 +373,7 @@ def run_curvature(
         raise ValueError("run_curvature needs at least one data partition")
     if not ray.is_initialized():
         ray.init()
-    store = storage.resolve_options(endpoint_url)  # resolved here, travels to every worker as is
+    output_uri = store.output
     model = model_ref(model_spec)
     ids, by_id, rows = index_partitions(partitions)
     efb_ids = efb_partition_ids(ids, rows, cfg.efb_fraction, cfg.efb_max_examples) if cfg.needs_efb else ()
@@ -365,7 +382,7 @@ def run_curvature(
     fp = curvature_fingerprint(model, ids, efb_ids, rows, by_id, cfg)
 
     passes = {"pass1": tuple(ids), "pass2": tuple(efb_ids)}
-    done = {name: finished_partitions(output_uri, name, fp, store) for name in passes}
+    done = {name: finished_partitions(store, name, fp) for name in passes}
     # index partitions: each rank builds the dataset of its share when its pass reaches the
     # partition (every partition is there, should a rank resume from an older checkpoint);
     # ready-made Ray Datasets go to the trainer as they are
@@ -374,16 +391,25 @@ def run_curvature(
     datasets = {dataset_name(name, pid): ready[pid] for name, pids in passes.items() for pid in pids
                 if pid in ready and pid not in done[name]}
 
-    job = Job(model=model, cfg=cfg, output_uri=output_uri, store=store, passes=passes, rows=rows, run_id=run_id,
+    job = Job(model=model, cfg=cfg, store=store, passes=passes, rows=rows, run_id=run_id,
               use_gpu=bool(use_gpu), fingerprint=fp, sources=sources)
     trainer = make_trainer(_train_loop, {"job": job}, cfg, bool(use_gpu), f"curvature-{run_id}", output_uri, datasets)
     t0 = time.perf_counter()
     fit_interruptibly(trainer, trainer_cpus(cfg, data_config), "curvature")
     fit_s = time.perf_counter() - t0
 
-    stats = CurvatureStatistics.load(reduced_uri(output_uri), storage.fsspec_options(output_uri, store))
+    return _curvature_result(job, done, fit_s)
+
+
+def _curvature_result(job: Job, done: Mapping[str, Sequence[int]], fit_s: float) -> CurvatureResult:
+    """After the fit: the reduced statistics, the eigenbasis and the worker report read back, the
+    partitions computed here and those taken from checkpoints (``done``), and the summary written
+    to ``stats/curvature.json``."""
+    store, cfg, passes = job.store, job.cfg, job.passes
+    output_uri = store.output
+    stats = CurvatureStatistics.load(store.reduced_uri(), store.fsspec_options(output_uri))
     basis = load_eigenbasis(basis_uri(output_uri), store) if cfg.needs_basis else None
-    report = storage.read_json(layout.worker_report_uri(output_uri), store)
+    report = store.read_json(store.worker_report_uri())
 
     computed = {k: tuple(p for p in v if p not in done[k]) for k, v in passes.items()}
     reused = {k: tuple(p for p in v if p in done[k]) for k, v in passes.items()}
@@ -393,14 +419,14 @@ def run_curvature(
     timings = {"fit_s": fit_s, "worker": report}
     skipped = {"pass1": report.get("skipped_pass1", {}), "pass2": report.get("skipped_pass2", {})}
     summary = {
-        "run_id": run_id,
-        "model": dataclasses.asdict(model),
+        "run_id": job.run_id,
+        "model": dataclasses.asdict(job.model),
         "config": _cfg_json(cfg),
-        "fingerprint": fp,
+        "fingerprint": job.fingerprint,
         "num_workers": cfg.num_workers,
-        "use_gpu": bool(use_gpu),
-        "partitions": list(ids),
-        "efb_partitions": list(efb_ids),
+        "use_gpu": job.use_gpu,
+        "partitions": list(passes["pass1"]),
+        "efb_partitions": list(passes["pass2"]),
         "computed_partitions": {k: list(v) for k, v in computed.items()},
         "reused_partitions": {k: list(v) for k, v in reused.items()},
         "count": stats.count,
@@ -413,11 +439,11 @@ def run_curvature(
         "timings": timings,
         "skipped": skipped,
     }
-    storage.write_json_atomic(layout.curvature_summary_uri(output_uri), summary, store)
+    store.write_json_atomic(store.curvature_summary_uri(), summary)
     return CurvatureResult(
         output_uri=output_uri, stats=stats, basis=basis, timings=timings, allreduce_seconds=ar_s,
         allreduce_bytes=ar_b, skipped=skipped, computed_partitions=computed, reused_partitions=reused,
-        efb_partitions=tuple(efb_ids), num_workers=cfg.num_workers, use_gpu=bool(use_gpu), run_id=run_id,
+        efb_partitions=tuple(passes["pass2"]), num_workers=cfg.num_workers, use_gpu=job.use_gpu, run_id=job.run_id,
         passes=summary["passes"],
     )
 

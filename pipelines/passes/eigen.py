@@ -20,7 +20,7 @@ import torch
 from laplace_core.basis.eigenbasis import Eigenbasis, LayerBasis, layer_eigenbasis
 from laplace_core.io import load_tensors, save_tensors
 from laplace_core.curvature.statistics import CurvatureStatistics
-from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 from pipelines.distributed.progress import say
 
 __all__ = ["eigh_cost", "assign_layers", "loads", "save_eigenbasis", "load_eigenbasis", "distributed_eigenbasis"]
@@ -58,7 +58,7 @@ def loads(shapes: Mapping[str, tuple[int, int]], plan: Mapping[int, Sequence[str
 
 
 # --------------------------------------------------------------------------- eigenbasis I/O
-def save_eigenbasis(uri: str, basis: Eigenbasis, count: int, endpoint_url: storage.Store = None) -> None:
+def save_eigenbasis(uri: str, basis: Eigenbasis, count: int, store: RunStore) -> None:
     """``<uri>/`` artifact with ``<layer>/{U_A,S_A,U_G,S_G}`` and the clamp counts."""
     meta = {
         "format": "infoform.eigenbasis",
@@ -67,11 +67,11 @@ def save_eigenbasis(uri: str, basis: Eigenbasis, count: int, endpoint_url: stora
         "clamped": {k: int(v) for k, v in basis.clamped.items()},
         "count": int(count),
     }
-    save_tensors(uri, basis.flat_tensors(), meta, storage.fsspec_options(uri, endpoint_url))
+    save_tensors(uri, basis.flat_tensors(), meta, store.fsspec_options(uri))
 
 
-def load_eigenbasis(uri: str, endpoint_url: storage.Store = None) -> Eigenbasis:
-    tensors, meta = load_tensors(uri, storage.fsspec_options(uri, endpoint_url))
+def load_eigenbasis(uri: str, store: RunStore = RunStore()) -> Eigenbasis:
+    tensors, meta = load_tensors(uri, store.fsspec_options(uri))
     if meta.get("format") != "infoform.eigenbasis":
         raise ValueError(f"{uri}: not an eigenbasis artifact (format {meta.get('format')!r})")
     return Eigenbasis.from_flat(tensors, list(meta["names"]), meta.get("clamped", {}))

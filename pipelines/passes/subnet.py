@@ -62,9 +62,10 @@ from laplace_core.posteriors.subnet import SELECTION_RULES, select_subnetwork
 
 from pipelines.distributed.progress import say
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 from pipelines.config.schema import SUBNET_FISHER_TYPES, PosteriorSpec
 from pipelines.config.settings import same_as
-from pipelines.passes.curvature import CurvatureConfig, pass_records, reduced_uri
+from pipelines.passes.curvature import CurvatureConfig, pass_records
 from pipelines.distributed import (
     DTYPES,
     Job,
@@ -235,21 +236,21 @@ def _masks_digest(masks: Mapping[str, torch.Tensor]) -> str:
 
 
 def save_subnet_fisher(uri: str, fisher_sum: torch.Tensor, count: int, masks: Mapping[str, torch.Tensor],
-                       meta: Mapping[str, Any], endpoint_url: storage.Store = None) -> None:
+                       meta: Mapping[str, Any], store: RunStore) -> None:
     """``<uri>/`` artifact: ``fisher_triu`` (the upper triangle of the symmetric ``S x S`` sum,
     row by row), ``mask/<layer>`` (bool ``m x n``, model order)."""
     tensors = {"fisher_triu": pack_symmetric(fisher_sum.detach()).cpu().contiguous()}
     for k, mk in masks.items():
         tensors[f"mask/{k}"] = mk.detach().cpu().contiguous()
     save_tensors(uri, tensors, {**meta, "format": FORMAT, "version": 1, "count": int(count), "names": list(masks)},
-                 storage.fsspec_options(uri, endpoint_url))
+                 store.fsspec_options(uri))
 
 
-def load_subnet_fisher(uri: str, endpoint_url: storage.Store = None
+def load_subnet_fisher(uri: str, store: RunStore = RunStore()
                        ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor], dict[str, Any]]:
     """``(fisher_sum, count, masks, meta)`` from :func:`save_subnet_fisher` (``fisher_sum`` the full,
     exactly symmetric ``S x S`` matrix; masks in model order)."""
-    tensors, meta = load_tensors(uri, storage.fsspec_options(uri, endpoint_url))
+    tensors, meta = load_tensors(uri, store.fsspec_options(uri))
     if meta.get("format") != FORMAT:
         raise ValueError(f"{uri}: not a subnet Fisher artifact (format {meta.get('format')!r})")
     masks = {k: tensors[f"mask/{k}"].to(torch.bool) for k in meta["names"]}
@@ -257,23 +258,23 @@ def load_subnet_fisher(uri: str, endpoint_url: storage.Store = None
 
 
 # =========================================================================== worker side
-def latest_checkpoint(base_uri: str, fingerprint: str, endpoint_url: storage.Store = None
+def latest_checkpoint(base_uri: str, fingerprint: str, store: RunStore = RunStore()
                       ) -> tuple[str, dict[str, Any]] | None:
     """``(uri, meta)`` of the checkpoint under ``base_uri`` (:func:`subnet_partial_uri`) with
     the most finished partitions whose manifest is committed and whose fingerprint is
     ``fingerprint``; ``None`` when there is none. Checkpoints of another fingerprint (a
     different model, data or selection) are never used."""
-    found = ckpt.list_checkpoints(base_uri, fingerprint, endpoint_url, PARTIAL_FORMAT, tag="subnet")
+    found = ckpt.list_checkpoints(base_uri, fingerprint, store, PARTIAL_FORMAT, tag="subnet")
     return found[0] if found else None
 
 
-def load_checkpoint(base_uri: str, fingerprint: str, endpoint_url: storage.Store = None
+def load_checkpoint(base_uri: str, fingerprint: str, store: RunStore = RunStore()
                     ) -> tuple[str, dict[str, Any], torch.Tensor] | None:
     """``(uri, meta, fisher_sum)`` (the full symmetric ``S x S`` running sum) of the most
     advanced checkpoint that loads and passes its SHA-256 check. A corrupted or truncated one
     is reported in one line and passed over, so its partitions are computed again instead of
     failing the pass; ``None`` when no checkpoint is usable."""
-    found = ckpt.load_checkpoint(base_uri, fingerprint, endpoint_url, PARTIAL_FORMAT, tag="subnet")
+    found = ckpt.load_checkpoint(base_uri, fingerprint, store, PARTIAL_FORMAT, tag="subnet")
     if found is None:
         return None
     uri, meta, tensors = found
@@ -295,7 +296,7 @@ def _subnet_loop(config: dict) -> None:
     masks: dict[str, torch.Tensor] = config["masks"]
     meta: dict[str, Any] = config["meta"]
     partial: str = config["partial_uri"]
-    cfg, ep = job.cfg, job.store
+    cfg = job.cfg
     rank, world, device = worker_setup(job)
     S = int(meta["subnet_size"])
     kind = SubnetFisherKind(cfg, S, masks, scfg.fisher, scfg.dtype, scfg.memory_budget_bytes)
@@ -303,7 +304,7 @@ def _subnet_loop(config: dict) -> None:
     if rank == 0 and run.rec["reused"]:
         say(f"[subnet] resuming from {run.rec['resumed_from']}: {len(run.rec['reused'])} partition(s) done, "
               f"{len(run.todo)} to compute")
-    model = load_model(job.model.name, job.model.weights, job.model.num_classes, endpoint_url=ep)
+    model = load_model(job.model.name, job.model.weights, job.model.num_classes, options=job.store.options)
     kind.bind(model.to(device=device, dtype=DTYPES[cfg.model_dtype]).eval())
     res = run.run(scfg.checkpoint_every_s)
     count = res.counts["count"]
@@ -319,8 +320,8 @@ def _subnet_loop(config: dict) -> None:
             "allreduce_bytes": r["allreduce_bytes"], "allreduce_calls": r["allreduce_calls"],
             "checkpoint_s": r["write_s"], "checkpoints": r["checkpoints"], "ranks": recs,
             "written_at": time.time(), "computed_partitions": r["computed"], "reused_partitions": r["reused"],
-        }, ep)
-        storage.remove(partial, recursive=True, endpoint_url=ep)
+        }, job.store)
+        job.store.remove(partial, recursive=True)
         say(f"[subnet] S = {S}: Fisher over {count} examples written ({res.rows} rows, "
               f"{res.invalid} invalid)")
     dist.barrier()
@@ -332,16 +333,16 @@ def run_subnet_pass(
     partitions: Sequence[Any],
     cfg: CurvatureConfig,
     scfg: SubnetConfig,
-    output_uri: str,
+    store: RunStore,
     *,
     data_config=None,
-    endpoint_url: str | None = None,
     stats: CurvatureStatistics | None = None,
     run_name: str | None = None,
 ) -> SubnetResult:
     """Select the subnetwork from ``stats`` (default: ``<output>/stats/reduced``), check
     memory, and compute the all-reduced ``S x S`` Fisher on ``cfg.num_workers`` Ray Train
     workers over ``partitions`` (as :func:`pipelines.passes.curvature.run_curvature` takes them;
+    ``store``: the run's store, which travels to every worker as is;
     runtime settings, ``seed``, ``mc_samples``, ``model_dtype`` from ``cfg``). Writes
     ``<output>/stats/subnet/``; reuses it when its fingerprint matches. Ray must be
     initialised (or this calls ``ray.init()``)."""
@@ -351,12 +352,52 @@ def run_subnet_pass(
         raise ValueError("run_subnet_pass needs a CurvatureConfig and a SubnetConfig")
     if not partitions:
         raise ValueError("run_subnet_pass needs at least one data partition")
-    endpoint_url = storage.resolve_options(endpoint_url)  # resolved here, travels to every worker as is
+    output_uri = store.output
     if stats is None:
-        stats = CurvatureStatistics.load(reduced_uri(output_uri), storage.fsspec_options(output_uri, endpoint_url))
+        stats = CurvatureStatistics.load(store.reduced_uri(), store.fsspec_options(output_uri))
     masks, S, D = select_masks(stats, scfg)
     model = model_ref(model_spec)
     ids, by_id, rows = index_partitions(partitions)
+    meta = _subnet_meta(stats, masks, S, D, cfg, scfg)
+    meta["fingerprint"] = fp = fingerprint({
+        "model": dataclasses.asdict(model), "partitions": ids, "rows": [rows[p] for p in ids],
+        "data": [getattr(by_id[p], "fingerprint", None) for p in ids], "masks": _masks_digest(masks),
+        **{k: meta[k] for k in ("fisher", "mc_samples", "seed", "dtype", "model_dtype")},
+    })
+    uri = subnet_uri(output_uri)
+    old = store.read_json(storage.join(uri, ckpt.MANIFEST)).get("meta", {}) \
+        if store.exists(storage.join(uri, ckpt.MANIFEST)) else {}
+    if old.get("format") == FORMAT and old.get("fingerprint") == fp:
+        say(f"[subnet] {uri}: done earlier (same fingerprint), reused")
+        return _result(uri, meta, old, scfg, computed=False, fit_s=0.0)
+
+    if not ray.is_initialized():
+        ray.init()
+    use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
+    run_id = run_name or f"subnet-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    partial = subnet_partial_uri(output_uri)
+    found = ckpt.load_checkpoint(partial, fp, store, PARTIAL_FORMAT, tag="subnet")
+    done = set(found[1]["done"]) if found is not None else set()
+    del found
+    data_config = decode_cpus_that_fit(cfg, data_config, "subnet")
+    sources, ready = put_sources(by_id, ids, data_config, cfg.num_workers)  # index partitions: read by the ranks when reached
+    datasets = {dataset_name(SubnetFisherKind.name, pid): ready[pid] for pid in ids if pid in ready and pid not in done}
+    job = Job(model=model, cfg=cfg, store=store, passes={SubnetFisherKind.name: tuple(ids)},
+              rows=rows, run_id=run_id, use_gpu=bool(use_gpu), fingerprint=fp, sources=sources)
+    trainer = make_trainer(_subnet_loop, {"job": job, "subnet": scfg, "masks": masks, "meta": meta, "uri": uri,
+                                          "partial_uri": partial},
+                            cfg, bool(use_gpu), run_id, output_uri, datasets)
+    say(f"[subnet] S = {S} of {D} weights ({scfg.rule}), {scfg.fisher} Fisher on {cfg.num_workers} worker(s)")
+    t0 = time.perf_counter()
+    fit_interruptibly(trainer, trainer_cpus(cfg, data_config), "subnet")
+    fit_s = time.perf_counter() - t0
+    written = store.read_json(storage.join(uri, ckpt.MANIFEST))["meta"]
+    return _result(uri, meta, written, scfg, computed=True, fit_s=fit_s)
+
+
+def _subnet_meta(stats: CurvatureStatistics, masks: Mapping[str, torch.Tensor], S: int, D: int,
+                 cfg: CurvatureConfig, scfg: SubnetConfig) -> dict[str, Any]:
+    """The artifact's metadata of a selection (without its fingerprint); dead selected weights said in one line."""
     meta = {
         "subnet_size": S, "requested_size": int(scfg.subnet_size), "d_total": D, "fisher": scfg.fisher,
         "mc_samples": cfg.mc_samples if scfg.fisher == "mc" else 1, "seed": cfg.seed, "rule": scfg.rule,
@@ -371,49 +412,20 @@ def run_subnet_pass(
         if scfg.rule == "wasserstein":
             say("[subnet] hint: --set posterior.subnet_rule=wasserstein_live ranks only weights with a live "
                   "Fisher diagonal")
-    fp = fingerprint({
-        "model": dataclasses.asdict(model), "partitions": ids, "rows": [rows[p] for p in ids],
-        "data": [getattr(by_id[p], "fingerprint", None) for p in ids], "masks": _masks_digest(masks),
-        **{k: meta[k] for k in ("fisher", "mc_samples", "seed", "dtype", "model_dtype")},
-    })
-    meta["fingerprint"] = fp
-    uri = subnet_uri(output_uri)
-    old = storage.read_json(storage.join(uri, ckpt.MANIFEST), endpoint_url).get("meta", {}) \
-        if storage.exists(storage.join(uri, ckpt.MANIFEST), endpoint_url) else {}
-    if old.get("format") == FORMAT and old.get("fingerprint") == fp:
-        say(f"[subnet] {uri}: done earlier (same fingerprint), reused")
-        return SubnetResult(uri=uri, subnet_size=S, d_total=D, count=int(old["count"]), fisher=scfg.fisher,
-                            computed=False,
-                            fit_s=0.0, allreduce_s=0.0, allreduce_bytes=0, rows=int(old.get("rows", 0)),
-                            skipped=old.get("skipped", {}), per_layer=meta["per_layer"],
-                            zero_fisher=meta["zero_fisher"])
+    return meta
 
-    if not ray.is_initialized():
-        ray.init()
-    use_gpu = cfg.use_gpu if cfg.use_gpu is not None else ray.cluster_resources().get("GPU", 0) > 0
-    run_id = run_name or f"subnet-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    partial = subnet_partial_uri(output_uri)
-    found = ckpt.load_checkpoint(partial, fp, endpoint_url, PARTIAL_FORMAT, tag="subnet")
-    done = set(found[1]["done"]) if found is not None else set()
-    del found
-    data_config = decode_cpus_that_fit(cfg, data_config, "subnet")
-    sources, ready = put_sources(by_id, ids, data_config, cfg.num_workers)  # index partitions: read by the ranks when reached
-    datasets = {dataset_name(SubnetFisherKind.name, pid): ready[pid] for pid in ids if pid in ready and pid not in done}
-    job = Job(model=model, cfg=cfg, output_uri=output_uri, store=endpoint_url, passes={SubnetFisherKind.name: tuple(ids)},
-              rows=rows, run_id=run_id, use_gpu=bool(use_gpu), fingerprint=fp, sources=sources)
-    trainer = make_trainer(_subnet_loop, {"job": job, "subnet": scfg, "masks": masks, "meta": meta, "uri": uri,
-                                          "partial_uri": partial},
-                            cfg, bool(use_gpu), run_id, output_uri, datasets)
-    say(f"[subnet] S = {S} of {D} weights ({scfg.rule}), {scfg.fisher} Fisher on {cfg.num_workers} worker(s)")
-    t0 = time.perf_counter()
-    fit_interruptibly(trainer, trainer_cpus(cfg, data_config), "subnet")
-    fit_s = time.perf_counter() - t0
-    written = storage.read_json(storage.join(uri, ckpt.MANIFEST), endpoint_url)["meta"]
-    count = int(written["count"])
-    return SubnetResult(uri=uri, subnet_size=S, d_total=D, count=count, fisher=scfg.fisher, computed=True, fit_s=fit_s,
-                        allreduce_s=float(written.get("allreduce_s", 0.0)),
-                        allreduce_bytes=int(written.get("allreduce_bytes", 0)), rows=int(written.get("rows", 0)),
-                        skipped=written.get("skipped", {}), per_layer=meta["per_layer"], zero_fisher=meta["zero_fisher"],
+
+def _result(uri: str, meta: Mapping[str, Any], written: Mapping[str, Any], scfg: SubnetConfig, *,
+            computed: bool, fit_s: float) -> SubnetResult:
+    """The :class:`SubnetResult` of the artifact at ``uri`` (``written``: its manifest's metadata);
+    an artifact reused from before reports no collection (no all-reduce, no partitions)."""
+    common = dict(uri=uri, subnet_size=meta["subnet_size"], d_total=meta["d_total"], count=int(written["count"]),
+                  fisher=scfg.fisher, computed=computed, fit_s=fit_s, rows=int(written.get("rows", 0)),
+                  skipped=written.get("skipped", {}), per_layer=meta["per_layer"], zero_fisher=meta["zero_fisher"])
+    if not computed:
+        return SubnetResult(**common, allreduce_s=0.0, allreduce_bytes=0)
+    return SubnetResult(**common, allreduce_s=float(written.get("allreduce_s", 0.0)),
+                        allreduce_bytes=int(written.get("allreduce_bytes", 0)),
                         computed_partitions=tuple(written.get("computed_partitions", ())),
                         reused_partitions=tuple(written.get("reused_partitions", ())),
                         passes=pass_records({"ranks": [{"subnet": r} for r in written.get("ranks", [])]}))

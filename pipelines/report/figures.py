@@ -27,7 +27,7 @@ from pipelines.report.inputs import (SEARCH_OBJECTIVES, check_metrics, chosen_po
                                      is_finite, objective_info, pick_variant, posterior_sizes, reliability_points,
                                      scored, search_rows, variant_label)
 from pipelines.report.methods import method_color, method_label, order_methods
-from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = ["FIGURE_NAMES", "render_reliability", "render_entropy", "render_hyper", "render_comparison",
            "render_standard", "plot_reliability", "plot_entropy", "plot_hyper"]
@@ -197,17 +197,8 @@ def render_entropy(metrics_by_method: Mapping[str, Mapping[str, Any]]) -> bytes:
     return _png(fig)
 
 
-def render_hyper(search_table: Any, chosen: Mapping[str, Any] | None = None,
-                 objectives: Sequence[str] | None = None) -> bytes:
-    """PNG bytes of the search landscape: one row per method, one panel per objective column
-    (default: the first 3 present of ``nll``, ``accuracy``, ECE, ``brier``; a column named by its
-    ECE variant, e.g. ``ece_equal_width_15``, is preferred over a bare ``ece`` and labelled with
-    the variant, a bare ``ece`` is labelled "ECE" as the table does not say which), points at
-    (log10 N, log10 τ) coloured by the objective (colour bar; bright = better), failed
-    configurations as red crosses, the chosen point as a star (Lee et al. Fig. 9)."""
-    rows = search_rows(search_table)
-    if not rows:
-        raise ValueError("search table is empty: nothing to plot")
+def _hyper_objectives(rows: Sequence[Mapping[str, Any]], objectives: Sequence[str] | None) -> list[str]:
+    """The objective columns of :func:`render_hyper`: ``objectives`` checked, or the first 3 present."""
     cols = list(dict.fromkeys(c for r in rows for c in r))
     named = [c for c in cols if c not in SEARCH_OBJECTIVES and objective_info(c)]
     present = [c for c in ("nll", "accuracy") if any(r.get(c) is not None for r in rows)]
@@ -221,6 +212,56 @@ def render_hyper(search_table: Any, chosen: Mapping[str, Any] | None = None,
             raise ValueError(f"unknown objective(s) {bad}; valid: {list(SEARCH_OBJECTIVES)} or ece_<variant>")
     if not objectives:
         raise ValueError(f"search table has no objective column; expected one of {list(SEARCH_OBJECTIVES)}")
+    return list(objectives)
+
+
+def _hyper_panel(fig: Any, ax: Any, meth: str, mrows: Sequence[Mapping[str, Any]], obj: str,
+                 star: tuple[float, float] | None) -> set[str]:
+    """One method's configurations coloured by one objective (with its colour bar), the failed
+    ones as red crosses and the chosen one as a star; returns the markers drawn ("failed", "chosen")."""
+    happened: set[str] = set()
+    label, higher_better = objective_info(obj)
+    ok = [r for r in mrows if not failed_row(r) and r.get(obj) is not None]
+    bad = [r for r in mrows if failed_row(r) or r.get(obj) is None]
+    if ok:
+        vals = [float(r[obj]) for r in ok]
+        lo, hi = _clip_range(vals)
+        sc = ax.scatter([r["log10_n"] for r in ok], [r["log10_tau"] for r in ok], c=vals,
+                        cmap="viridis" if higher_better else "viridis_r", s=46, marker="s",
+                        edgecolors="none", vmin=lo, vmax=hi)
+        clipped = min(vals) < lo or max(vals) > hi
+        cb = fig.colorbar(sc, ax=ax, fraction=0.07, pad=0.03, extend="both" if clipped else "neither")
+        cb.set_label(f"{label} ({'higher' if higher_better else 'lower'} is better)"
+                     + (", clipped to 10–90%" if clipped else ""), fontsize=8)
+        cb.ax.tick_params(labelsize=7)
+    if bad:
+        happened.add("failed")
+        ax.scatter([r["log10_n"] for r in bad], [r["log10_tau"] for r in bad], marker="x", color="red",
+                   s=40, lw=1.5)
+    if star is not None:
+        happened.add("chosen")
+        ax.scatter([star[0]], [star[1]], marker="*", s=260, color="gold", edgecolors="black", lw=1.0,
+                   zorder=5)
+    ax.set_title(f"{method_label(meth)} — {label}", fontsize=10)
+    ax.set_xlabel("log10 N", fontsize=9)
+    ax.set_ylabel("log10 τ", fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.margins(0.08)
+    return happened
+
+
+def render_hyper(search_table: Any, chosen: Mapping[str, Any] | None = None,
+                 objectives: Sequence[str] | None = None) -> bytes:
+    """PNG bytes of the search landscape: one row per method, one panel per objective column
+    (default: the first 3 present of ``nll``, ``accuracy``, ECE, ``brier``; a column named by its
+    ECE variant, e.g. ``ece_equal_width_15``, is preferred over a bare ``ece`` and labelled with
+    the variant, a bare ``ece`` is labelled "ECE" as the table does not say which), points at
+    (log10 N, log10 τ) coloured by the objective (colour bar; bright = better), failed
+    configurations as red crosses, the chosen point as a star (Lee et al. Fig. 9)."""
+    rows = search_rows(search_table)
+    if not rows:
+        raise ValueError("search table is empty: nothing to plot")
+    objectives = _hyper_objectives(rows, objectives)
     methods = order_methods(r["method"] for r in rows)
     nr, nc = len(methods), len(objectives)
     # Fixed margins in inches instead of constrained layout: with a colour bar per panel the
@@ -237,34 +278,7 @@ def render_hyper(search_table: Any, chosen: Mapping[str, Any] | None = None,
         mrows = [r for r in rows if r["method"] == meth and r["log10_n"] is not None and r["log10_tau"] is not None]
         star = chosen_point(chosen, meth)
         for j, obj in enumerate(objectives):
-            ax = axes[i][j]
-            label, higher_better = objective_info(obj)
-            ok = [r for r in mrows if not failed_row(r) and r.get(obj) is not None]
-            bad = [r for r in mrows if failed_row(r) or r.get(obj) is None]
-            if ok:
-                vals = [float(r[obj]) for r in ok]
-                lo, hi = _clip_range(vals)
-                sc = ax.scatter([r["log10_n"] for r in ok], [r["log10_tau"] for r in ok], c=vals,
-                                cmap="viridis" if higher_better else "viridis_r", s=46, marker="s",
-                                edgecolors="none", vmin=lo, vmax=hi)
-                clipped = min(vals) < lo or max(vals) > hi
-                cb = fig.colorbar(sc, ax=ax, fraction=0.07, pad=0.03, extend="both" if clipped else "neither")
-                cb.set_label(f"{label} ({'higher' if higher_better else 'lower'} is better)"
-                             + (", clipped to 10–90%" if clipped else ""), fontsize=8)
-                cb.ax.tick_params(labelsize=7)
-            if bad:
-                happened.add("failed")
-                ax.scatter([r["log10_n"] for r in bad], [r["log10_tau"] for r in bad], marker="x", color="red",
-                           s=40, lw=1.5)
-            if star is not None:
-                happened.add("chosen")
-                ax.scatter([star[0]], [star[1]], marker="*", s=260, color="gold", edgecolors="black", lw=1.0,
-                           zorder=5)
-            ax.set_title(f"{method_label(meth)} — {label}", fontsize=10)
-            ax.set_xlabel("log10 N", fontsize=9)
-            ax.set_ylabel("log10 τ", fontsize=9)
-            ax.tick_params(labelsize=8)
-            ax.margins(0.08)
+            happened |= _hyper_panel(fig, axes[i][j], meth, mrows, obj, star)
     handles = [Line2D([0], [0], marker="s", ls="", color="#3b528b", label="evaluated configuration")]
     if "failed" in happened:
         handles.append(Line2D([0], [0], marker="x", ls="", color="red", mew=1.5, label="failed configuration"))
@@ -285,20 +299,20 @@ def _clip_range(vals: Sequence[float]) -> tuple[float, float]:
 
 
 def plot_reliability(metrics_by_method: Mapping[str, Mapping[str, Any]], path: str, variant: str | None = None,
-                     endpoint_url: str | None = None) -> None:
+                     store: RunStore = RunStore()) -> None:
     """Write ``reliability.png`` (see :func:`render_reliability`) to ``path`` (local or s3://)."""
-    storage.write_bytes_atomic(path, render_reliability(metrics_by_method, variant), endpoint_url)
+    store.write_bytes_atomic(path, render_reliability(metrics_by_method, variant))
 
 
-def plot_entropy(metrics_by_method: Mapping[str, Mapping[str, Any]], path: str, endpoint_url: str | None = None) -> None:
+def plot_entropy(metrics_by_method: Mapping[str, Mapping[str, Any]], path: str, store: RunStore = RunStore()) -> None:
     """Write ``entropy.png`` (see :func:`render_entropy`) to ``path`` (local or s3://)."""
-    storage.write_bytes_atomic(path, render_entropy(metrics_by_method), endpoint_url)
+    store.write_bytes_atomic(path, render_entropy(metrics_by_method))
 
 
 def plot_hyper(search_table: Any, chosen: Mapping[str, Any] | None, path: str,
-               objectives: Sequence[str] | None = None, endpoint_url: str | None = None) -> None:
+               objectives: Sequence[str] | None = None, store: RunStore = RunStore()) -> None:
     """Write ``hyper.png`` (see :func:`render_hyper`) to ``path`` (local or s3://)."""
-    storage.write_bytes_atomic(path, render_hyper(search_table, chosen, objectives), endpoint_url)
+    store.write_bytes_atomic(path, render_hyper(search_table, chosen, objectives))
 
 
 def render_standard(mbm: Mapping[str, Mapping[str, Any]], summary: Mapping[str, Any], rows: list[dict],
@@ -324,17 +338,26 @@ def render_standard(mbm: Mapping[str, Mapping[str, Any]], summary: Mapping[str, 
     return out
 
 
+def _comparison_value(summary: Mapping[str, Any], mbm: Mapping[str, Mapping[str, Any]], meth: str,
+                      key: str | None) -> Any:
+    """One bar of :func:`render_comparison`: the method's posterior size in MB (``key="mb"``), its
+    OOD AUROC, or its metric ``key``; None when the model has no such number."""
+    if key == "mb":
+        return posterior_sizes(summary).get(meth, {}).get("mb")
+    if meth not in mbm or key is None:
+        return None
+    if key == "auroc":
+        ood = mbm[meth].get("ood")
+        return ood.get("auroc") if isinstance(ood, Mapping) else None
+    return mbm[meth].get(key)
+
+
 def render_comparison(per_model: Mapping[str, tuple[Mapping[str, Any], Mapping[str, Mapping[str, Any]]]]) -> bytes:
     """PNG bytes: grouped bars (one group per model, one bar per method) of NLL, ECE (first
     variant), OOD AUROC and posterior size in MB (log scale)."""
     models = list(per_model)
     methods = order_methods(m for _, mbm in per_model.values() for m in mbm)
-    ece_key = None
-    for _, mbm in per_model.values():
-        for d in mbm.values():
-            v = ece_variants(d)
-            if v:
-                ece_key = ece_key or v[0]
+    ece_key = next((v[0] for _, mbm in per_model.values() for d in mbm.values() if (v := ece_variants(d))), None)
     panels = [("nll", "NLL (lower is better)"),
               (ece_key[0] if ece_key else None,
                f"ECE, {variant_label(ece_key[1], ece_key[2])} (lower is better)" if ece_key else "ECE"),
@@ -347,16 +370,7 @@ def render_comparison(per_model: Mapping[str, tuple[Mapping[str, Any], Mapping[s
         for k, meth in enumerate(methods):
             xs, ys = [], []
             for i, model in enumerate(models):
-                summary, mbm = per_model[model]
-                if key == "mb":
-                    v = posterior_sizes(summary).get(meth, {}).get("mb")
-                elif meth not in mbm or key is None:
-                    v = None
-                elif key == "auroc":
-                    ood = mbm[meth].get("ood")
-                    v = ood.get("auroc") if isinstance(ood, Mapping) else None
-                else:
-                    v = mbm[meth].get(key)
+                v = _comparison_value(*per_model[model], meth, key)
                 if is_finite(v):
                     xs.append(i - 0.4 + (k + 0.5) * width)
                     ys.append(v * 100 if key and key.startswith("ece_") else v)

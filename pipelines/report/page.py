@@ -180,19 +180,18 @@ def _kv(obj: Any, prefix: str = "") -> KeyValues:
     """Key/value rows; nested mappings become dotted keys (``train.num_files``)."""
     if obj is None:
         return []
-    if isinstance(obj, Mapping):
-        out: KeyValues = []
-        for k, v in obj.items():
-            key = f"{prefix}{k}"
-            if isinstance(v, Mapping) and v:
-                out += _kv(v, f"{key}.")
-            elif isinstance(v, (list, tuple)) and v and all(isinstance(x, Mapping) for x in v):
-                for i, x in enumerate(v):
-                    out += _kv(x, f"{key}[{i}].")
-            else:
-                out.append((key, v if isinstance(v, str) else _readable(v)))
-        return out
-    return [("", str(obj))]
+    if not isinstance(obj, Mapping):
+        return [("", str(obj))]
+    return [row for k, v in obj.items() for row in _kv_entry(f"{prefix}{k}", v)]
+
+
+def _kv_entry(key: str, v: Any) -> KeyValues:
+    """The rows of one entry: a nested mapping (or list of mappings) under dotted keys, else one row."""
+    if isinstance(v, Mapping) and v:
+        return _kv(v, f"{key}.")
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, Mapping) for x in v):
+        return [row for i, x in enumerate(v) for row in _kv(x, f"{key}[{i}].")]
+    return [(key, v if isinstance(v, str) else _readable(v))]
 
 
 def _summary(run_summary: Mapping[str, Any], model: str | None = None) -> tuple[Table | None, list[str]]:

@@ -11,7 +11,7 @@ import io
 from typing import Any, Mapping
 
 from pipelines.report.methods import method_color, method_label, order_methods
-from pipelines.storage import layout
+from pipelines.storage.store import RunStore
 from pipelines.storage import uris as storage
 
 __all__ = ["SHIFT_METRICS", "load_shift", "shift_headline", "render_shift"]
@@ -20,13 +20,13 @@ __all__ = ["SHIFT_METRICS", "load_shift", "shift_headline", "render_shift"]
 SHIFT_METRICS = (("accuracy", "accuracy"), ("nll", "NLL"), ("ece", "ECE"))
 
 
-def load_shift(output: str, methods, endpoint_url: storage.Store = None) -> dict[str, dict]:
-    """``{method: shift.json}`` for the methods that have one."""
+def load_shift(store: RunStore, methods) -> dict[str, dict]:
+    """``{method: shift.json}`` of the run's store, for the methods that have one."""
     out = {}
     for m in methods:
-        uri = storage.join(layout.eval_uri(output, m), "shift.json")
-        if storage.exists(uri, endpoint_url):
-            out[m] = storage.read_json(uri, endpoint_url)
+        uri = storage.join(store.eval_uri(m), "shift.json")
+        if store.exists(uri):
+            out[m] = store.read_json(uri)
     return {m: out[m] for m in order_methods(out)}
 
 

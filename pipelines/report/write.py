@@ -3,8 +3,8 @@
 
 Each function checks its inputs, builds the page model once (:mod:`pipelines.report.page`),
 renders the figures (:mod:`pipelines.report.figures`) and the two templates
-(:mod:`pipelines.report.render`). All writes go through :mod:`pipelines.storage.uris` (atomic;
-local or s3://).
+(:mod:`pipelines.report.render`). All writes go through the run's store
+(:class:`pipelines.storage.store.RunStore`: atomic; local or s3://).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pipelines.report.inputs import check_metrics, search_rows, split_failed
 from pipelines.report.page import build_audit_page, build_report_page, figure_ref, model_section
 from pipelines.report.render import render_audit_html, render_audit_markdown, render_html, render_markdown
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = ["write_report", "write_audit_report"]
 
@@ -36,11 +37,10 @@ def _output(output: Any) -> str:
     return output.rstrip("/")
 
 
-def write_report(output_dir_or_uri: str, run_summary: Mapping[str, Any],
+def write_report(store: RunStore, run_summary: Mapping[str, Any],
                  metrics_by_method: Mapping[str, Mapping[str, Any]], search_table: Any = None,
-                 figures: Mapping[str, str] | None = None, endpoint_url: str | None = None,
-                 sections: Sequence[Any] = ()) -> dict[str, str]:
-    """Write ``report.html``, ``report.md`` and ``figures/<name>.png`` under ``output_dir_or_uri``.
+                 figures: Mapping[str, str] | None = None, sections: Sequence[Any] = ()) -> dict[str, str]:
+    """Write ``report.html``, ``report.md`` and ``figures/<name>.png`` under the store's output.
     ``sections`` (:class:`~pipelines.report.page.Section`) are shown after the OOD and
     selective-prediction tables (e.g. the history of a scheduled audit, :mod:`pipelines.report.history`).
 
@@ -54,7 +54,7 @@ def write_report(output_dir_or_uri: str, run_summary: Mapping[str, Any],
     ok, failed = split_failed(metrics_by_method)
     mbm = check_metrics(ok, allow_empty=bool(failed))
     rows = search_rows(search_table)
-    out = _output(output_dir_or_uri)
+    out = _output(store.output)
     page = build_report_page(run_summary, mbm, rows, failed=failed)  # checks the summary before any write
     paths: dict[str, str] = {}
     pngs: dict[str, bytes] = {}
@@ -63,27 +63,26 @@ def write_report(output_dir_or_uri: str, run_summary: Mapping[str, Any],
     for name in FIGURE_NAMES:
         if name in rendered:
             uri = storage.join(out, "figures", f"{name}.png")
-            storage.write_bytes_atomic(uri, rendered[name], endpoint_url)
+            store.write_bytes_atomic(uri, rendered[name])
             paths[name], pngs[name] = uri, rendered[name]
         elif name in given:
-            paths[name], pngs[name] = given[name], storage.read_bytes(given[name], endpoint_url)
+            paths[name], pngs[name] = given[name], store.read_bytes(given[name])
     for name, uri in given.items():
         if name not in pngs:
-            paths[name], pngs[name] = uri, storage.read_bytes(uri, endpoint_url)
+            paths[name], pngs[name] = uri, store.read_bytes(uri)
     page = dataclasses.replace(page, figures=[figure_ref(n, png=pngs[n], link=_relative_link(out, u))
                                               for n, u in paths.items()], practice=page.practice + list(sections))
     paths["html"] = storage.join(out, "report.html")
     paths["md"] = storage.join(out, "report.md")
-    storage.write_bytes_atomic(paths["html"], render_html(page).encode("utf-8"), endpoint_url)
-    storage.write_bytes_atomic(paths["md"], render_markdown(page).encode("utf-8"), endpoint_url)
+    store.write_bytes_atomic(paths["html"], render_html(page).encode("utf-8"))
+    store.write_bytes_atomic(paths["md"], render_markdown(page).encode("utf-8"))
     return paths
 
 
-def write_audit_report(output: str, per_model: Mapping[str, tuple[Mapping[str, Any], Mapping[str, Mapping[str, Any]]]],
+def write_audit_report(store: RunStore, per_model: Mapping[str, tuple[Mapping[str, Any], Mapping[str, Mapping[str, Any]]]],
                        search_tables: Mapping[str, Any] | None = None, title: str | None = None,
-                       endpoint_url: str | None = None,
                        model_figures: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, str]:
-    """Several models in one comparison report: ``audit.html`` + ``audit.md`` under ``output``.
+    """Several models in one comparison report: ``audit.html`` + ``audit.md`` under the store's output.
 
     ``per_model``: ``{model_name: (run_summary, metrics_by_method)}``; ``search_tables``:
     optional ``{model_name: search table}``. The page holds the Table-3-style size table
@@ -108,24 +107,24 @@ def write_audit_report(output: str, per_model: Mapping[str, tuple[Mapping[str, A
     safe = {m: _safe_name(m) for m in checked}
     if len(set(safe.values())) != len(safe):
         raise ValueError(f"model names collide after making them path-safe: {safe}")
-    out = _output(output)
+    out = _output(store.output)
     search_tables = dict(search_tables or {})
     paths: dict[str, str] = {}
     comp = render_comparison(checked)
     paths["comparison"] = storage.join(out, "figures", "comparison.png")
-    storage.write_bytes_atomic(paths["comparison"], comp, endpoint_url)
+    store.write_bytes_atomic(paths["comparison"], comp)
     sections = []
     for model, (summary, mbm) in checked.items():
         rows = search_rows(search_tables.get(model))
         figs = []
         for name, png in (render_standard(mbm, summary, rows) if mbm else {}).items():
             uri = storage.join(out, "figures", safe[model], f"{name}.png")
-            storage.write_bytes_atomic(uri, png, endpoint_url)
+            store.write_bytes_atomic(uri, png)
             paths[f"{model}/{name}"] = uri
             figs.append(figure_ref(name, png=png, link=_relative_link(out, uri), alt=f"{model} {name}"))
         for name, uri in (model_figures or {}).get(model, {}).items():
             paths[f"{model}/{name}"] = uri
-            figs.append(figure_ref(name, png=storage.read_bytes(uri, endpoint_url), link=_relative_link(out, uri),
+            figs.append(figure_ref(name, png=store.read_bytes(uri), link=_relative_link(out, uri),
                                    alt=f"{model} {name}"))
         sections.append(model_section(model, safe[model], summary, rows, figs))
     comparison = figure_ref("comparison", png=comp, link=_relative_link(out, paths["comparison"]),
@@ -133,6 +132,6 @@ def write_audit_report(output: str, per_model: Mapping[str, tuple[Mapping[str, A
     page = build_audit_page(checked, comparison, sections, failed=failed, title=title)
     paths["html"] = storage.join(out, "audit.html")
     paths["md"] = storage.join(out, "audit.md")
-    storage.write_bytes_atomic(paths["html"], render_audit_html(page).encode("utf-8"), endpoint_url)
-    storage.write_bytes_atomic(paths["md"], render_audit_markdown(page).encode("utf-8"), endpoint_url)
+    store.write_bytes_atomic(paths["html"], render_audit_html(page).encode("utf-8"))
+    store.write_bytes_atomic(paths["md"], render_audit_markdown(page).encode("utf-8"))
     return paths

@@ -25,23 +25,25 @@ import torch
 
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
-__all__ = ["RunError", "RunInfo", "LoadedRun", "read_run", "load_run", "as_store"]
+__all__ = ["RunError", "RunInfo", "LoadedRun", "read_run", "load_run", "as_options"]
 
 
 class RunError(ValueError):
     """A run that cannot be used (missing, unfinished, another model): one line."""
 
 
-def as_store(storage_options: Any) -> storage.Store:
-    """``storage_options`` as the project's store settings: ``None``, an endpoint string, a
-    :class:`~pipelines.storage.uris.StorageOptions`, or a dict of s3fs keyword arguments
-    (``endpoint_url`` taken out of it)."""
-    if storage_options is None or isinstance(storage_options, (str, storage.StorageOptions)):
+def as_options(storage_options: Any) -> storage.StorageOptions | None:
+    """``load_run``'s ``storage_options`` as :class:`~pipelines.storage.uris.StorageOptions`: ``None``,
+    an endpoint string, StorageOptions, or a dict of s3fs keyword arguments (its endpoint taken out)."""
+    if storage_options is None or isinstance(storage_options, storage.StorageOptions):
         return storage_options
+    if isinstance(storage_options, str):
+        return storage.StorageOptions(storage_options)
     if isinstance(storage_options, Mapping):
         opts = dict(storage_options)
-        return storage.StorageOptions(opts.pop("endpoint_url", None), opts).resolved()
+        return storage.StorageOptions(opts.pop("endpoint_url", None), opts)
     raise RunError(f"storage_options must be None, an endpoint URL, StorageOptions or a dict, "
                    f"got {type(storage_options).__name__}")
 
@@ -49,7 +51,8 @@ def as_store(storage_options: Any) -> storage.Store:
 @dataclass(frozen=True)
 class RunInfo:
     """What a finished run holds (see the module docstring). ``uri``: the model's own output
-    folder (``models/<name>/`` inside an audit); ``root``: the run's output (its config)."""
+    folder (``models/<name>/`` inside an audit); ``root``: the run's output (its config);
+    ``store``: the run's store as reached from here (every read, and the scores' writes)."""
 
     uri: str
     root: str
@@ -58,7 +61,7 @@ class RunInfo:
     posterior_uris: dict[str, str]
     hyper: dict[str, tuple[float, float]]
     temperature: float | None
-    ep: storage.Store = None
+    store: RunStore = RunStore()
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -79,7 +82,7 @@ class RunInfo:
 
         return eval_config(self.config, **overrides)
 
-    def data_config(self, root: str, endpoint_url: storage.Store = None):
+    def data_config(self, root: str):
         """The run's image transforms (size, resize, mean, std) for the unlabeled images under ``root``."""
         from pipelines.cli.plan import DataPlan, data_config
 
@@ -90,8 +93,7 @@ class RunInfo:
             mean, std = NORMALIZE_MEAN, NORMALIZE_STD
         plan = DataPlan(root=root, ood=None, mean=mean, std=std, demo=None)
         dc = data_config(self.config, plan, None, unlabeled=True)
-        return dataclasses.replace(dc, endpoint_url=endpoint_url if endpoint_url is not None else self.ep,
-                                   format="auto")
+        return dataclasses.replace(dc, storage_options=self.store.options, format="auto")
 
     def split(self, name: str = "test"):
         """``(index, data config)`` of one of the run's own splits (``test``, ``search``, ``ood``),
@@ -106,46 +108,46 @@ class RunInfo:
         return got
 
 
-def _read_json(uri: str, ep: storage.Store, what: str) -> Any:
+def _read_json(uri: str, store: RunStore, what: str) -> Any:
     try:
-        return storage.read_json(uri, ep)
+        return store.read_json(uri)
     except FileNotFoundError:
         raise RunError(f"{uri} not found: {what}") from None
     except (OSError, ValueError) as e:
         raise RunError(f"cannot read {uri}: {type(e).__name__}: {e}") from None
 
 
-def _model_dir(uri: str, ep: storage.Store, model_name: str | None) -> tuple[str, dict[str, Any]]:
+def _model_dir(uri: str, store: RunStore, model_name: str | None) -> tuple[str, dict[str, Any]]:
     """The model's own output folder and its run.json (the sub-run of an audit by ``model_name``)."""
-    run_json = _read_json(layout.run_json_uri(uri), ep, "not the output of a finished run (no run.json)")
+    run_json = _read_json(layout.run_json_uri(uri), store, "not the output of a finished run (no run.json)")
     if isinstance(run_json.get("models"), dict):  # an audit of several models
         names = sorted(run_json["models"])
         if model_name is None or model_name not in names:
             raise RunError(f"{uri} is an audit of models {', '.join(names)}: "
                            f"{'give' if model_name is None else 'not ' + repr(model_name) + '; give'} --model-name")
         sub = layout.model_dir(uri, model_name)
-        return sub, _read_json(layout.run_json_uri(sub), ep, f"model {model_name!r} of the audit has not finished")
+        return sub, _read_json(layout.run_json_uri(sub), store, f"model {model_name!r} of the audit has not finished")
     return uri, run_json
 
 
-def read_run(uri: str, endpoint_url: storage.Store = None, model_name: str | None = None) -> RunInfo:
-    """The :class:`RunInfo` of the run at ``uri``; :class:`RunError` (one line) when it is not
+def read_run(store: RunStore, model_name: str | None = None) -> RunInfo:
+    """The :class:`RunInfo` of the run at ``store.output`` (read with the store's options, built
+    by the caller: ``score`` or :func:`load_run`); :class:`RunError` (one line) when it is not
     a finished run, when ``model_name`` names another model, or when its weights or
     posteriors are missing."""
     from laplace_core.io import MANIFEST_FILE
     from pipelines.config.load import from_dict
     from pipelines.config.schema import ConfigError, RunConfig
 
-    uri = uri.rstrip("/") or uri
-    ep = endpoint_url
-    sub, run_json = _model_dir(uri, ep, model_name)
+    uri = store.output.rstrip("/") or store.output
+    store = store.at(uri)
+    sub, run_json = _model_dir(uri, store, model_name)
     try:
-        cfg = from_dict(RunConfig, _read_json(layout.config_uri(uri), ep, "the run's config.json is missing"))
+        cfg = from_dict(RunConfig, _read_json(layout.config_uri(uri), store, "the run's config.json is missing"))
     except ConfigError as e:
         raise RunError(f"{layout.config_uri(uri)}: {e}") from None
-    endpoint = ep.endpoint_url if isinstance(ep, storage.StorageOptions) else ep
-    if endpoint:  # the store as reached from here (the run's own config may name none)
-        cfg = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, endpoint_url=endpoint))
+    if store.options.endpoint:  # the store as reached from here (the run's own config may name none)
+        cfg = dataclasses.replace(cfg, storage=dataclasses.replace(cfg.storage, endpoint_url=store.options.endpoint))
     model = dict(run_json.get("model") or {})
     if model_name is not None and model.get("name") != model_name:
         raise RunError(f"run {uri} holds model {model.get('name')!r}, not {model_name!r}")
@@ -153,24 +155,24 @@ def read_run(uri: str, endpoint_url: storage.Store = None, model_name: str | Non
     num_classes = spec.num_classes or (run_json.get("data") or {}).get("num_classes")
     model = {"name": model.get("name"), "weights": model.get("weights"), "num_classes": num_classes}
     weights = model["weights"]
-    if weights and ("/" in weights or "." in weights) and not storage.exists(weights, ep):
+    if weights and ("/" in weights or "." in weights) and not store.exists(weights):
         raise RunError(f"run {uri}: its model weights {weights} are missing")
     fitted = (run_json.get("reused") or {}).get("search") or sub  # a scheduled audit's origin (pipelines.cli.reuse)
-    post = _read_json(layout.stage_marker_uri(fitted, "posterior"), ep, "the run has no posterior stage")
+    post = _read_json(layout.stage_marker_uri(fitted, "posterior"), store, "the run has no posterior stage")
     uris = {m: layout.posterior_uri(fitted, m) for m in (post.get("summary") or {}).get("posteriors") or {}}
     for m, u in uris.items():
-        if not storage.exists(storage.join(u, MANIFEST_FILE), ep):
+        if not store.exists(storage.join(u, MANIFEST_FILE)):
             raise RunError(f"run {uri}: the {m} posterior at {u} is missing")
     hyper, temperature = {}, None
     search_uri = layout.stage_marker_uri(fitted, "search")
-    if storage.exists(search_uri, ep):
-        srch = _read_json(search_uri, ep, "")["summary"]
+    if store.exists(search_uri):
+        srch = _read_json(search_uri, store, "")["summary"]
         hyper = {m: (float(c["n_data"]), float(c["prior_precision"]))
                  for m, c in (srch.get("chosen") or {}).items() if c and m in uris}
         if srch.get("temperature"):
             temperature = float(srch["temperature"]["temperature"])
     return RunInfo(uri=sub, root=uri, config=cfg, model=model, posterior_uris=uris, hyper=hyper,
-                   temperature=temperature, ep=ep)
+                   temperature=temperature, store=store)
 
 
 def make_method_predictor(model: torch.nn.Module, posteriors: Mapping[str, Any], method: str, pred_type: str,
@@ -199,9 +201,9 @@ class LoadedRun:
 
         self.info, self.device = info, device
         self.ev = info.eval_config()
-        self.model = load_eval_model(info.model, dtype=self.ev.torch_dtype, device=device, endpoint_url=info.ep,
+        self.model = load_eval_model(info.model, dtype=self.ev.torch_dtype, device=device, store=info.store,
                                      precision=self.ev.precision)
-        posts = load_posteriors(info.posterior_uris, info.hyper or None, info.ep)
+        posts = load_posteriors(info.posterior_uris, info.hyper or None, info.store)
         self.posteriors = {m: p if torch.device(device).type == "cpu" else p.to(device) for m, p in posts.items()}
         self.hyper, self.temperature = dict(info.hyper), info.temperature
         self.data_config = info.data_config(info.uri)
@@ -248,4 +250,4 @@ def load_run(uri: str, storage_options: Any = None, model_name: str | None = Non
     """Load a finished run (a local folder or ``s3://`` prefix) into this process. ``storage_options``:
     an endpoint URL, :class:`~pipelines.storage.uris.StorageOptions` or a dict of s3fs options;
     ``model_name``: which model of an audit."""
-    return LoadedRun(read_run(uri, as_store(storage_options), model_name), device=device)
+    return LoadedRun(read_run(RunStore.open(uri, as_options(storage_options)), model_name), device=device)

@@ -33,6 +33,7 @@ import numpy as np
 from pipelines.evaluation.actors import ModelActor
 from pipelines.serve.run_loader import RunError, RunInfo, make_method_predictor
 from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = ["ScoreSettings", "ScoreActor", "block_uri", "score_index", "flag_threshold", "read_scores",
            "TPR", "MANIFEST"]
@@ -84,8 +85,8 @@ class ScoreActor(ModelActor):
     turns a batch of decoded images into the score columns."""
 
     def __init__(self, model: Mapping[str, Any], posterior_uris: Mapping[str, str], hyper, cfg: Any,
-                 endpoint_url: storage.Store, settings: ScoreSettings, temperature: float | None):
-        super().__init__(model, posterior_uris, hyper, cfg, endpoint_url)
+                 store: RunStore, settings: ScoreSettings, temperature: float | None):
+        super().__init__(model, posterior_uris, hyper, cfg, store)
         self.settings = settings
         if self.init_error is None:
             try:
@@ -153,36 +154,36 @@ def _table(rows: dict[str, np.ndarray], threshold: float | None):
     return pa.table(cols)
 
 
-def _write_block(uri: str, rows: dict[str, np.ndarray], threshold: float | None, ep: storage.Store) -> None:
+def _write_block(uri: str, rows: dict[str, np.ndarray], threshold: float | None, store: RunStore) -> None:
     import pyarrow.parquet as pq
 
     buf = io.BytesIO()
     pq.write_table(_table(rows, threshold), buf)
-    storage.write_bytes_atomic(uri, buf.getvalue(), ep)
+    store.write_bytes_atomic(uri, buf.getvalue())
 
 
-def read_scores(output: str, endpoint_url: storage.Store = None):
+def read_scores(output: str, store: RunStore = RunStore()):
     """Every block of a scoring output as one ``pyarrow.Table``, in index order."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    names = sorted(n for n in storage.listdir(output, endpoint_url) if n.rsplit("/", 1)[-1].startswith("part-")
+    names = sorted(n for n in store.listdir(output) if n.rsplit("/", 1)[-1].startswith("part-")
                    and n.endswith(".parquet"))
-    tables = [pq.read_table(io.BytesIO(storage.read_bytes(storage.join(output, n.rsplit("/", 1)[-1]),
-                                                          endpoint_url))) for n in names]
+    tables = [pq.read_table(io.BytesIO(store.read_bytes(storage.join(output, n.rsplit("/", 1)[-1]))))
+              for n in names]
     return pa.concat_tables(tables) if tables else None
 
 
 class _Blocks:
     """The driver's buffer: rows arrive in any order; a block is written once it is complete."""
 
-    def __init__(self, todo: list, output: str, threshold: float | None, ep: storage.Store):
+    def __init__(self, todo: list, output: str, threshold: float | None, store: RunStore):
         self.where = {p: (b.id, i) for b in todo for i, p in enumerate(b.paths)}
         self.size = {b.id: len(b) for b in todo}
         self.parts = {b.id: b for b in todo}
         self.buf: dict[int, list] = {b.id: [] for b in todo}
         self.got = dict.fromkeys(self.size, 0)
-        self.output, self.threshold, self.ep = output, threshold, ep
+        self.output, self.threshold, self.store = output, threshold, store
         self.written = 0
 
     def add(self, batch: dict[str, np.ndarray]) -> None:
@@ -199,7 +200,7 @@ class _Blocks:
         pos = np.concatenate([p for p, _ in pieces])
         order = np.argsort(pos, kind="stable")
         rows = {k: np.concatenate([d[k] for _, d in pieces])[order] for k in pieces[0][1]}
-        _write_block(block_uri(self.output, self.parts[b]), rows, self.threshold, self.ep)
+        _write_block(block_uri(self.output, self.parts[b]), rows, self.threshold, self.store)
         self.written += 1
 
     def missing(self) -> list[int]:
@@ -217,7 +218,7 @@ def _manifest(info: RunInfo, index: Any, s: ScoreSettings, n_blocks: int, thresh
 
 
 def plan_blocks(info: RunInfo, index: Any, output: str, s: ScoreSettings, threshold: float | None,
-                ep: storage.Store, check_only: bool = False) -> tuple[list, list]:
+                check_only: bool = False) -> tuple[list, list]:
     """``(all blocks, blocks still to compute)``; writes the manifest, or refuses (RunError) an
     output that holds a scoring with other settings. No cluster work. ``check_only``: only the
     refusal (a ``threshold`` of None, not known yet, is not compared)."""
@@ -228,16 +229,16 @@ def plan_blocks(info: RunInfo, index: Any, output: str, s: ScoreSettings, thresh
     blocks = partition(index, partition_size=s.block_size)
     man = _manifest(info, index, s, len(blocks), threshold)
     uri = storage.join(output, MANIFEST)
-    if storage.exists(uri, ep):
-        old = storage.read_json(uri, ep)
+    if info.store.exists(uri):
+        old = info.store.read_json(uri)
         diff = sorted(k for k in man if old.get(k) != man[k]
                       and not (check_only and threshold is None and k == "flag_threshold"))
         if diff:
             raise RunError(f"{output} already holds a scoring with other settings ({', '.join(diff)}); "
                            "use a new --output")
     elif not check_only:
-        storage.write_json_atomic(uri, man, ep)
-    todo = [b for b in blocks if not storage.exists(block_uri(output, b), ep)]
+        info.store.write_json_atomic(uri, man)
+    todo = [b for b in blocks if not info.store.exists(block_uri(output, b))]
     return blocks, todo
 
 
@@ -255,15 +256,15 @@ def _resources(ev: Any, num_actors: int) -> tuple[float, float]:
 
 
 def score_index(info: RunInfo, index: Any, data_cfg: Any, output: str, s: ScoreSettings,
-                threshold: float | None, ep: storage.Store = None, log=print) -> dict[str, Any]:
-    """Score ``index`` (decoded with ``data_cfg``) into ``output``; only the blocks without a
+                threshold: float | None, log=print) -> dict[str, Any]:
+    """Score ``index`` (decoded with ``data_cfg``) into ``output`` (with the run's storage options); only the blocks without a
     file are computed. Returns ``{"blocks", "computed", "images", "seconds", "images_per_s"}``."""
     import ray.data
 
     from pipelines.errors import StageError, cause_line
     from pipelines.ingest.batches import build_dataset
 
-    blocks, todo = plan_blocks(info, index, output, s, threshold, ep)
+    blocks, todo = plan_blocks(info, index, output, s, threshold)
     out = {"blocks": len(blocks), "computed": len(todo), "images": sum(len(b) for b in todo), "output": output}
     log(f"[score] {output}: {len(todo)} of {len(blocks)} block(s) to compute ({out['images']} images)")
     if not todo:
@@ -279,10 +280,10 @@ def score_index(info: RunInfo, index: Any, data_cfg: Any, output: str, s: ScoreS
                                labels=tuple(y for b in todo for y in b.labels),
                                locations=tuple(loc for b in todo for loc in b.locations))
     ds = build_dataset(part, data_cfg).map_batches(
-        ScoreActor, fn_constructor_args=(info.model, uris, hyper, cfg, info.ep, s, info.temperature),
+        ScoreActor, fn_constructor_args=(info.model, uris, hyper, cfg, info.store, s, info.temperature),
         batch_size=s.map_batch_size or cfg.batch_size, batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=n_act), num_cpus=cpus, num_gpus=gpus)
-    sink = _Blocks(todo, output, threshold, ep)
+    sink = _Blocks(todo, output, threshold, info.store)
     done, last = 0, t0
     try:
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
@@ -301,23 +302,23 @@ def score_index(info: RunInfo, index: Any, data_cfg: Any, output: str, s: ScoreS
     return {**out, "seconds": secs, "images_per_s": done / secs}
 
 
-def flag_threshold(info: RunInfo, s: ScoreSettings, ep: storage.Store = None, log=print) -> dict[str, Any]:
+def flag_threshold(info: RunInfo, s: ScoreSettings, log=print) -> dict[str, Any]:
     """The entropy at 95% TPR on the run's in-distribution test split for this predictive: the
     smallest entropy that at least 95% of those images do not exceed (``flag`` = entropy above
     it). Read from ``<run>/score/flag-<key>.json``, or computed once by scoring the test split
     into ``<run>/score/test-<key>/`` (resumable as any scoring) and stored there."""
     uri = storage.join(info.uri, "score", f"flag-{s.key()}.json")
-    if storage.exists(uri, ep):
-        return storage.read_json(uri, ep)
+    if info.store.exists(uri):
+        return info.store.read_json(uri)
     index, dcfg = info.split("test")
     scores_uri = storage.join(info.uri, "score", f"test-{s.key()}")
     log(f"[score] flag threshold: scoring the run's test split ({len(index)} images) into {scores_uri}")
-    score_index(info, index, dcfg, scores_uri, dataclasses.replace(s, keep_probs=False, top_k=1), None, ep, log)
-    ent = read_scores(scores_uri, ep).column("entropy").to_numpy()
+    score_index(info, index, dcfg, scores_uri, dataclasses.replace(s, keep_probs=False, top_k=1), None, log)
+    ent = read_scores(scores_uri, info.store).column("entropy").to_numpy()
     ent = ent[~np.isnan(ent)]
     value = float(np.quantile(ent, TPR, method="inverted_cdf"))
     doc = {"entropy": value, "tpr": TPR, "num_images": int(ent.size), "scores": scores_uri, "predictive": s.key(),
            "source": "the run's in-distribution test split"}
-    storage.write_json_atomic(uri, doc, ep)
+    info.store.write_json_atomic(uri, doc)
     log(f"[score] flag threshold: entropy > {value:.4g} nats (95% TPR on {ent.size} test images), stored at {uri}")
     return doc

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from pipelines.storage import uris as storage
+from pipelines.storage.store import RunStore
 
 __all__ = ["expected_bytes", "announce", "tree_bytes", "drop", "human"]
 
@@ -40,21 +40,22 @@ def expected_bytes(report: Any, methods: Iterable[str], *, stats_bytes: int = 8,
         else:
             stats += m * n
             ckpt += m * n
-    posts: dict[str, int] = {}
-    for meth in methods:
-        if meth in ("kfac",):  # eigenvalues only, the eigenvectors are the eigenbasis'
-            num = sum((ls.m + ls.n) if ls.counts.get("kfac", 0) != ls.m * ls.n else ls.m * ls.n for ls in report.layers)
-        elif meth in ("efb", "kfac_exact"):
-            num = sum(ls.m * ls.n for ls in report.layers)
-        elif meth == "inf":
-            num = sum(ls.inf_lower or ls.m * ls.n for ls in report.layers)
-        elif meth == "diag":
-            num = sum(ls.counts["diag"] for ls in report.layers)
-        else:
-            continue
-        posts[meth] = num * post_bytes
+    posts = {meth: num * post_bytes for meth in methods if (num := _posterior_numbers(meth, report.layers)) is not None}
     return {"statistics": stats * stats_bytes, "eigenbasis": basis * 8, "checkpoint": ckpt * stats_bytes,
             "posteriors": posts}
+
+
+def _posterior_numbers(meth: str, layers: Iterable[Any]) -> int | None:
+    """Numbers a saved posterior of ``meth`` stores (None: a method not counted here)."""
+    if meth == "kfac":  # eigenvalues only, the eigenvectors are the eigenbasis'
+        return sum((ls.m + ls.n) if ls.counts.get("kfac", 0) != ls.m * ls.n else ls.m * ls.n for ls in layers)
+    if meth in ("efb", "kfac_exact"):
+        return sum(ls.m * ls.n for ls in layers)
+    if meth == "inf":
+        return sum(ls.inf_lower or ls.m * ls.n for ls in layers)
+    if meth == "diag":
+        return sum(ls.counts["diag"] for ls in layers)
+    return None
 
 
 def announce(est: Mapping[str, Any], keep_stats: bool) -> str:
@@ -67,19 +68,19 @@ def announce(est: Mapping[str, Any], keep_stats: bool) -> str:
             f"{human(stays)} stay after the run" + ("" if keep_stats else " (storage.keep_stats=false)"))
 
 
-def tree_bytes(uri: str, endpoint_url: storage.Store = None) -> int:
+def tree_bytes(uri: str, store: RunStore) -> int:
     """Bytes of every file under ``uri`` (0 when it does not exist)."""
-    if not storage.exists(uri, endpoint_url):
+    if not store.exists(uri):
         return 0
-    fs, path = storage.get_fs(uri, endpoint_url)
+    fs, path = store.fs(uri)
     return int(sum(fs.du(path, total=False).values())) if fs.isdir(path) else int(fs.size(path))
 
 
-def drop(uris: Iterable[str], endpoint_url: storage.Store = None) -> int:
+def drop(uris: Iterable[str], store: RunStore) -> int:
     """Remove the artifacts at ``uris`` (folders); returns the bytes freed."""
     freed = 0
     for uri in uris:
-        if storage.exists(uri, endpoint_url):
-            freed += tree_bytes(uri, endpoint_url)
-            storage.remove(uri, recursive=True, endpoint_url=endpoint_url)
+        if store.exists(uri):
+            freed += tree_bytes(uri, store)
+            store.remove(uri, recursive=True)
     return freed

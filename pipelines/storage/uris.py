@@ -7,15 +7,19 @@ functions; only this module knows about filesystems.
 - S3 (and S3-compatible stores such as MinIO or Ceph): ``s3://bucket/key``, via
   s3fs. Credentials come from the standard AWS chain (env vars, shared config
   files, instance / pod roles); they are never passed through or logged here.
-  The endpoint is, in order: the ``endpoint_url`` argument,
+  The endpoint is, in order: the run's ``storage.endpoint_url`` (``--endpoint-url``),
   ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, AWS's default.
 
-Every function takes the store's settings explicitly as its ``endpoint_url`` argument: an
-endpoint string, or a :class:`StorageOptions` (endpoint plus any other s3fs
-``storage_options``, e.g. ``client_kwargs: {region_name: ...}`` or
-``config_kwargs: {s3: {addressing_style: path}}``). The job resolves it once on the driver
-(:func:`StorageOptions.resolved`) and hands the same object to every Train worker, Ray Data
-task and actor, so nothing depends on a process's environment or mutates it.
+This module is the storage boundary: its functions take the store's settings explicitly as
+``options``, a :class:`StorageOptions` (endpoint plus any other s3fs ``storage_options``, e.g.
+``client_kwargs: {region_name: ...}`` or ``config_kwargs: {s3: {addressing_style: path}}``).
+The driver builds one :class:`pipelines.storage.store.RunStore` per run (the output URI and
+the options, resolved once on the driver by :meth:`StorageOptions.resolved`) and hands that
+same object to every stage, Train worker, Ray Data task and actor, which do their IO through
+its methods. Only the data readers (``pipelines.ingest``: the options travel in the
+``DataConfig``) and the driver's checks before the store exists (preflight, the demo's data)
+call these functions with the resolved options themselves; so nothing depends on a process's
+environment or mutates it.
 
 Atomicity: ``write_bytes_atomic`` writes a local file as a temporary sibling,
 fsyncs it, then ``os.replace`` -> readers see the old or the new file, never a
@@ -87,10 +91,9 @@ class StorageOptions:
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.endpoint_url is not None:
-            ep = urlsplit(str(self.endpoint_url))
-            if ep.scheme not in ("http", "https") or not ep.netloc:
-                raise ValueError(f"endpoint URL must look like http(s)://host[:port], got {self.endpoint_url!r}")
+        given = self.endpoint
+        if given is not None and (urlsplit(str(given)).scheme not in ("http", "https") or not urlsplit(str(given)).netloc):
+            raise ValueError(f"endpoint URL must look like http(s)://host[:port], got {given!r}")
         if not isinstance(self.options, Mapping):
             raise ValueError(f"storage options must be a mapping of s3fs keyword arguments, got {type(self.options).__name__}")
         for bad in ("key", "secret", "token", "aws_access_key_id", "aws_secret_access_key", "aws_session_token"):
@@ -98,43 +101,46 @@ class StorageOptions:
                 raise ValueError(f"storage option {bad!r}: credentials come from the AWS chain "
                                  "(environment, shared config, instance role), never from the run's config")
 
+    @property
+    def endpoint(self) -> str | None:
+        """The S3 endpoint given (None: the environment's or AWS's default)."""
+        return self.endpoint_url
+
     def resolved(self) -> "StorageOptions":
         """The same options with the endpoint filled in from ``AWS_ENDPOINT_URL_S3`` /
         ``AWS_ENDPOINT_URL`` when none was given (call on the driver; the result travels)."""
-        return StorageOptions(resolve_endpoint(self.endpoint_url), dict(self.options))
+        return StorageOptions(resolve_endpoint(self.endpoint), dict(self.options))
 
     def s3_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"use_listings_cache": False, **dict(self.options)}
-        if self.endpoint_url:
-            kwargs["endpoint_url"] = self.endpoint_url
-        return kwargs
+        """Keyword arguments of ``s3fs.S3FileSystem`` (and of a boto3 client, less the listing cache)."""
+        return {"use_listings_cache": False, **dict(self.options), **({"endpoint_url": self.endpoint} if self.endpoint else {})}
 
 
-#: What every function here accepts as ``endpoint_url``: an endpoint, full options, or None.
+#: What the functions here accept as ``options``: full options, an endpoint, or None (the environment's).
 Store = Union[StorageOptions, str, None]
 
 
 def resolve_options(store: Store) -> StorageOptions:
     """``store`` as :class:`StorageOptions`, the endpoint filled in from the environment when unset."""
     if isinstance(store, StorageOptions):
-        return store if store.endpoint_url else StorageOptions(resolve_endpoint(None), store.options)
+        return store if store.endpoint else StorageOptions(resolve_endpoint(None), store.options)
     if store is None or isinstance(store, str):
         return StorageOptions(resolve_endpoint(store))
     raise ValueError(f"expected an endpoint URL or StorageOptions, got {type(store).__name__}")
 
 
-def resolve_endpoint(endpoint_url: str | None = None) -> str | None:
-    """The S3 endpoint to use: argument, else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``."""
-    for value in (endpoint_url, os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL")):
+def resolve_endpoint(given: str | None = None) -> str | None:
+    """The S3 endpoint to use: ``given``, else ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``."""
+    for value in (given, os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_ENDPOINT_URL")):
         if value:
             return value
     return None
 
 
-def fsspec_options(uri: str, endpoint_url: Store = None) -> dict[str, Any]:
+def fsspec_options(uri: str, options: Store = None) -> dict[str, Any]:
     """``storage_options`` for fsspec-based readers of ``uri`` (e.g. :mod:`laplace_core.io`):
     ``{}`` for local paths, the s3fs keyword arguments for ``s3://``."""
-    return resolve_options(endpoint_url).s3_kwargs() if is_remote(uri) else {}
+    return resolve_options(options).s3_kwargs() if is_remote(uri) else {}
 
 
 def is_remote(uri: str) -> bool:
@@ -142,7 +148,7 @@ def is_remote(uri: str) -> bool:
     return SCHEMES[_scheme(uri)] != "local"
 
 
-def get_fs(uri: str, endpoint_url: Store = None) -> tuple[fsspec.AbstractFileSystem, str]:
+def get_fs(uri: str, options: Store = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """Filesystem and filesystem-native path for ``uri``.
 
     Local -> (LocalFileSystem, absolute posix path); s3 -> (S3FileSystem, "bucket/key").
@@ -157,7 +163,7 @@ def get_fs(uri: str, endpoint_url: Store = None) -> tuple[fsspec.AbstractFileSys
     if not parts.netloc:
         raise ValueError(f"S3 URI without a bucket: {uri!r} (expected s3://bucket/key)")
     path = (parts.netloc + parts.path).rstrip("/")
-    return fsspec.filesystem("s3", **resolve_options(endpoint_url).s3_kwargs()), path
+    return fsspec.filesystem("s3", **resolve_options(options).s3_kwargs()), path
 
 
 def join(uri: str, *parts: str) -> str:
@@ -173,32 +179,32 @@ def join(uri: str, *parts: str) -> str:
     return out
 
 
-def exists(uri: str, endpoint_url: Store = None) -> bool:
-    fs, path = get_fs(uri, endpoint_url)
+def exists(uri: str, options: Store = None) -> bool:
+    fs, path = get_fs(uri, options)
     fs.invalidate_cache(path)
     return bool(fs.exists(path))
 
 
-def isdir(uri: str, endpoint_url: Store = None) -> bool:
-    fs, path = get_fs(uri, endpoint_url)
+def isdir(uri: str, options: Store = None) -> bool:
+    fs, path = get_fs(uri, options)
     fs.invalidate_cache(path)
     return bool(fs.isdir(path))
 
 
-def read_bytes(uri: str, endpoint_url: Store = None) -> bytes:
+def read_bytes(uri: str, options: Store = None) -> bytes:
     """Whole object/file as bytes; FileNotFoundError names the URI."""
-    fs, path = get_fs(uri, endpoint_url)
+    fs, path = get_fs(uri, options)
     try:
         return fs.cat_file(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"no such file: {uri}") from None
 
 
-def write_bytes_atomic(uri: str, data: bytes, endpoint_url: Store = None) -> None:
+def write_bytes_atomic(uri: str, data: bytes, options: Store = None) -> None:
     """Write ``data`` so that readers never see a partial file (see module docstring)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError(f"data must be bytes, got {type(data).__name__}")
-    fs, path = get_fs(uri, endpoint_url)
+    fs, path = get_fs(uri, options)
     if is_remote(uri):
         fs.pipe_file(path, bytes(data))
         fs.invalidate_cache(path)
@@ -220,26 +226,26 @@ def write_bytes_atomic(uri: str, data: bytes, endpoint_url: Store = None) -> Non
         raise
 
 
-def write_json_atomic(uri: str, obj: Any, endpoint_url: Store = None) -> None:
+def write_json_atomic(uri: str, obj: Any, options: Store = None) -> None:
     """``json.dumps(obj, indent=2, sort_keys=True)`` written atomically (UTF-8)."""
     text = json.dumps(obj, indent=2, sort_keys=True, allow_nan=False)
-    write_bytes_atomic(uri, (text + "\n").encode("utf-8"), endpoint_url)
+    write_bytes_atomic(uri, (text + "\n").encode("utf-8"), options)
 
 
-def read_json(uri: str, endpoint_url: Store = None) -> Any:
-    raw = read_bytes(uri, endpoint_url)
+def read_json(uri: str, options: Store = None) -> Any:
+    raw = read_bytes(uri, options)
     try:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"not valid JSON: {uri}: {e}") from None
 
 
-def listdir(uri: str, endpoint_url: Store = None) -> list[str]:
+def listdir(uri: str, options: Store = None) -> list[str]:
     """Sorted names (not paths) of the entries directly under ``uri``; [] when it does not exist.
 
     On S3 a "directory" is a key prefix, so a missing prefix and an empty one look the same.
     """
-    fs, path = get_fs(uri, endpoint_url)
+    fs, path = get_fs(uri, options)
     fs.invalidate_cache(path)
     try:
         entries = fs.ls(path, detail=False)
@@ -255,9 +261,9 @@ def listdir(uri: str, endpoint_url: Store = None) -> list[str]:
     return sorted(names)
 
 
-def remove(uri: str, recursive: bool = False, endpoint_url: Store = None) -> None:
+def remove(uri: str, recursive: bool = False, options: Store = None) -> None:
     """Delete a file (or a tree with ``recursive=True``); missing -> no-op."""
-    fs, path = get_fs(uri, endpoint_url)
+    fs, path = get_fs(uri, options)
     fs.invalidate_cache(path)
     if not fs.exists(path):
         return
@@ -265,14 +271,14 @@ def remove(uri: str, recursive: bool = False, endpoint_url: Store = None) -> Non
     fs.invalidate_cache(path)
 
 
-def unreachable(endpoint_url: Store = None, timeout_s: float = 3.0) -> str | None:
+def unreachable(options: Store = None, timeout_s: float = 3.0) -> str | None:
     """Why the S3 endpoint cannot be reached (a TCP connection to its host and port within
     ``timeout_s``), or None when it answers. No request is sent and no credentials are needed,
     so a dead endpoint is told apart from missing credentials (botocore signs, and fails for want
     of credentials, before it connects)."""
     import socket
 
-    ep = resolve_options(endpoint_url).endpoint_url or "https://s3.amazonaws.com"
+    ep = resolve_options(options).endpoint or "https://s3.amazonaws.com"
     parts = urlsplit(ep)
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)

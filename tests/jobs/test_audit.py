@@ -369,16 +369,17 @@ def test_failed_evaluation_is_listed_not_fatal(audit_run, tmp_path):
     in the comparison's notes and left out of its rows; the other rows and figures stay."""
     from pipelines.report.load import load_eval_metrics
     from pipelines.report.write import write_audit_report
+    from pipelines.storage.store import RunStore
 
     out, _, _ = audit_run
     per_model = {}
     for model in MODELS:
         sub = out / "models" / model
-        metrics = load_eval_metrics(str(sub))
+        metrics = load_eval_metrics(RunStore.open(str(sub)))
         if model == "demo_cnn":
             metrics["kfac"] = {"method": "kfac", "status": "failed", "reason": "actor died"}
         per_model[model] = (json.loads((sub / "run.json").read_text()), metrics)
-    paths = write_audit_report(str(tmp_path), per_model)
+    paths = write_audit_report(RunStore.open(str(tmp_path)), per_model)
     page = _page(tmp_path)
     keys = page.tables["methods-table"]["keys"]
     assert "demo_cnn/kfac" not in keys and "tiny_cnn/kfac" in keys and "demo_cnn/inf" in keys

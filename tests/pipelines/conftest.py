@@ -10,8 +10,8 @@ Fixtures (all session-scoped unless said otherwise):
   ``ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.5})`` so
   Ray Data keeps a CPU to read with.
 - ``moto_s3``: a moto ``ThreadedMotoServer`` on 127.0.0.1 (free port); yields its endpoint
-  URL ``http://127.0.0.1:PORT``. Pass it as ``endpoint_url=`` (``pipelines.storage.uris``,
-  ``DataConfig``), or to s3fs as ``client_kwargs={"endpoint_url": ...}``.
+  URL ``http://127.0.0.1:PORT``. Pass it as ``StorageOptions(endpoint)`` (to ``RunStore.open``,
+  ``DataConfig(storage_options=...)``), or to s3fs as ``client_kwargs={"endpoint_url": ...}``.
 - ``s3_bucket`` (function-scoped): creates a fresh, uniquely named bucket on ``moto_s3``
   and yields ``(uri "s3://name", endpoint)``.
 - ``tiny_cnn_posteriors``: a factory ``(n_examples, methods, ...) -> dict``: ``tiny_cnn(3)``

@@ -20,8 +20,8 @@ def _names(cls) -> set[str]:
 CURVATURE_FROM_ELSEWHERE = {"methods": "posterior.methods", "norm_layers": "posterior.norm_layers",
                             "layers": "posterior.layers",
                             "fault_injection": "tests only"}
-DATA_FROM_ELSEWHERE = {"split", "classes", "classes_file", "unlabeled", "format", "endpoint_url",
-                       "num_partitions"}  # the run's plan per split; storage.endpoint_url; data.partition_size
+DATA_FROM_ELSEWHERE = {"split", "classes", "classes_file", "unlabeled", "format", "storage_options",
+                       "num_partitions"}  # the run's plan per split; the storage section; data.partition_size
 
 
 def test_every_curvature_and_data_setting_is_a_config_key():

@@ -10,6 +10,7 @@ import pytest
 
 import imagegen
 import retry_factories
+from pipelines.storage.store import RunStore
 from pipelines.errors import StageError
 from pipelines.ingest.index import DataConfig, partition
 from pipelines.ingest.scan import scan
@@ -32,7 +33,7 @@ def test_value_error_in_a_train_worker_ends_the_pass_at_once(tmp_path, ray_sessi
         os.remove(retry_factories.CALLS)
     spec = ModelSpec(name="retry_factories:raises_value_error", weights=None, num_classes=len(tree.classes))
     with pytest.raises(StageError) as err:
-        run_curvature(spec, parts, cfg, str(tmp_path / "out"), data_config=dcfg)
+        run_curvature(spec, parts, cfg, RunStore.open(str(tmp_path / "out")), data_config=dcfg)
     msg = str(err.value)
     assert "\n" not in msg and "ValueError" in msg and "'head9'" in msg and "not retried" in msg, msg
     # one attempt: each of the 2 workers built the model once (3 attempts with retries: 6 calls)

@@ -17,6 +17,7 @@ import torch
 import laplace_core as lc
 from laplace_core.metrics.suite import MetricSuite
 from laplace_core.predictive.monte_carlo import MCPredictor
+from pipelines.storage.store import RunStore
 from pipelines.evaluation.evaluate import evaluate
 from pipelines.evaluation.predictors import MAP
 from pipelines.evaluation.runtime import EvalConfig, SearchConfig
@@ -99,9 +100,9 @@ def test_one_and_two_actors_and_a_killed_actor_agree_and_match_a_direct_computat
     cfg = dict(mc_samples=3, seed=11, batch_size=32, dtype="float64", torch_threads=1, cpus_per_actor=0.5)
     out1, out2 = str(digits["root"] / "run1"), str(digits["root"] / "run2")
     r1 = evaluate(digits["model"], digits["uris"], _ds(digits, "test"), _ds(digits, "ood"),
-                  EvalConfig(num_actors=1, **cfg), output=out1)
+                  EvalConfig(num_actors=1, **cfg), store=RunStore.open(out1))
     r2 = evaluate(digits["model"], digits["uris"], _ds(digits, "test"), _ds(digits, "ood"),
-                  EvalConfig(num_actors=2, **cfg), output=out2)
+                  EvalConfig(num_actors=2, **cfg), store=RunStore.open(out2))
     assert list(r1) == [MAP, *METHODS]
     assert all(r["status"] == "ok" for r in r1.values())
     _assert_close(_strip(r1), _strip(r2))
@@ -231,12 +232,12 @@ def test_acceptance_digits_search_then_evaluate(ray_session, digits):
     out = str(digits["root"] / "acceptance")
     scfg = SearchConfig(num_configs=8, log10_n=(2.0, 4.0), log10_tau=(2.5, 3.5), mc_samples=5, seed=0,
                         batch_size=64, num_actors=2, torch_threads=1)
-    found = search(digits["model"], digits["uris"], _ds(digits, "val"), scfg, output=out)
+    found = search(digits["model"], digits["uris"], _ds(digits, "val"), scfg, store=RunStore.open(out))
     assert set(found.chosen) == set(METHODS)
     assert all(found.chosen[m] is not None for m in METHODS), found.notes
     res = evaluate(digits["model"], digits["uris"], _ds(digits, "test"), _ds(digits, "ood"),
                    EvalConfig(mc_samples=30, seed=0, num_actors=2, batch_size=64, torch_threads=1),
-                   output=out, hyper=found.hyper())
+                   store=RunStore.open(out), hyper=found.hyper())
     assert list(res) == [MAP, *METHODS]
     for m, r in res.items():
         assert r["status"] == "ok", (m, r["reason"])

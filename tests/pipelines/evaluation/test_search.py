@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipelines.storage.store import RunStore
 from pipelines.evaluation.runtime import SearchConfig
 from pipelines.evaluation.search import choose, search, TABLE_COLUMNS
 from pipelines.evaluation.trials import sample_configs
@@ -161,7 +162,7 @@ def test_search_marks_failures_and_still_chooses(ray_session, tiny):
         (0.5, -1.0),            # fine
     )
     out = str(tiny["root"] / "out")
-    res = search(tiny["model"], tiny["uris"], ds, _cfg(configs=configs), output=out)
+    res = search(tiny["model"], tiny["uris"], ds, _cfg(configs=configs), store=RunStore.open(out))
     assert len(res.rows) == len(METHODS) * len(configs)
     for m in METHODS:
         rows = {r["config_id"]: r for r in res.rows if r["method"] == m}

@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 
+from pipelines.storage.store import RunStore
 from pipelines.evaluation.runtime import SearchConfig
 from pipelines.evaluation.search import search, search_shard
 from pipelines.evaluation.trials import sample_configs
@@ -57,7 +58,7 @@ def test_random_without_scheduler_is_the_paper_protocol_exactly(ray_session, dat
     prefix-stable sequence) with the hand-written loop's values to 1e-12, and chooses as it."""
     cfg = _cfg(num_configs=12, chunk_size=64)
     ds = ray_session.data.from_items(data["rows"], override_num_blocks=3)
-    full = search(data["model"], data["uris"], ds, cfg, output=str(data["root"] / "full"))
+    full = search(data["model"], data["uris"], ds, cfg, store=RunStore.open(str(data["root"] / "full")))
     for m in METHODS:
         rows = sorted((r for r in full.rows if r["method"] == m), key=lambda r: r["config_id"])
         assert [(r["config_id"], r["log10_n"], r["log10_tau"]) for r in rows] == [
@@ -102,7 +103,7 @@ def test_asha_evaluates_a_quarter_and_chooses_within_one_percent(ray_session, di
     dc = DataConfig(root=str(digits["root"] / "digits"), split="val", image_size=DIGITS_SIZE,
                     resize_size=DIGITS_SIZE, mean=(0.5,) * 3, std=(0.5,) * 3, decode_batch_size=64)
     out = str(digits["root"] / "asha")
-    res = search(digits["model"], digits["uris"], build_dataset(scan(dc), dc), cfg, output=out)
+    res = search(digits["model"], digits["uris"], build_dataset(scan(dc), dc), cfg, store=RunStore.open(out))
     n = len(yv)
     full_cost = len(METHODS) * ASHA_CONFIGS * n * cfg.mc_samples
     assert res.info["examples"] == n and res.info["image_samples_full"] == full_cost

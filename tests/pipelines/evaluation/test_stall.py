@@ -35,7 +35,7 @@ def _actor_class():
     class RowCounter(ModelActor):
         """A round's actor without a model: counts the rows of its shard."""
 
-        def _load(self, model, posterior_uris, hyper, cfg, endpoint_url) -> None:
+        def _load(self, model, posterior_uris, hyper, cfg, store) -> None:
             self.model, self.posteriors = None, {}
 
         def run(self, shard, actor_index: int = 0):

@@ -402,8 +402,9 @@ def test_s3_matches_local(ray_session, moto_s3, s3_bucket, bad_tree):
     bucket, ep = s3_bucket
     _upload(bad_tree.root, bucket, "imagenet", ep, markers=[f"train/{EMPTY_WNID}"])
     root = storage.join(bucket, "imagenet")
+    opts = storage.StorageOptions(ep)
     lcfg = DataConfig(root=str(bad_tree.root), decode_batch_size=4, **SMALL)
-    scfg = DataConfig(root=root, endpoint_url=ep, decode_batch_size=4, **SMALL)
+    scfg = DataConfig(root=root, storage_options=opts, decode_batch_size=4, **SMALL)
     lidx, sidx = scan(lcfg), scan(scfg)
     assert sidx.root == f"{root}/train"
     assert (sidx.classes, sidx.paths, sidx.labels, sidx.empty_classes, sidx.fingerprint) == (
@@ -417,21 +418,22 @@ def test_s3_matches_local(ray_session, moto_s3, s3_bucket, bad_tree):
     in_process = decode_all(iter_local_batches(sidx, scfg, batch_size=8))  # the no-Ray path reads S3 too
     assert {p for p, v in in_process.items() if v[2]} == local.keys()
     # Parquet shards written to and read back from S3
-    convert_to_parquet(lidx, f"{root}/pq/train", rows_per_file=6, out_endpoint_url=ep)
-    pcfg = DataConfig(root=f"{root}/pq", endpoint_url=ep, **SMALL)
+    convert_to_parquet(lidx, f"{root}/pq/train", rows_per_file=6, out_options=opts)
+    pcfg = DataConfig(root=f"{root}/pq", storage_options=opts, **SMALL)
     pidx = scan(pcfg)
     assert pidx.format == "parquet" and pidx.fingerprint == lidx.fingerprint
     from_pq = decode_all(iter_local_batches(pidx, pcfg, batch_size=5))
     assert {p for p, v in from_pq.items() if not v[2]} == set(bad_tree.train_invalid)
     assert all(np.array_equal(from_pq[p][0], local[p][0]) for p in local)
     # flat val + CSV on S3 (CSV found beside the split, classes from train/ incl. the marker)
-    vidx = scan(DataConfig(root=root, split="val", endpoint_url=ep))
+    vidx = scan(DataConfig(root=root, split="val", storage_options=opts))
     lv = scan(DataConfig(root=str(bad_tree.root), split="val"))
     assert (vidx.classes, vidx.paths, vidx.labels) == (lv.classes, lv.paths, lv.labels)
     # without the marker the empty class is unknown on S3: an explicit class list keeps labels aligned
     _upload(bad_tree.root / "train", bucket, "nomarker", ep)
-    assert scan(DataConfig(root=storage.join(bucket, "nomarker"), split=None, endpoint_url=ep)).classes == WNIDS
-    aligned = scan(DataConfig(root=storage.join(bucket, "nomarker"), split=None, endpoint_url=ep, classes=ALL_CLASSES))
+    assert scan(DataConfig(root=storage.join(bucket, "nomarker"), split=None, storage_options=opts)).classes == WNIDS
+    aligned = scan(DataConfig(root=storage.join(bucket, "nomarker"), split=None, storage_options=opts,
+                               classes=ALL_CLASSES))
     assert aligned.labels == lidx.labels
 
 

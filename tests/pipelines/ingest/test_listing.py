@@ -119,11 +119,12 @@ def test_index_is_persisted_and_reused_on_s3(counting_s3):
     from pipelines.ingest.index_store import IndexedListing, index_uris
     from pipelines.ingest.listing import s3_client
     from pipelines.ingest.scan import scan
+    from pipelines.storage.uris import StorageOptions
 
     ep = counting_s3
     lb.put_tree(ep, "index-reuse", "data/train", classes=6, per_class=5)
     uri, out = "s3://index-reuse/data/train", "s3://index-reuse/runs/r1"
-    dc = DataConfig(root="s3://index-reuse/data", split="train", endpoint_url=ep)
+    dc = DataConfig(root="s3://index-reuse/data", split="train", storage_options=StorageOptions(ep))
     lb.counts(ep, reset=True)
     first = IndexedListing(out, ep)
     direct = scan(dc)

@@ -121,6 +121,8 @@ def test_s3_weights(request, tmp_path):
         pytest.skip("moto_s3 fixture (tests/pipelines/conftest.py) not available")
     import s3fs
 
+    from pipelines.storage.uris import StorageOptions
+
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint})
     bucket = "models-test"
     if not fs.exists(bucket):
@@ -131,7 +133,7 @@ def test_s3_weights(request, tmp_path):
     with fs.open(f"{bucket}/r18.pt", "wb") as f:
         f.write(buf.getvalue())
     fs.invalidate_cache()
-    got = load_model("resnet18", weights=f"s3://{bucket}/r18.pt", endpoint_url=endpoint)
+    got = load_model("resnet18", weights=f"s3://{bucket}/r18.pt", options=StorageOptions(endpoint))
     assert _same_params(ref, got)
 
 

@@ -34,6 +34,7 @@ from laplace_core.curvature.collect import collect_efb, collect_statistics
 from laplace_core.posteriors.structures.base import load_posterior
 from laplace_core.curvature.keyed_rng import KeyedSampler
 from laplace_core.posteriors.build import build_posterior
+from pipelines.storage.store import RunStore
 from pipelines.config.schema import ModelSpec
 from pipelines.storage import uris as storage
 from pipelines.passes.curvature import (
@@ -69,7 +70,8 @@ def _cfg(**kw) -> CurvatureConfig:
 def _data_cfg(root: str, endpoint=None) -> DataConfig:
     # explicit class list: S3 has no empty "folders", so the empty class would vanish there
     return DataConfig(root=root, split="train", image_size=12, resize_size=12, decode_batch_size=2,
-                      decode_num_cpus=0.25, endpoint_url=endpoint, classes=imagegen.ALL_CLASSES)
+                      decode_num_cpus=0.25, storage_options=None if endpoint is None else storage.StorageOptions(endpoint),
+                      classes=imagegen.ALL_CLASSES)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float = TOL) -> bool:
@@ -118,9 +120,9 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local_run(setup, ray_session):
     out = str(setup["tmp"] / "out_local")
-    res = run_curvature(setup["spec"], setup["parts"], _cfg(), out, data_config=setup["dcfg"])
+    res = run_curvature(setup["spec"], setup["parts"], _cfg(), RunStore.open(out), data_config=setup["dcfg"])
     assert res.stats.count > 0 and _cfg().checkpoint_every_s == 600.0  # the default interval
-    posteriors = build_posteriors(out, METHODS, 6)  # the posterior stage
+    posteriors = build_posteriors(RunStore.open(out), METHODS, 6)  # the posterior stage
     return res, out, posteriors
 
 
@@ -155,7 +157,7 @@ def test_one_gpu_worker_with_nccl_equals_single_process(setup, ray_session):
     from pipelines.storage import uris as storage
 
     out = str(setup["tmp"] / "out_gpu")
-    res = run_curvature(setup["spec"], setup["parts"], _cfg(num_workers=1, use_gpu=True), out,
+    res = run_curvature(setup["spec"], setup["parts"], _cfg(num_workers=1, use_gpu=True), RunStore.open(out),
                         data_config=setup["dcfg"])
     assert res.use_gpu
     rep = storage.read_json(os.path.join(out, "stats", "worker_report.json"))
@@ -261,14 +263,15 @@ def test_s3_with_worker_killed_mid_pass(setup, ray_session, s3_bucket):
     # partition 0, reloads the saved eigenbasis and recomputes EFB partition 2 only
     cfg = _cfg(max_failures=1, checkpoint_every_s=0.0,
                fault_injection={"pass": 2, "partition": 2, "once_marker": marker})
-    res = run_curvature(setup["spec"], parts, cfg, f"{bucket}/out", data_config=dcfg, endpoint_url=endpoint)
+    store = RunStore.open(f"{bucket}/out", storage.StorageOptions(endpoint))
+    res = run_curvature(setup["spec"], parts, cfg, store, data_config=dcfg)
     assert fs.exists(marker[len("s3://"):]), "the fault was not injected"
     worker = res.timings["worker"]  # rank 0 of the last (restarted) attempt
     assert worker["eigenbasis"] == "loaded" and worker["pass1"]["computed"] == []
     assert worker["pass2"]["computed"] == [2] and worker["pass2"]["reused"] == [0]
     ref, _ = _reference_with_efb(setup, res.basis)
     _assert_stats_equal(res.stats, ref, "S3 with a killed worker vs 1 process")
-    build_posteriors(f"{bucket}/out", ("inf",), 6, endpoint_url=endpoint)  # the posterior stage, from S3
+    build_posteriors(store, ("inf",), 6)  # the posterior stage, from S3
     assert fs.exists(f"{bucket[5:]}/out/posterior/inf/manifest.json")
     assert res.skipped["pass1"]["skipped"]["count"] == 4
 
@@ -280,7 +283,7 @@ def test_resume_computes_only_missing_partitions(setup, ray_session):
     cfg = _cfg(max_failures=0, methods=("diag",), checkpoint_every_s=0.0,
                fault_injection={"pass": 1, "partition": 2, "once_marker": marker})
     with pytest.raises(Exception):
-        run_curvature(setup["spec"], setup["parts"], cfg, out, data_config=setup["dcfg"])
+        run_curvature(setup["spec"], setup["parts"], cfg, RunStore.open(out), data_config=setup["dcfg"])
     assert os.path.exists(marker)
     base = pass_uri(out, "pass1")
     assert storage.listdir(base) == ["ckpt-000002"]  # the checkpoint of partitions 0 and 1 (ckpt-000001 removed)
@@ -288,7 +291,7 @@ def test_resume_computes_only_missing_partitions(setup, ray_session):
 
     # re-submitted at the default interval, tiny all-reduce buckets (2 KiB): the statistics
     # travel in many flat buffers
-    res = run_curvature(setup["spec"], setup["parts"], _cfg(methods=("diag",), bucket_mb=2 / 1024), out,
+    res = run_curvature(setup["spec"], setup["parts"], _cfg(methods=("diag",), bucket_mb=2 / 1024), RunStore.open(out),
                         data_config=setup["dcfg"])
     assert res.computed_partitions["pass1"] == (2, 3) and res.reused_partitions["pass1"] == (0, 1)
     w = res.timings["worker"]["pass1"]
@@ -313,11 +316,11 @@ def test_corrupt_newest_checkpoint_falls_back(tmp_path, capsys):
     data = next(p for p in os.listdir(f"{base}/ckpt-000002") if p != "manifest.json")
     with open(f"{base}/ckpt-000002/{data}", "r+b") as f:
         f.truncate(10)
-    uri, meta, tensors = load_checkpoint(base, "fp", None, "f")
+    uri, meta, tensors = load_checkpoint(base, "fp", RunStore(), "f")
     assert uri.endswith("ckpt-000001") and meta["done"] == [0] and float(tensors["t0000"][0]) == 1.0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "ckpt-000002" in ln]
     assert len(lines) == 1 and "is unusable" in lines[0] and "computed again" in lines[0]
-    assert load_checkpoint(base, "other-fingerprint", None, "f") is None
+    assert load_checkpoint(base, "other-fingerprint", RunStore(), "f") is None
 
 
 # ---------------------------------------------------------------------------- pure helpers (no Ray)

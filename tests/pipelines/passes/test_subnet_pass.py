@@ -28,6 +28,7 @@ from laplace_core.curvature.keyed_rng import KeyedSampler, keyed_categorical
 from laplace_core.posteriors.structures.base import vec
 from laplace_core.curvature.subnet_fisher import collect_subnet_fisher
 from laplace_core.posteriors.subnet import marginal_variances
+from pipelines.storage.store import RunStore
 from pipelines.config.schema import ConfigError, ModelSpec
 from pipelines.config.load import load_config
 from pipelines.passes.curvature import CurvatureConfig, path_keys, reduced_uri
@@ -102,7 +103,8 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ray_run(setup, ray_session):
     scfg = SubnetConfig(subnet_size=S, fisher="mc", prior_precision=2.0)
-    res = run_subnet_pass(setup["spec"], setup["parts"], _cfg(), scfg, setup["out"], data_config=setup["dcfg"])
+    res = run_subnet_pass(setup["spec"], setup["parts"], _cfg(), scfg, RunStore.open(setup["out"]),
+                          data_config=setup["dcfg"])
     return res, scfg
 
 
@@ -147,7 +149,8 @@ def test_selection_is_wasserstein_on_reduced_stats(setup, ray_run):
 
 
 def test_posterior_from_artifact(setup, ray_run):
-    out = build_and_save(setup["stats"], None, ["subnet"], None, setup["out"], n_data=50.0, prior_precision=2.0)
+    out = build_and_save(setup["stats"], None, ["subnet"], None, RunStore.open(setup["out"]), n_data=50.0,
+                         prior_precision=2.0)
     F, count, _, meta = load_subnet_fisher(subnet_uri(setup["out"]))
     from laplace_core.posteriors.structures.base import load_posterior
 
@@ -160,14 +163,14 @@ def test_posterior_from_artifact(setup, ray_run):
 
 def test_second_call_reuses_the_artifact(setup, ray_run):
     _, scfg = ray_run
-    res = run_subnet_pass(setup["spec"], setup["parts"], _cfg(), scfg, setup["out"], data_config=setup["dcfg"])
+    res = run_subnet_pass(setup["spec"], setup["parts"], _cfg(), scfg, RunStore.open(setup["out"]), data_config=setup["dcfg"])
     assert not res.computed and res.fit_s == 0.0 and res.subnet_size == S
 
 
 def test_memory_check_names_the_largest_S(setup):
     scfg = SubnetConfig(subnet_size=300, fisher="mc", memory_budget_bytes=8 * 100 * 100)
     with pytest.raises(ValueError) as e:  # before any Ray work: the fixture's Ray is not needed
-        run_subnet_pass(setup["spec"], setup["parts"], _cfg(), scfg, setup["out"], data_config=setup["dcfg"])
+        run_subnet_pass(setup["spec"], setup["parts"], _cfg(), scfg, RunStore.open(setup["out"]), data_config=setup["dcfg"])
     msg = str(e.value)
     assert "\n" not in msg and "S = 300" in msg and "largest S that fits is 100" in msg
 
@@ -206,7 +209,7 @@ def test_zero_fisher_note_comes_with_the_live_rule_hint(setup, ray_run, capsys):
     default rule, hints at ``posterior.subnet_rule=wasserstein_live`` exactly when there are any."""
     _, scfg = ray_run
     capsys.readouterr()
-    res = run_subnet_pass(setup["spec"], setup["parts"], _cfg(), scfg, setup["out"], data_config=setup["dcfg"])
+    res = run_subnet_pass(setup["spec"], setup["parts"], _cfg(), scfg, RunStore.open(setup["out"]), data_config=setup["dcfg"])
     log = capsys.readouterr().out
     assert not res.computed and scfg.rule == "wasserstein"
     assert ("subnet_rule=wasserstein_live" in log) == (res.zero_fisher > 0), (res.zero_fisher, log)
@@ -222,20 +225,20 @@ def test_killed_worker_resumes_from_the_checkpoint(setup, ray_session, s3_bucket
 
     bucket, endpoint = s3_bucket
     out = f"{bucket}/out_resume"
-    setup["stats"].save(reduced_uri(out), storage.fsspec_options(out, endpoint))
+    store = RunStore.open(out, storage.StorageOptions(endpoint))
+    setup["stats"].save(reduced_uri(out), store.fsspec_options(out))
     marker = str(setup["tmp"] / "subnet-fault.json")
     ids = [p.id for p in setup["parts"]]
     cfg = _cfg(max_failures=1, fault_injection={"pass": 3, "partition": ids[1], "once_marker": marker})
     scfg = SubnetConfig(subnet_size=S, fisher="mc", prior_precision=2.0, checkpoint_every_s=0.0)
-    res = run_subnet_pass(setup["spec"], setup["parts"], cfg, scfg, out, data_config=setup["dcfg"],
-                          endpoint_url=endpoint)
+    res = run_subnet_pass(setup["spec"], setup["parts"], cfg, scfg, store, data_config=setup["dcfg"])
     assert os.path.exists(marker), "the fault was not injected"
     assert res.computed and res.reused_partitions == (ids[0],) and res.computed_partitions == (ids[1],)
-    F, count, masks, meta = load_subnet_fisher(subnet_uri(out), endpoint)
+    F, count, masks, meta = load_subnet_fisher(subnet_uri(out), store)
     F_ref, n_ref = _reference(setup, masks)
     assert count == n_ref == res.count and _close(F, F_ref)
     assert res.rows == sum(len(p) for p in setup["parts"]) and res.skipped["count"] > 0
-    assert storage.listdir(subnet_partial_uri(out), endpoint) == []
+    assert store.listdir(subnet_partial_uri(out)) == []
 
 
 def test_a_corrupt_checkpoint_is_passed_over_not_fatal(tmp_path, capsys):

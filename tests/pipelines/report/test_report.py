@@ -22,6 +22,7 @@ from PIL import Image
 
 from laplace_core.metrics.base import normalized_entropy
 from laplace_core.metrics.suite import MetricSuite
+from pipelines.storage.store import RunStore
 from pipelines.report import figures, inputs, load, write
 from pipelines.report.methods import method_label
 from pipelines.report.page import build_report_page
@@ -179,7 +180,7 @@ def built(tmp_path_factory):
     table = make_search_table()
     summary = make_summary()
     t0 = time.perf_counter()
-    paths = write.write_report(str(out), summary, metrics, table)
+    paths = write.write_report(RunStore.open(str(out)), summary, metrics, table)
     elapsed = time.perf_counter() - t0
     return {"out": out, "paths": paths, "metrics": metrics, "table": table, "summary": summary, "elapsed": elapsed}
 
@@ -333,13 +334,13 @@ def test_plot_functions_write_pngs(tmp_path):
 def test_bad_inputs_are_one_line_value_errors(tmp_path):
     metrics = make_metrics(("map",))
     with pytest.raises(ValueError, match="non-empty mapping"):
-        write.write_report(str(tmp_path), {}, {})
+        write.write_report(RunStore.open(str(tmp_path)), {}, {})
     with pytest.raises(ValueError, match="lack 'nll'"):
-        write.write_report(str(tmp_path), {}, {"map": {"accuracy": 0.5, "brier": 0.1}})
+        write.write_report(RunStore.open(str(tmp_path)), {}, {"map": {"accuracy": 0.5, "brier": 0.1}})
     with pytest.raises(ValueError, match=r"lacks column\(s\) \['log10_tau'\]"):
-        write.write_report(str(tmp_path), {}, metrics, [{"method": "inf", "log10_n": 1.0, "nll": 1.0}])
+        write.write_report(RunStore.open(str(tmp_path)), {}, metrics, [{"method": "inf", "log10_n": 1.0, "nll": 1.0}])
     with pytest.raises(ValueError, match="run_summary\\['timings'\\] must be a mapping"):
-        write.write_report(str(tmp_path), {"timings": [1, 2]}, metrics)
+        write.write_report(RunStore.open(str(tmp_path)), {"timings": [1, 2]}, metrics)
     with pytest.raises(ValueError, match="unknown ECE variant"):
         figures.render_reliability(metrics, variant="quantile_10")
     with pytest.raises(ValueError, match="chosen\\['inf'\\]"):
@@ -352,7 +353,7 @@ def test_without_ood_or_search_and_with_given_figure(tmp_path):
     extra = tmp_path / "elsewhere" / "custom.png"
     extra.parent.mkdir()
     extra.write_bytes(figures.render_entropy(metrics))
-    paths = write.write_report(str(tmp_path / "out"), {"model": "tiny"}, metrics, None, {"custom": str(extra)})
+    paths = write.write_report(RunStore.open(str(tmp_path / "out")), {"model": "tiny"}, metrics, None, {"custom": str(extra)})
     assert set(paths) == {"html", "md", "reliability", "entropy", "custom"}
     page = parse(Path(paths["html"]).read_text(encoding="utf-8"))
     t = page.tables["methods-table"]
@@ -368,7 +369,7 @@ def test_failed_evaluations_are_listed_not_fatal(tmp_path):
     the table; the others are reported as usual; with every method failed the page still says why."""
     metrics = make_metrics(("map", "diag"), ood=False)
     metrics["kfac"] = {"status": "failed", "reason": "NaN logits in 3 of 4 batches"}
-    paths = write.write_report(str(tmp_path / "some"), {"model": "tiny"}, metrics)
+    paths = write.write_report(RunStore.open(str(tmp_path / "some")), {"model": "tiny"}, metrics)
     page = parse(Path(paths["html"]).read_text(encoding="utf-8"))
     assert page.tables["methods-table"]["keys"] == ["map", "diag"]
     line = "Evaluation failed, not in the table: kfac: failed (NaN logits in 3 of 4 batches)"
@@ -377,13 +378,13 @@ def test_failed_evaluations_are_listed_not_fatal(tmp_path):
     assert {"reliability", "entropy"} <= set(paths)
 
     only = {"diag": {"status": "failed", "reason": ""}}
-    paths = write.write_report(str(tmp_path / "none"), {"model": "tiny"}, only)
+    paths = write.write_report(RunStore.open(str(tmp_path / "none")), {"model": "tiny"}, only)
     assert set(paths) == {"html", "md"}  # no figures without numbers
     text = Path(paths["html"]).read_text(encoding="utf-8")
     assert parse(text).tables["methods-table"]["rows"] == []
     assert "Evaluation failed, not in the table: diag: failed (no reason given)" in text
     with pytest.raises(ValueError, match="non-empty mapping"):
-        write.write_report(str(tmp_path / "empty"), {"model": "tiny"}, {})
+        write.write_report(RunStore.open(str(tmp_path / "empty")), {"model": "tiny"}, {})
 
 
 def test_search_without_a_scored_configuration_is_a_note_not_a_crash(tmp_path):
@@ -393,14 +394,14 @@ def test_search_without_a_scored_configuration_is_a_note_not_a_crash(tmp_path):
     rows = [{"config_id": i, "method": "diag", "log10_n": 1.0, "log10_tau": -3.0, "n_data": 10.0,
              "prior_precision": 1e-3, "nll": None, "ece": None, "accuracy": None, "brier": None, "count": 0,
              "status": "failed", "reason": "non-finite predictions", "seconds": 0.0} for i in range(2)]
-    paths = write.write_report(str(tmp_path / "r"), {"model": "tiny"}, metrics, rows)
+    paths = write.write_report(RunStore.open(str(tmp_path / "r")), {"model": "tiny"}, metrics, rows)
     assert "hyper" not in paths and {"reliability", "entropy"} <= set(paths)
     note = ("Search: none of the 2 (method, configuration) pairs could be scored "
             "(first reason: non-finite predictions); no search figure.")
     assert note in Path(paths["html"]).read_text(encoding="utf-8")
     assert note in Path(paths["md"]).read_text(encoding="utf-8")
     rows[0].update(nll=0.5, ece=0.1, accuracy=0.9, brier=0.2, count=10, status="ok", reason=None)
-    paths = write.write_report(str(tmp_path / "r2"), {"model": "tiny"}, metrics, rows)
+    paths = write.write_report(RunStore.open(str(tmp_path / "r2")), {"model": "tiny"}, metrics, rows)
     assert "hyper" in paths and "Search: none" not in Path(paths["md"]).read_text(encoding="utf-8")
 
 
@@ -412,7 +413,7 @@ def test_load_eval_metrics_and_search_table(tmp_path):
     for m, d in metrics.items():
         storage.write_json_atomic(str(tmp_path / "eval" / m / "metrics.json"), d)
     (tmp_path / "eval" / "search").mkdir()  # a directory without metrics.json is ignored
-    loaded = load.load_eval_metrics(str(tmp_path))
+    loaded = load.load_eval_metrics(RunStore.open(str(tmp_path)))
     assert list(loaded) == ["map", "inf"] and loaded["inf"]["nll"] == metrics["inf"]["nll"]
     df = make_search_table(("inf",))
     pq.write_table(pa.Table.from_pandas(df, preserve_index=False), str(tmp_path / "search.parquet"))
@@ -420,15 +421,15 @@ def test_load_eval_metrics_and_search_table(tmp_path):
     assert len(rows) == 14 and sum(r["status"] != "ok" for r in rows) == 2
     assert rows[3]["nll"] is None and rows[0]["nll"] == df["nll"][0]
     with pytest.raises(ValueError, match="no eval/<method>/metrics.json"):
-        load.load_eval_metrics(str(tmp_path / "nothing"))
+        load.load_eval_metrics(RunStore.open(str(tmp_path / "nothing")))
 
 
 @pytest.mark.s3
 def test_write_report_to_s3(s3_bucket):
     bucket, endpoint = s3_bucket
     uri = bucket + "/runs/r1"
-    paths = write.write_report(uri, make_summary(("map", "inf")), make_metrics(("map", "inf")), make_search_table(("inf",)),
-                                endpoint_url=endpoint)
+    store = RunStore.open(uri, storage.StorageOptions(endpoint))
+    paths = write.write_report(store, make_summary(("map", "inf")), make_metrics(("map", "inf")), make_search_table(("inf",)))
     assert paths["html"] == uri + "/report.html" and paths["hyper"] == uri + "/figures/hyper.png"
     page = parse(storage.read_bytes(paths["html"], endpoint).decode("utf-8"))
     assert page.tables["methods-table"]["keys"] == ["map", "inf"]
@@ -443,7 +444,7 @@ def test_audit_report_compares_models(tmp_path):
         summary = make_summary(methods)
         summary["posterior_sizes"] = {k: v for k, v in summary["posterior_sizes"].items() if k in methods}
         per_model[name] = (summary, make_metrics(methods))
-    paths = write.write_audit_report(str(tmp_path), per_model, {"resnet18": make_search_table(("diag", "inf"))})
+    paths = write.write_audit_report(RunStore.open(str(tmp_path)), per_model, {"resnet18": make_search_table(("diag", "inf"))})
     assert paths["html"] == str(tmp_path / "audit.html")
     assert Path(paths["densenet/121/reliability"]) == tmp_path / "figures" / "densenet_121" / "reliability.png"
     assert "densenet/121/hyper" not in paths and "resnet18/hyper" in paths

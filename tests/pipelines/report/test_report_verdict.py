@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipelines.storage.store import RunStore
 from pipelines.cli.model_run import headline
 from pipelines.evaluation.evaluate import EvalAccumulator, paired_intervals
 from pipelines.evaluation.runtime import EvalConfig
@@ -71,7 +72,7 @@ def report(tmp_path_factory):
                "chosen": {"diag": {"log10_n": 3.99, "log10_tau": 2.0}},
                "config": {"search": {"log10_n": [2.5, 4.0], "log10_tau": [1.5, 3.5]}}}
     out = tmp_path_factory.mktemp("verdict") / "run"
-    paths = write.write_report(str(out), summary, mbm, make_search_table(("diag", "kfac", "efb", "inf")))
+    paths = write.write_report(RunStore.open(str(out)), summary, mbm, make_search_table(("diag", "kfac", "efb", "inf")))
     return {"paths": paths, "mbm": mbm, "results": results}
 
 

@@ -25,6 +25,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pipelines.storage.store import RunStore
+from pipelines.storage.uris import StorageOptions
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 PROB_TOL = 1e-6  # the acceptance tolerance: per-image probabilities, score vs the evaluation
@@ -73,7 +76,7 @@ def _evaluation_reference(run_uri: str, method: str = "inf"):
     from pipelines.ingest.batches import iter_local_batches
     from pipelines.serve.run_loader import read_run
 
-    info = read_run(run_uri)
+    info = read_run(RunStore.open(run_uri))
     ev = info.eval_config()
     index, dcfg = info.split("test")
     model = load_eval_model(info.model, dtype=ev.torch_dtype, device="cpu")
@@ -188,7 +191,7 @@ def test_scoring_on_s3_gives_the_same_rows(smoke_run, scored, s3_bucket, capsys)
     code, log, err = _score(capsys, "--run", f"{bucket}/run", "--data", "run:test", "--output", out,
                             "--method", "inf", "--keep-probs", "--block-size", "30", "--endpoint-url", endpoint)
     assert code == 0, err
-    got, ref = read_scores(out, endpoint), read_scores(scored)
+    got, ref = read_scores(out, RunStore.open(None, StorageOptions(endpoint))), read_scores(scored)
     assert got.num_rows == ref.num_rows == 100
     assert sorted(got.column("path").to_pylist()) == sorted(ref.column("path").to_pylist())
     order = np.argsort(got.column("path").to_numpy(zero_copy_only=False))

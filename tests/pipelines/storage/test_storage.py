@@ -60,10 +60,10 @@ def test_s3_roundtrip(s3_bucket):
     bucket, ep = s3_bucket
     uri = storage.join(bucket, "run", "stats", "part-00000.json")
     assert not storage.exists(uri, ep)
-    storage.write_json_atomic(uri, {"count": 3}, endpoint_url=ep)
+    storage.write_json_atomic(uri, {"count": 3}, options=ep)
     assert storage.exists(uri, ep)
     assert storage.read_json(uri, ep) == {"count": 3}
-    storage.write_json_atomic(uri, {"count": 4}, endpoint_url=ep)  # overwrite seen at once (no stale cache)
+    storage.write_json_atomic(uri, {"count": 4}, options=ep)  # overwrite seen at once (no stale cache)
     assert storage.read_json(uri, ep) == {"count": 4}
     storage.write_bytes_atomic(storage.join(bucket, "run", "stats", "part-00001.bin"), b"xyz", ep)
     assert storage.listdir(storage.join(bucket, "run", "stats"), ep) == ["part-00000.json", "part-00001.bin"]
@@ -78,7 +78,7 @@ def test_s3_roundtrip(s3_bucket):
     obj = boto3.client("s3", endpoint_url=ep).get_object(Bucket=bucket[5:], Key="run/stats/part-00001.bin")
     assert obj["Body"].read() == b"xyz"
 
-    storage.remove(storage.join(bucket, "run"), recursive=True, endpoint_url=ep)
+    storage.remove(storage.join(bucket, "run"), recursive=True, options=ep)
     assert storage.listdir(storage.join(bucket, "run"), ep) == []
 
 
