@@ -189,6 +189,7 @@ def _list_s3(uri: str, store, workers: int):
 
 
 _LOCAL_BATCH = 65536  # rows per Arrow batch of a local listing
+_MAX_CHUNKS = 64  # a listing in more record batches than this is combined into one
 
 
 def _list_local(root: str):
@@ -252,6 +253,8 @@ def list_records(uri: str, store: storage.Store = None, workers: int = LIST_WORK
         table = _list_s3(uri, store, workers)
     else:
         table = _list_local(storage.get_fs(uri)[1])
+    if table.column("path").num_chunks > _MAX_CHUNKS:  # S3's batches of 128 keys: one copy, then freed
+        table = table.combine_chunks()
     if _is_sorted(table.column("path")):
         return table
     table = table.combine_chunks()  # then the take copies one chunk, not a concatenation
