@@ -13,7 +13,8 @@ __all__ = ["PathList"]
 
 
 class PathList(Sequence):
-    """Strings ``buf[off[i]:off[i+1]].decode()``; slicing gives a PathList, an int a ``str``;
+    """Strings ``buf[off[i]:off[i+1]].decode()`` (``buf``: ``bytes``, or a ``bytearray`` filled
+    once and never changed after); slicing gives a PathList, an int a ``str``;
     equal to a tuple or list with the same strings. A contiguous slice shares the buffer and
     offsets of the list it is cut from (the partitions of an index hold no copy of its paths);
     it pickles as its own bytes only."""
@@ -21,7 +22,7 @@ class PathList(Sequence):
     __slots__ = ("_buf", "_off")
 
     def __init__(self, buf: bytes = b"", off: np.ndarray | None = None):
-        self._buf = bytes(buf)
+        self._buf = buf if isinstance(buf, (bytes, bytearray)) else bytes(buf)  # kept, not copied
         self._off = np.zeros(1, np.int64) if off is None else np.ascontiguousarray(off, dtype=np.int64)
 
     @classmethod
@@ -92,7 +93,7 @@ class PathList(Sequence):
         return tuple(other) + tuple(self)
 
     def __hash__(self) -> int:
-        return hash((self._compact()[0], len(self)))
+        return hash((bytes(self._compact()[0]), len(self)))
 
     def __reduce__(self):
         return PathList, self._compact()

@@ -382,7 +382,7 @@ def scan(cfg: DataConfig, lister=None) -> DatasetIndex:
     if not paths:
         other = f" ({len(ignored)} other file(s), e.g. {_examples(ignored)}; data.extensions adds suffixes)" if ignored else ""
         raise DataError(f"no image files found under {split_uri}{other}")
-    if isinstance(paths, PathList):  # the column-wise ImageFolder scan: sorted, labels an array
+    if isinstance(labels, np.ndarray):  # the column-wise ImageFolder scan: a sorted PathList, labels an array
         scanned_counts = np.bincount(labels[labels >= 0], minlength=len(classes)).tolist()
     else:
         scanned_counts = [0] * len(classes)
@@ -391,7 +391,7 @@ def scan(cfg: DataConfig, lister=None) -> DatasetIndex:
                 scanned_counts[y] += 1
     empty = tuple(c for c, n in zip(classes, scanned_counts) if n == 0)
     num_scanned = len(paths)
-    if isinstance(paths, PathList) and cfg.per_class is None and cfg.limit is None:
+    if isinstance(labels, np.ndarray) and cfg.per_class is None and cfg.limit is None:
         return _index(cfg, split_uri, fmt, classes, paths, labels_tuple(labels, len(classes)), scanned_counts,
                       empty=empty, num_scanned=num_scanned, ignored=ignored, unmatched=unmatched)
     order = list(range(len(paths)))

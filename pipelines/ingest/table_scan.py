@@ -30,11 +30,13 @@ def release_unused() -> None:
     pa.default_memory_pool().release_unused()
 
 
-def pathlist_of(chunks) -> PathList:
-    """A PathList of the strings of Arrow string arrays (a chunked array, or a list of arrays):
-    their data buffers and offsets, one chunk at a time, no ``str`` per entry."""
+def pathlist_of(chunks, total: int | None = None) -> PathList:
+    """A PathList of the strings of Arrow string arrays (a chunked array, or an iterable of
+    arrays), copied one chunk at a time into one buffer: of ``total`` bytes when the caller knows
+    it (filled in place: the only copy), else joined at the end. No ``str`` per entry."""
     import pyarrow as pa
 
+    buf = bytearray(total) if total is not None else None
     pieces: list[bytes] = []
     offs: list[np.ndarray] = [np.zeros(1, np.int64)]
     end = 0
@@ -45,22 +47,28 @@ def pathlist_of(chunks) -> PathList:
             array = array.cast(pa.string())
         _validity, offsets, data = array.buffers()
         off = np.frombuffer(offsets, np.int32, len(array) + 1, array.offset * 4).astype(np.int64)
-        pieces.append(memoryview(data)[int(off[0]):int(off[-1])].tobytes())
-        offs.append(off[1:] - off[0] + end)
-        end += int(off[-1] - off[0])
-    buf = b"".join(pieces)
-    del pieces
+        a, b = int(off[0]), int(off[-1])
+        if buf is not None:
+            buf[end:end + b - a] = memoryview(data)[a:b]
+        else:
+            pieces.append(memoryview(data)[a:b].tobytes())
+        offs.append(off[1:] - a + end)
+        end += b - a
+    if buf is None:
+        buf = b"".join(pieces)
+    elif end != len(buf):
+        raise ValueError(f"pathlist_of: {end} bytes of strings, {len(buf)} announced")
     return PathList(buf, np.concatenate(offs))
 
 
 def labels_tuple(labels: np.ndarray, num_classes: int) -> tuple[int, ...]:
     """``tuple(int(y) for y in labels)`` with one shared ``int`` object per class (8 bytes an
     entry, not 8 + 28), built a block at a time."""
+    import itertools
+
     ints = tuple(range(-1, num_classes))
-    out: list[int] = []
-    for a in range(0, len(labels), 65536):
-        out.extend(map(ints.__getitem__, (labels[a:a + 65536] + 1).tolist()))
-    return tuple(out)
+    blocks = (map(ints.__getitem__, (labels[a:a + 65536] + 1).tolist()) for a in range(0, len(labels), 65536))
+    return tuple(itertools.chain.from_iterable(blocks))
 
 
 def first_part(paths):
@@ -113,7 +121,8 @@ def imagefolder(table, split_uri: str, explicit: tuple[str, ...] | None, extensi
     ignored = pc.filter(paths, pc.and_(files, pc.invert(keep))).to_pylist()
     labels = pc.filter(pc.index_in(first, value_set=pa.array(list(classes), pa.string())), keep)
     labels = labels.to_numpy().astype(np.int64) if len(labels) else np.zeros(0, np.int64)
-    return classes, pathlist_of(_filtered(paths, keep)), labels, ignored
+    total = int(pc.sum(pc.filter(pc.binary_length(paths), keep)).as_py() or 0) if len(labels) else 0
+    return classes, pathlist_of(_filtered(paths, keep), total), labels, ignored
 
 
 def _filtered(paths, mask):
