@@ -78,16 +78,23 @@ def write_s3(uri: str, endpoint: str, classes: int, per_class: int) -> int:
                        body=jpegs[0], threads=16)
 
 
-def vm_hwm(pid: int | str = "self") -> int:
-    """Peak resident bytes of a process (``VmHWM``), 0 if it is gone."""
+def vm_status(pid: int | str = "self", keys=("VmHWM",)) -> dict[str, int]:
+    """Bytes of the ``/proc/<pid>/status`` fields ``keys`` (those found; none if it is gone)."""
+    out = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+                key = line.split(":", 1)[0]
+                if key in keys:
+                    out[key] = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return out
+
+
+def vm_hwm(pid: int | str = "self") -> int:
+    """Peak resident bytes of a process (``VmHWM``), 0 if it is gone."""
+    return vm_status(pid).get("VmHWM", 0)
 
 
 def _descends_from(pid: int, ancestor: int) -> bool:
@@ -102,16 +109,37 @@ def _descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
+_RSS_KEYS = ("VmHWM", "VmRSS", "RssAnon", "RssShmem")
+
+
 class WorkerWatch(threading.Thread):
     """Polls ``/proc`` for this driver's Ray Train worker processes (descendants of this process,
-    whose local Ray instance started them) and keeps the highest ``VmHWM`` seen."""
+    whose local Ray instance started them) and keeps the highest ``VmHWM`` seen, and a timeline
+    of the largest worker's resident bytes: all (``VmRSS``), private (``RssAnon``) and the
+    object store's shared pages it has touched (``RssShmem``)."""
 
     def __init__(self, every_s: float = 0.5):
         super().__init__(daemon=True)
         self.every_s, self.peak, self.pids, self._halt = every_s, 0, set(), threading.Event()
+        self.samples: list[tuple[float, int, int, int]] = []  # (time, VmRSS, RssAnon, RssShmem)
+
+    def curve(self, points: int = 10) -> list[list[int]]:
+        """``[VmRSS, RssAnon, RssShmem]`` in MiB of the largest worker at ``points`` even steps of
+        the stage's time (the last sample before each step): growth per partition shows here."""
+        if not self.samples:
+            return []
+        t0, t1 = self.samples[0][0], self.samples[-1][0]
+        out, i = [], 0
+        for k in range(1, points + 1):
+            step = t0 + (t1 - t0) * k / points
+            while i + 1 < len(self.samples) and self.samples[i + 1][0] <= step:
+                i += 1
+            out.append([v >> 20 for v in self.samples[i][1:]])
+        return out
 
     def run(self) -> None:
         while not self._halt.is_set():
+            sample = (0.0, 0, 0, 0)
             for pid in os.listdir("/proc"):
                 if not pid.isdigit():
                     continue
@@ -124,7 +152,12 @@ class WorkerWatch(threading.Thread):
                 if not _descends_from(int(pid), os.getpid()):
                     continue
                 self.pids.add(int(pid))
-                self.peak = max(self.peak, vm_hwm(pid))
+                st = vm_status(pid, _RSS_KEYS)
+                self.peak = max(self.peak, st.get("VmHWM", 0))
+                if st.get("VmRSS", 0) > sample[1]:
+                    sample = (time.time(), st["VmRSS"], st.get("RssAnon", 0), st.get("RssShmem", 0))
+            if sample[1]:
+                self.samples.append(sample)
             self._halt.wait(self.every_s)
 
     def stop(self) -> int:
@@ -163,6 +196,7 @@ def _curvature(parts, dc, output: str, store, classes: int) -> dict:
     report_ranks = res.timings["worker"].get("ranks", [])
     return {"stage_s": round(stage_s, 1), "per_partition_s": round(max(r["wall_s"] for r in ranks) / len(parts), 2),
             "worker_peak_rss": worker_peak, "workers_seen": len(watch.pids),
+            "worker_rss_curve_mib": watch.curve(),
             "bytes_to_workers": int(sum(r.get("pass1", {}).get("source_bytes", 0) for r in report_ranks)),
             "bytes_written": int(sum(r["bytes_written"] for r in ranks)), "count": res.stats.count}
 
@@ -200,12 +234,14 @@ def rehearse(args) -> dict:
     out["listing_s"] = round(time.perf_counter() - t0, 2)
     if args.moto:
         out["listing_requests"] = lb.counts(store, reset=True)
+    del table  # the job holds one listing at a time: the reused one is scanned below
     t0 = time.perf_counter()
-    IndexedListing(output, store).records("train", split_uri)
+    table = IndexedListing(output, store).records("train", split_uri)
     out["reuse_check_s"] = round(time.perf_counter() - t0, 2)
     if args.moto:
         out["reuse_requests"] = lb.counts(store, reset=True)
-    out["index_bytes"] = len(storage.read_bytes(index_uris(output, "train")[0], store))
+    fs, index_path = storage.get_fs(index_uris(output, "train")[0], store)
+    out["index_bytes"] = int(fs.size(index_path))
     if storage.is_remote(args.root):  # the listing's heap, in a fresh process (tracemalloc + Arrow's pool)
         import subprocess
 
@@ -218,8 +254,9 @@ def rehearse(args) -> dict:
     t0 = time.perf_counter()
     dc = DataConfig(root=args.root, split="train", image_size=16, resize_size=16,
                     storage_options=storage.StorageOptions(store).resolved())
-    index = scan(dc, lambda _uri: table)
+    held = [table]  # handed over, not kept here (the job's lister returns it the same way)
     del table
+    index = scan(dc, lambda _uri: held.pop())
     parts = partition(index, partition_size=args.partition_size)
     out["planning_s"] = round(time.perf_counter() - t0, 2)
     out["partitions"] = len(parts)

@@ -26,6 +26,7 @@ import time
 from typing import Callable
 
 from pipelines.ingest.listing import count_objects, head_records, list_records, top_level
+from pipelines.ingest.table_scan import first_part, release_unused
 from pipelines.storage import uris as storage
 
 __all__ = ["CHECK_CLASSES", "CHECK_KEYS", "IndexedListing", "index_uris", "records_digest"]
@@ -53,13 +54,7 @@ def records_digest(table) -> str:
 
 
 def _class_column(table):
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    parts = pc.split_pattern(table.column("path"), "/", max_splits=1)
-    first = pc.list_element(parts, 0)
-    nested = pc.greater(pc.list_value_length(parts), 1)
-    return pc.if_else(nested, first, pa.scalar("", pa.string()))
+    return first_part(table.column("path"))
 
 
 def _class_counts(table) -> dict[str, int]:
@@ -102,6 +97,7 @@ class IndexedListing:
         if why is None:
             table, why = self._reuse(split_uri, pq_uri, fp_uri)
             if table is not None:
+                release_unused()
                 return table
         t0 = time.perf_counter()
         table = list_records(split_uri, self.options)
@@ -110,6 +106,7 @@ class IndexedListing:
         self._write(table, split_uri, pq_uri, fp_uri)
         self._say(f"index {name}: listed {table.num_rows} objects under {split_uri} in {dt:.1f} s ({why}); "
                   f"written to {pq_uri}")
+        release_unused()
         return table
 
     def _write(self, table, split_uri: str, pq_uri: str, fp_uri: str) -> None:
@@ -149,7 +146,9 @@ class IndexedListing:
         changed = [c for c in drawn if now[c] != stored[c]]
         if changed:
             return None, f"object count changed under {changed[0]} ({stored[changed[0]]} -> {now[changed[0]]})"
-        table = pq.read_table(io.BytesIO(storage.read_bytes(pq_uri, self.options)))
+        fs, path = storage.get_fs(pq_uri, self.options)
+        with fs.open(path, "rb") as f:  # read as it streams in: no copy of the file's bytes
+            table = pq.read_table(f)
         if table.num_rows != fp["count"]:
             return None, "the stored index does not match its fingerprint"
         rows = rng.sample(range(table.num_rows), min(self.check_keys, table.num_rows))

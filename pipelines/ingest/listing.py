@@ -200,45 +200,78 @@ def _list_s3(uri: str, options, workers: int):
     return pa.Table.from_batches(batches, schema=_schema())
 
 
+_LOCAL_BATCH = 65536  # rows per Arrow batch of a local listing
+_MAX_CHUNKS = 64  # a listing in more record batches than this is combined into one
+
+
 def _list_local(root: str):
+    """Every entry under ``root`` in sorted path order, without a global sort: each folder's
+    entries are visited sorted by ``name`` (``name/`` for a folder), depth first, which is the
+    order of the full paths (a folder's ``name/`` is the prefix of everything under it)."""
     import pyarrow as pa
 
-    batches = []
-    stack = [""]
+    batches: list = []
+    paths: list[str] = []
+    sizes: list[int] = []
+    etags: list[str] = []
+    stack: list[tuple[str, bool]] = [("", True)]  # (relative path, is a folder), popped in order
     while stack:
-        rel = stack.pop()
-        paths, sizes, etags = [], [], []
-        with os.scandir(os.path.join(root, rel) if rel else root) as it:
-            for e in it:
-                name = rel + "/" + e.name if rel else e.name
-                if e.is_dir(follow_symlinks=True):
-                    stack.append(name)
-                    paths.append(name + "/")  # a folder marker, as an empty S3 folder would be
-                    sizes.append(0)
-                    etags.append("")
-                else:
-                    st = e.stat(follow_symlinks=True)
-                    paths.append(name)
-                    sizes.append(int(st.st_size))
-                    etags.append(str(st.st_mtime_ns))
-        if paths:
-            batches.append(_batch(paths, sizes, etags))
+        rel, is_dir = stack.pop()
+        if rel:
+            paths.append(rel + "/" if is_dir else rel)  # a folder marker, as an empty S3 folder would be
+            if is_dir:
+                sizes.append(0)
+                etags.append("")
+            else:
+                st = os.stat(os.path.join(root, rel))
+                sizes.append(int(st.st_size))
+                etags.append(str(st.st_mtime_ns))
+            if len(paths) >= _LOCAL_BATCH:
+                batches.append(_batch(paths, sizes, etags))
+                paths, sizes, etags = [], [], []
+        if is_dir:
+            with os.scandir(os.path.join(root, rel) if rel else root) as it:
+                entries = [(e.name + "/" if e.is_dir(follow_symlinks=True) else e.name) for e in it]
+            entries.sort(reverse=True)  # popped from the end: ascending
+            stack.extend(((rel + "/" if rel else "") + n.rstrip("/"), n.endswith("/")) for n in entries)
+    if paths:
+        batches.append(_batch(paths, sizes, etags))
     return pa.Table.from_batches(batches, schema=_schema())
 
 
+def _is_sorted(column) -> bool:
+    """Whether a (chunked) string column is in ascending order, checked chunk by chunk."""
+    import pyarrow.compute as pc
+
+    last = None
+    for chunk in column.chunks:
+        if not len(chunk):
+            continue
+        if last is not None and last > chunk[0].as_py():
+            return False
+        if len(chunk) > 1 and pc.any(pc.less(chunk[1:], chunk[:-1])).as_py():
+            return False
+        last = chunk[-1].as_py()
+    return True
+
+
 def list_records(uri: str, options: storage.Store = None, workers: int = LIST_WORKERS):
-    """The sorted ``(path, size, etag)`` table of every object under ``uri`` (see module doc)."""
-    import numpy as np
+    """The sorted ``(path, size, etag)`` table of every object under ``uri`` (see module doc).
+    Sorted already (a local walk always, S3 pages of sorted prefixes usually), it is returned as
+    listed (record batches, no copy); otherwise one sorted copy replaces it."""
     import pyarrow.compute as pc
 
     if storage.is_remote(uri):
-        table = _list_s3(uri, options, workers)  # pages of sorted prefixes in order: usually sorted already
+        table = _list_s3(uri, options, workers)
     else:
         table = _list_local(storage.get_fs(uri)[1])
-    order = pc.sort_indices(table, sort_keys=[("path", "ascending")]).to_numpy()
-    if len(order) and not (order[0] == 0 and bool(np.all(np.diff(order) == 1))):
-        table = table.take(order)
-    return table.combine_chunks()
+    if table.column("path").num_chunks > _MAX_CHUNKS:  # S3's batches of 128 keys: one copy, then freed
+        table = table.combine_chunks()
+    if _is_sorted(table.column("path")):
+        return table
+    table = table.combine_chunks()  # then the take copies one chunk, not a concatenation
+    order = pc.sort_indices(table, sort_keys=[("path", "ascending")])
+    return table.take(order)
 
 
 def _count_prefix(client, bucket: str, prefix: str, pool: int) -> int:

@@ -13,13 +13,16 @@ __all__ = ["PathList"]
 
 
 class PathList(Sequence):
-    """Strings ``buf[off[i]:off[i+1]].decode()``; slicing gives a PathList, an int a ``str``;
-    equal to a tuple or list with the same strings."""
+    """Strings ``buf[off[i]:off[i+1]].decode()`` (``buf``: ``bytes``, or a ``bytearray`` filled
+    once and never changed after); slicing gives a PathList, an int a ``str``;
+    equal to a tuple or list with the same strings. A contiguous slice shares the buffer and
+    offsets of the list it is cut from (the partitions of an index hold no copy of its paths);
+    it pickles as its own bytes only."""
 
     __slots__ = ("_buf", "_off")
 
     def __init__(self, buf: bytes = b"", off: np.ndarray | None = None):
-        self._buf = bytes(buf)
+        self._buf = buf if isinstance(buf, (bytes, bytearray)) else bytes(buf)  # kept, not copied
         self._off = np.zeros(1, np.int64) if off is None else np.ascontiguousarray(off, dtype=np.int64)
 
     @classmethod
@@ -45,8 +48,7 @@ class PathList(Sequence):
             start, stop, step = key.indices(n)
             if step == 1:
                 stop = max(start, stop)
-                a, b = int(self._off[start]), int(self._off[stop])
-                return PathList(self._buf[a:b], self._off[start:stop + 1] - a)
+                return PathList(self._buf, self._off[start:stop + 1])  # shared, not copied
             return self.take(range(start, stop, step))
         i = int(key)
         if i < 0:
@@ -69,9 +71,17 @@ class PathList(Sequence):
         for i in range(len(off) - 1):
             yield buf[off[i]:off[i + 1]].decode("utf-8")
 
+    def _compact(self) -> tuple[bytes, np.ndarray]:
+        """``(the bytes of its entries, offsets from 0)``: a slice's own part of a shared buffer."""
+        a, b = int(self._off[0]), int(self._off[-1])
+        if a == 0 and b == len(self._buf):
+            return self._buf, self._off
+        return self._buf[a:b], self._off - a
+
     def __eq__(self, other) -> bool:
         if isinstance(other, PathList):
-            return self._buf == other._buf and np.array_equal(self._off, other._off)
+            (b1, o1), (b2, o2) = self._compact(), other._compact()
+            return b1 == b2 and np.array_equal(o1, o2)
         if isinstance(other, (tuple, list)):
             return len(other) == len(self) and all(a == b for a, b in zip(self, other))
         return NotImplemented
@@ -83,15 +93,15 @@ class PathList(Sequence):
         return tuple(other) + tuple(self)
 
     def __hash__(self) -> int:
-        return hash((self._buf, len(self)))
+        return hash((bytes(self._compact()[0]), len(self)))
 
     def __reduce__(self):
-        return PathList, (self._buf, self._off)
+        return PathList, self._compact()
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the buffer and the offsets."""
-        return len(self._buf) + self._off.nbytes
+        """Bytes of its entries (its span of the buffer) and of its offsets."""
+        return int(self._off[-1] - self._off[0]) + self._off.nbytes
 
     def __repr__(self) -> str:
         return f"PathList({len(self)} paths, {self.nbytes} bytes)"

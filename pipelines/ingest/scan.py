@@ -40,9 +40,12 @@ import os
 import posixpath
 from typing import Iterable
 
+import numpy as np
+
 from pipelines.ingest.index import DataConfig, DataError, DatasetIndex, fingerprint
 from pipelines.ingest.pathlist import PathList
 from pipelines.ingest.parquet import PARQUET_CLASSES_KEY, PARQUET_META_FILE
+from pipelines.ingest.table_scan import imagefolder, labels_tuple, release_unused
 from pipelines.storage import uris as storage
 
 __all__ = ["scan", "is_image"]
@@ -54,14 +57,24 @@ def _hidden(rel: str) -> bool:
     return any(part.startswith(".") for part in rel.split("/"))
 
 
-def _walk(uri: str, options: storage.Store, lister=None) -> tuple[set[str], list[str]]:
-    """(relative dirs, relative files) under ``uri``, recursively, hidden entries dropped.
-    ``lister(uri)``: the listing's records (:mod:`pipelines.ingest.index_store`); S3 without one
-    is listed in parallel (:func:`pipelines.ingest.listing.list_records`)."""
+def _listing(uri: str, options: storage.Store, lister=None):
+    """The listing table of ``uri`` (``lister(uri)``, :mod:`pipelines.ingest.index_store`; S3
+    without one is listed in parallel, :func:`pipelines.ingest.listing.list_records`), or
+    ``None`` for a local folder without a lister (walked)."""
+    if lister is None and not storage.is_remote(uri):
+        return None
+    from pipelines.ingest.listing import list_records
+
+    return lister(uri) if lister is not None else list_records(uri, options)
+
+
+def _walk(uri: str, options: storage.Store, table=None) -> tuple[set[str], list[str]]:
+    """(relative dirs, relative files) under ``uri``, recursively, hidden entries dropped:
+    from the listing ``table`` when there is one, else walked."""
     fs, base = storage.get_fs(uri, options)
     dirs: set[str] = set()
     files: list[str] = []
-    if lister is None and not storage.is_remote(uri):
+    if table is None:
         for cur, dnames, fnames in os.walk(base, followlinks=True):
             rel_dir = os.path.relpath(cur, base).replace(os.sep, "/")
             rel_dir = "" if rel_dir == "." else rel_dir
@@ -74,9 +87,6 @@ def _walk(uri: str, options: storage.Store, lister=None) -> tuple[set[str], list
         return dirs, files
     # listing records (paths relative to uri); folders are the key prefixes, plus "dir/" marker
     # objects (how empty folders exist on S3)
-    from pipelines.ingest.listing import list_records
-
-    table = lister(uri) if lister is not None else list_records(uri, options)
     for rel in (r for b in table.select(["path"]).to_batches(max_chunksize=65536) for r in b.column(0).to_pylist()):
         is_marker = rel.endswith("/")
         rel = rel.rstrip("/")
@@ -210,9 +220,28 @@ def _examples(items: Iterable[str], k: int = 3) -> str:
     return ", ".join(items[:k]) + (", ..." if len(items) > k else "")
 
 
+def _scan_table(split_uri: str, cfg: DataConfig, lister=None):
+    """``(found, table)``: the ImageFolder scan of the split's listing done column-wise (no Python
+    object per file) when the listing is an ImageFolder, else ``(None, listing or None)``."""
+    table = _listing(split_uri, cfg.storage_options, lister)
+    if table is None or cfg.unlabeled:
+        return None, table
+    table = table.select([c for c in ("path", "class") if c in table.column_names])  # sizes, ETags freed
+    found = imagefolder(table, split_uri, _explicit_classes(cfg), cfg.extensions)
+    if found is None:
+        return None, table
+    del table
+    release_unused()
+    return (*found, 0), None
+
+
 def _scan_folders(split_uri: str, cfg: DataConfig, lister=None):
     """(classes, rel files, labels, ignored rel files, num unmatched CSV rows) for folder / flat layouts."""
-    dirs, files = _walk(split_uri, cfg.storage_options, lister)
+    found, table = _scan_table(split_uri, cfg, lister)
+    if found is not None:
+        return found
+    dirs, files = _walk(split_uri, cfg.storage_options, table)
+    del table
     top_dirs = sorted(d for d in dirs if "/" not in d)
     nested = [f for f in files if "/" in f]
     top_files = [f for f in files if "/" not in f]
@@ -363,12 +392,18 @@ def scan(cfg: DataConfig, lister=None) -> DatasetIndex:
     if not paths:
         other = f" ({len(ignored)} other file(s), e.g. {_examples(ignored)}; data.extensions adds suffixes)" if ignored else ""
         raise DataError(f"no image files found under {split_uri}{other}")
-    scanned_counts = [0] * len(classes)
-    for y in labels:
-        if y >= 0:
-            scanned_counts[y] += 1
+    if isinstance(labels, np.ndarray):  # the column-wise ImageFolder scan: a sorted PathList, labels an array
+        scanned_counts = np.bincount(labels[labels >= 0], minlength=len(classes)).tolist()
+    else:
+        scanned_counts = [0] * len(classes)
+        for y in labels:
+            if y >= 0:
+                scanned_counts[y] += 1
     empty = tuple(c for c, n in zip(classes, scanned_counts) if n == 0)
     num_scanned = len(paths)
+    if isinstance(labels, np.ndarray) and cfg.per_class is None and cfg.limit is None:
+        return _index(cfg, split_uri, fmt, classes, paths, labels_tuple(labels, len(classes)), scanned_counts,
+                      empty=empty, num_scanned=num_scanned, ignored=ignored, unmatched=unmatched)
     order = list(range(len(paths)))
     if cfg.per_class is not None:
         groups: dict[int, list[int]] = {}
@@ -384,20 +419,26 @@ def scan(cfg: DataConfig, lister=None) -> DatasetIndex:
     for y in sel_labels:
         if y >= 0:
             counts[y] += 1
+    return _index(cfg, split_uri, fmt, classes, sel_paths, sel_labels, counts, empty=empty,
+                  num_scanned=num_scanned, ignored=ignored, unmatched=unmatched, shards=shards,
+                  locations=tuple(locations[i] for i in order) if locations else ())
+
+
+def _index(cfg: DataConfig, split_uri: str, fmt: str, classes, paths: PathList, labels: tuple, counts,
+           *, empty, num_scanned: int, ignored, unmatched: int, shards=(), locations=()) -> DatasetIndex:
     return DatasetIndex(
         root=split_uri.rstrip("/") or split_uri,
         format=fmt,
         classes=tuple(classes),
-        paths=sel_paths,
-        labels=sel_labels,
+        paths=paths,
+        labels=labels,
         shards=shards,
-        locations=tuple(locations[i] for i in order) if locations else (),
+        locations=locations,
         class_counts=tuple(counts),
         empty_classes=empty,
         num_scanned=num_scanned,
         ignored=len(ignored),
         ignored_examples=tuple(sorted(ignored)[:3]),
         unmatched_label_rows=unmatched,
-        fingerprint=fingerprint(classes, sel_paths, sel_labels),
+        fingerprint=fingerprint(classes, paths, labels),
     )
-

@@ -107,8 +107,9 @@ def test_second_run_takes_the_fitted_stages_and_only_evaluates(weeks):
     assert json.loads((weeks["w2"] / "reuse.json").read_text())["origin"] == {s: w1 for s in REUSED}
     # a reused run is a finished run for `infoform score` / load_run: its posteriors are week 1's
     from pipelines.serve.run_loader import read_run
+    from pipelines.storage.store import RunStore
 
-    info1, info2 = read_run(w1), read_run(w2)
+    info1, info2 = read_run(RunStore.open(w1)), read_run(RunStore.open(w2))
     assert info2.posterior_uris == info1.posterior_uris and all(u.startswith(w1) for u in info2.posterior_uris.values())
     assert info2.hyper == info1.hyper and info2.temperature == info1.temperature
     # the evaluation ran on the new drop: other numbers than week 1's on the same weights
