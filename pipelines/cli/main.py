@@ -270,11 +270,12 @@ def cmd_run(args: argparse.Namespace, prog: str | None = None) -> int:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
     from pipelines.errors import StageError
     from pipelines.errors import PreflightError
+    from pipelines.ingest.index import DataError
     from pipelines.cli.run import run
 
     try:
         result = run(cfg, init_ray=lambda: _init_ray(args.address))
-    except PreflightError as e:  # found once the cluster's shape is known, before any pass
+    except (PreflightError, DataError) as e:  # the cluster's shape, the splits' scan: on the driver, before any pass
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except StageError as e:

@@ -53,7 +53,7 @@ def custom_preset(model: str | None, weights: str | None, data: str | None) -> t
     if data:
         sets.append(f"output={json.dumps(f'runs/{short}-{_folder_name(data)}')}")
     given = ", ".join(f for f, v in (("--data", data), ("--model", model), ("--weights", weights)) if v)
-    why = f"preset custom (no --preset, {given} given): your model {name}" + (f" on {data}" if data else "") + f"; {how}"
+    why = f"preset custom (no --preset; {given} given): your model {name}" + (f" on {data}" if data else "") + f"; {how}"
     if weights == RANDOM_WEIGHTS:
         why += "; --weights random: a test run with randomly initialised weights, not a trained model"
     sets.append(f"description={json.dumps(why)}")

@@ -256,6 +256,19 @@ def check_weights_fit(cfg: RunConfig, opts: storage.StorageOptions) -> None:
                 "(the class folders, sorted by name, are the label order) or point --data at the classes it was trained on")
 
 
+def _check_splits(cfg: RunConfig, root: str, opts: storage.StorageOptions) -> None:
+    """The split folders the run reads exist: train (the curvature passes), val (scanned by every
+    run: the search's images, and the evaluation's when there is no test split), test if set."""
+    d = cfg.data
+    wanted = [(d.train_split if "curvature" in cfg.stages else None, "train split (data.train_split)"),
+              (d.val_split, "val split (data.val_split: held-out images for the (N, tau) search and, without "
+                            "data.test_split, the evaluation; e.g. <root>/val/<class>/)"),
+              (d.test_split, "test split (data.test_split)")]
+    for split, what in wanted:
+        if split:
+            check_uri(storage.join(root, split), what, opts)
+
+
 def preflight(cfg: RunConfig, *, dry_run: bool = False) -> dict[str, Any]:
     """Check ``cfg`` against the world before any cluster work; returns what was checked.
     Raises :class:`PreflightError` (one line) on the first problem. ``dry_run`` checks the
@@ -268,8 +281,8 @@ def preflight(cfg: RunConfig, *, dry_run: bool = False) -> dict[str, Any]:
     if not cfg.data.demo:
         root = cfg.data.root
         check_uri(root, "data root", opts)
-        if "curvature" in cfg.stages and cfg.data.train_split and not root.rstrip("/").lower().endswith(".parquet"):
-            check_uri(storage.join(root, cfg.data.train_split), "train split", opts)
+        if not root.rstrip("/").lower().endswith(".parquet"):
+            _check_splits(cfg, root, opts)
         if cfg.data.ood:
             check_uri(cfg.data.ood, "OOD folder", opts)
     check_writable(cfg.output, opts)

@@ -58,6 +58,21 @@ def test_text_file_as_weights_is_one_line_in_words(folder, tmp_path):
     _one_line_exit_2(res, cpu, "is a text file", "not weights", str(notes), "torch.save(model.state_dict()")
 
 
+def test_a_data_folder_without_a_val_split_is_one_line(tmp_path):
+    """Only ``train/`` (a new user's first folder): the search's split is named with what to add,
+    before the listing (it was a traceback from the driver's scan)."""
+    import torch
+    import torchvision
+
+    for c in ("ant", "bee", "cat"):
+        (tmp_path / "data" / "train" / c).mkdir(parents=True)
+    w = tmp_path / "r18.pt"
+    torch.save(torchvision.models.resnet18(num_classes=3).state_dict(), w)
+    res, cpu = _job("--model", "resnet18", "--weights", str(w), "--data", str(tmp_path / "data"),
+                    "--output", str(tmp_path / "o"))
+    _one_line_exit_2(res, cpu, "val split (data.val_split", "not found", str(tmp_path / "data" / "val"))
+
+
 def test_weights_of_another_architecture_name_the_keys(folder, tmp_path):
     import torch
     import torchvision
