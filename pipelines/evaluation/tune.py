@@ -78,7 +78,7 @@ def chunk_refs(ds: Any, cfg: SearchConfig) -> tuple[list[Any], int, dict[str, An
     if ctx is not None:  # the same chunks on every submission (ASHA's decisions depend on them)
         ctx.execution_options.preserve_order = True
     t0 = time.perf_counter()
-    print(f"[search] reading and decoding the search split{_rows(cfg)} into chunks of "
+    print(f"[search] reading and decoding the search split{_rows(cfg)} into chunks of up to "
           f"{cfg.batches_per_chunk * cfg.batch_size} images", flush=True)
     it, skipped = valid_batches(ds, cfg.batch_size)
     refs, n = [], 0
