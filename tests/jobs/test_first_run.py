@@ -148,8 +148,9 @@ def test_weights_on_s3_are_read_through_the_store(s3_bucket, tmp_path):
 
     bucket, endpoint = s3_bucket
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    for c in ("ant", "bee", "cat"):
-        s3.put_object(Bucket=bucket[5:], Key=f"data/train/{c}/a.jpg", Body=b"\xff\xd8\xff")
+    for split in ("train", "val"):  # preflight checks every split the run scans
+        for c in ("ant", "bee", "cat"):
+            s3.put_object(Bucket=bucket[5:], Key=f"data/{split}/{c}/a.jpg", Body=b"\xff\xd8\xff")
     s3.put_object(Bucket=bucket[5:], Key="notes.pt", Body=b"weights: see the wiki\n")
     torch.save(torchvision.models.resnet18(num_classes=3).state_dict(), tmp_path / "r18.pt")
     s3.upload_file(str(tmp_path / "r18.pt"), bucket[5:], "r18.pt")

@@ -93,7 +93,8 @@ def test_missing_weights_file(tmp_path):
 
 
 def test_missing_ood_folder(tmp_path, weights):
-    (tmp_path / "train" / "n01").mkdir(parents=True)
+    for split in ("train", "val"):  # preflight checks every split the run scans
+        (tmp_path / split / "n01").mkdir(parents=True)
     _one_line_error(_run("--preset", "imagenet-resnet50", "--data", str(tmp_path), "--weights", str(weights),
                          "--ood", str(tmp_path / "nope")), "OOD folder not found")
 
@@ -132,7 +133,8 @@ def s3_layout(moto_s3, weights):
     s3 = boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1")
     s3.create_bucket(Bucket=bucket)
     for c in ("n01", "n02", "n03", "n04"):  # as many classes as the weights' head has outputs
-        s3.put_object(Bucket=bucket, Key=f"data/train/{c}/a.jpg", Body=b"\xff\xd8\xff")
+        for split in ("train", "val"):  # preflight checks every split the run scans
+            s3.put_object(Bucket=bucket, Key=f"data/{split}/{c}/a.jpg", Body=b"\xff\xd8\xff")
     s3.put_object(Bucket=bucket, Key="r18.pt", Body=weights.read_bytes())
     return f"s3://{bucket}", moto_s3
 
