@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .hooks import group_output_grads, group_rows, layer_inputs, layer_output_grads, norm_grads, num_positions
+from .hooks import (conv_rows_tap_major, group_output_grads, group_rows, layer_inputs, layer_output_grads, norm_grads,
+                    num_positions, tap_major_perm)
 from .statistics import LayerInfo
 
 __all__ = [
@@ -42,6 +43,7 @@ def efb_contraction_order(m: int, n: int, T: int, *, have_d: bool) -> str:
 
 
 PAIRS_MAX_T = 8  # positions up to which Σ_k (g_k^T a_k)^2 is one GEMM over position pairs
+FLUSH_SLICE = 2**18  # elements per slice when a partial sum is added into its total
 
 
 class Accumulator:
@@ -56,9 +58,11 @@ class Accumulator:
     """
 
     def __init__(self, shape, dtype, cdtype, device, sym_blocks: int = 1):
-        self.total = torch.zeros(shape, dtype=dtype, device=device)
+        self.dtype = dtype
+        self._total: torch.Tensor | None = None  # made by the first flush (no zero fill, no temporary)
         self.part = torch.empty(shape, dtype=cdtype, device=device)
         self.fresh = True
+        self.order: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         self.edges = None
         if sym_blocks > 1:
             n = shape[0]
@@ -88,6 +92,23 @@ class Accumulator:
             self.part.add_(t, alpha=alpha)
         self.fresh = False
 
+    def add_square(self, t: torch.Tensor, alpha: float) -> None:
+        """``part += alpha * t∘t`` (one fused pass over ``t``)."""
+        if self.fresh:
+            torch.mul(t, t, out=self.part)
+            if alpha != 1.0:
+                self.part.mul_(alpha)
+        else:
+            self.part.addcmul_(t, t, value=alpha)
+        self.fresh = False
+
+    @property
+    def total(self) -> torch.Tensor:
+        """The ``dtype`` sum of everything flushed (zeros before the first flush)."""
+        if self._total is None:
+            self._total = torch.zeros(self.part.shape, dtype=self.dtype, device=self.part.device)
+        return self._total
+
     def flush(self) -> torch.Tensor | None:
         """Add the partial sum into the total; returns its sum (for a finiteness check)."""
         if self.fresh:
@@ -98,15 +119,46 @@ class Accumulator:
                 for bj in range(bi + 1, len(e) - 1):
                     self.part[e[bj]:e[bj + 1], e[bi]:e[bi + 1]] = self.part[e[bi]:e[bi + 1], e[bj]:e[bj + 1]].T
         check = self.part.sum()
-        self.total.add_(self.part)
+        if self.order != (None, None):
+            self._flush_reordered()
+        elif self._total is None:
+            self._total = self.part.to(self.dtype, copy=True)
+        else:  # in slices: the promoted temporary of a mixed-dtype add_ stays in cache
+            total, part = self._total.view(-1), self.part.view(-1)
+            for i in range(0, part.numel(), FLUSH_SLICE):
+                total[i:i + FLUSH_SLICE].add_(part[i:i + FLUSH_SLICE])
         self.fresh = True
         return check
 
+    def reorder(self, rows: torch.Tensor | None, cols: torch.Tensor | None) -> None:
+        """Flush ``part[rows][:, cols]`` into the total: the products ran in another row /
+        column order (tap-major conv rows, :func:`~laplace_core.curvature.hooks.tap_major_perm`)."""
+        dev = self.part.device
+        self.order = tuple(None if i is None else i.to(dev) for i in (rows, cols))
+
+    def _flush_reordered(self) -> None:
+        """``total += part[rows][:, cols]``, a slice of rows at a time (2-D sums)."""
+        rows, cols = self.order
+        first = self._total is None
+        if first:
+            self._total = torch.empty(self.part.shape, dtype=self.dtype, device=self.part.device)
+        step = max(1, FLUSH_SLICE // self.part.shape[1])
+        for r0 in range(0, self.part.shape[0], step):
+            r1 = min(r0 + step, self.part.shape[0])
+            src = self.part[r0:r1] if rows is None else self.part.index_select(0, rows[r0:r1])
+            src = src if cols is None else src.index_select(1, cols)
+            if first:
+                self._total[r0:r1].copy_(src)
+            else:
+                self._total[r0:r1].add_(src)
+
 
 def sym_blocks(n: int) -> int:
-    """Row panels for the symmetric ``A`` product (measured on CPU: panels pay from
-    ~1000 columns on; below that one GEMM is faster)."""
-    return 1 if n < 1024 else (4 if n < 4096 else 8)
+    """Row panels for the symmetric ``A`` product. Measured on a quiet CPU, one thread
+    (resnet18's shapes at 64x64, 2026-11-25): ``n = 147`` 18.6 ms as one GEMM, 16.0 with 2
+    panels; ``n = 576`` 53.6 -> 38.1 with 4; ``n = 2304`` 54.6 -> 32.0 with 8; below ~128
+    columns one GEMM is as fast."""
+    return 1 if n < 128 else (2 if n < 384 else (4 if n < 2048 else 8))
 
 
 _PAIR_CACHE: dict[tuple[int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -137,6 +189,25 @@ def _square_sum(acc: Accumulator, g: torch.Tensor, a: torch.Tensor, alpha: float
     acc.mm(gp.T, ap, alpha)
 
 
+def _square_sum_per_example(acc: Accumulator, g: torch.Tensor, a: torch.Tensor, alpha: float) -> None:
+    """``acc += alpha * Σ_k (g_k^T a_k)∘(g_k^T a_k)`` for g (b, T, m), a (b, T, n), one example
+    at a time through one ``m x n`` scratch that stays in the CPU's cache. The batched form
+    writes a ``(b, m, n)`` intermediate to memory and reads it twice; with few positions
+    (``T`` = 16 at ``m x n`` = 256 x 2304, resnet18's layer3 at 64x64) that traffic, not the
+    ``mnT`` multiplies, is the cost: measured 9.5 ms against 48.9 ms for 32 examples, one
+    thread (benchmarks/RESULTS.md, issue 31's diagonal)."""
+    scratch = g.new_empty(g.shape[2], a.shape[2])
+    for k in range(g.shape[0]):
+        torch.mm(g[k].T, a[k], out=scratch)
+        acc.add_square(scratch, alpha)
+
+
+def _per_example_in_cache(t: torch.Tensor) -> bool:
+    """Whether the diagonal's per-example gradients are formed one at a time (CPU) rather
+    than as one batched ``(b, m, n)`` product (accelerators: bandwidth, not launches)."""
+    return t.device.type == "cpu"
+
+
 @dataclass
 class LayerSums:
     """Accumulators of one layer and its EFB basis in the compute dtype."""
@@ -151,6 +222,26 @@ class LayerSums:
     U_A: torch.Tensor | None
     U_G: torch.Tensor | None
     force_order: str | None
+
+    def __post_init__(self):
+        """A convolution's products run on tap-major rows (:func:`conv_rows_tap_major`, a
+        cheaper gather): ``U_A``'s rows are put in that order, and ``A`` and ``diag`` are
+        flushed back into ``weight.reshape(m, -1)`` order (``efb``'s columns are eigen-
+        directions, the same in both)."""
+        self.perm = None
+        if self.info.kind != "conv2d" or self.info.diag_only:
+            return
+        self.perm = tap_major_perm(self.module)
+        inv = torch.argsort(self.perm)
+        if self.U_A is not None:
+            self.U_A = self.U_A[self.perm.to(self.U_A.device)]
+        if self.A is not None:
+            self.A.reorder(inv, inv)
+        if self.diag is not None:
+            self.diag.reorder(None, inv)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_inputs(self.module, x) if self.perm is None else conv_rows_tap_major(self.module, x)
 
     @property
     def names(self) -> list[str]:
@@ -177,12 +268,13 @@ class LayerSums:
         order = None
         if self.efb is not None:
             order = "rotate" if pairs else (self.force_order or efb_contraction_order(m, n, T, have_d=kfac))
-        need_d = (kfac and not pairs) or order == "form"
+        diag_apart = kfac and not pairs and order != "form" and _per_example_in_cache(x)
+        need_d = (kfac and not pairs and not diag_apart) or order == "form"
         per = max(T * n, T * m, m * n if need_d else 0, (T * (T + 1) // 2) * max(m, n) if pairs else 0, 1)
         bs = max(1, min(B, max_chunk // per))
         for i0 in range(0, B, bs):
             i1 = min(B, i0 + bs)
-            a3 = layer_inputs(self.module, x[i0:i1] if bs < B else x)  # (b, T, n)
+            a3 = self._rows(x[i0:i1] if bs < B else x)  # (b, T, n)
             ar = a3.reshape(-1, n)
             if kfac:
                 self.A.syrk(ar, 1.0 / T)
@@ -190,9 +282,12 @@ class LayerSums:
             for g in grads:
                 g3 = layer_output_grads(self.module, g[i0:i1] if bs < B else g)  # (b, T, m)
                 self._add_draw(a3, a3_rot, g3, 1.0 / len(grads), pairs=pairs, order=order, need_d=need_d)
+                if diag_apart:
+                    _square_sum_per_example(self.diag, g3, a3, 1.0 / len(grads))
 
     def _add_draw(self, a3, a3_rot, g3, weight: float, *, pairs: bool, order: str | None, need_d: bool) -> None:
-        """One label draw's output gradients ``g3`` (b, T, m) against the inputs ``a3`` (b, T, n)."""
+        """One label draw's output gradients ``g3`` (b, T, m) against the inputs ``a3`` (b, T, n);
+        the diagonal here when it comes from the pair GEMM or the batched ``d`` (``need_d``)."""
         kfac = self.A is not None
         gr = g3.reshape(-1, g3.shape[2])
         if kfac:
@@ -212,7 +307,7 @@ class LayerSums:
                 d_rot = torch.bmm(g3_rot.transpose(1, 2), a3_rot)
                 self.efb.add(d_rot.square_().sum(0), weight)
                 del d_rot
-        if kfac and not pairs:
+        if kfac and d is not None:
             self.diag.add(d.square_().sum(0), weight)
         del d
 
