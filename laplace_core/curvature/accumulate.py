@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .hooks import (conv_rows_tap_major, group_output_grads, group_rows, layer_inputs, layer_output_grads, norm_grads,
-                    num_positions, tap_major_perm)
+from .hooks import group_output_grads, group_rows, layer_inputs, layer_output_grads, norm_grads, num_positions
+from .tap_major import conv_rows_tap_major, tap_major_perm
 from .statistics import LayerInfo
 
 __all__ = [
@@ -224,7 +224,7 @@ class LayerSums:
     force_order: str | None
 
     def __post_init__(self):
-        """A convolution's products run on tap-major rows (:func:`conv_rows_tap_major`, a
+        """A convolution's products run on tap-major rows (:func:`~laplace_core.curvature.tap_major.conv_rows_tap_major`, a
         cheaper gather): ``U_A``'s rows are put in that order, and ``A`` and ``diag`` are
         flushed back into ``weight.reshape(m, -1)`` order (``efb``'s columns are eigen-
         directions, the same in both)."""

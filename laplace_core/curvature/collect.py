@@ -19,15 +19,19 @@ model's dtype.
 Cost per example and layer (multiply counts, docs/design.md §1): forward ``mnT`` and the
 back-propagation of output gradients ``≈ mnT`` (weight gradients are never formed);
 ``A``: ``n²T``, as a blocked symmetric product (upper blocks only, ``(k+1)/2k`` of
-that); ``G``: ``m²T``; ``diag``: for ``T > 8`` positions ``d_k`` by a batched matmul
-(``mnT``), squared and summed; for ``T <= 8`` one GEMM over position pairs,
+that); ``G``: ``m²T``; ``diag``: for ``T > 8`` positions ``d_k`` (``mnT``), squared and summed,
+one example at a time through a cache-resident scratch on a CPU and as one batched matmul
+on an accelerator (docs/design.md §1: memory traffic, not multiplies, decides); for
+``T <= 8`` one GEMM over position pairs,
 ``Σ_k d_k∘d_k = Σ_{t<=t'} w (g_t∘g_t')^T (a_t∘a_t')`` (``mnT(T+1)/2`` multiplies at
 full GEMM speed instead of a memory-bound ``m x n`` intermediate per example; for
 ``T = 1`` it is ``(g∘g)^T (a∘a)``). EFB takes the cheaper of "form ``d_k`` then
 rotate" (``mnT + m²n + mn²``, the ``mnT`` free when the diagonal already formed
 ``d_k``) and "rotate ``a`` and ``g`` first" (``n²T + m²T + mnT``); small ``T``
 always rotates first and squares through the pair GEMM. Work is chunked over
-examples so that no intermediate exceeds ``max_chunk_elements`` elements; sums over
+examples so that no intermediate exceeds ``max_chunk_elements`` elements; a
+convolution's rows are gathered in tap-major order (:func:`~laplace_core.curvature.tap_major.conv_rows_tap_major`)
+and its ``A`` and ``diag`` put back into ``weight.reshape(m, -1)`` order at each flush; sums over
 about ``flush_examples`` examples stay in the compute dtype (inside the GEMMs) before
 being added to the ``dtype`` totals.
 

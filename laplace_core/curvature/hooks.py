@@ -56,7 +56,6 @@ __all__ = [
     "Capture",
     "capture",
     "conv_padding",
-    "conv_rows_tap_major",
     "layer_inputs",
     "layer_output_grads",
     "group_output_grads",
@@ -65,7 +64,6 @@ __all__ = [
     "norm_grads",
     "num_positions",
     "reference_attention",
-    "tap_major_perm",
 ]
 
 
@@ -152,44 +150,6 @@ def _conv_rows(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     rows[:, :, :k].view(B, Ho, Wo, C, kh, kw).copy_(windows)
     rows[:, :, k] = 1
     return rows
-
-
-def conv_rows_tap_major(module, x: torch.Tensor) -> torch.Tensor:
-    """The rows of :func:`layer_inputs` for a Conv2d (or a conv group) with their ``n``
-    columns in **tap-major** order: ``(kh, kw, c_in)``, then the bias column. The gather
-    reads runs of ``c_in`` contiguous values from a channels-last copy of the input, where
-    ``weight.reshape(m, -1)``'s order ``(c_in, kh, kw)`` writes one value at a time
-    (resnet18's layer1 at 64x64, one CPU thread: 2.4 ms against 14-22 ms for 32 images).
-    ``rows[..., :, p]`` is ``layer_inputs(...)[..., :, tap_major_perm(module)[p]]``."""
-    if isinstance(module, GroupView):
-        x = x[:, module.channels]
-    l, r, t, b = conv_padding(module)
-    x = x.permute(0, 2, 3, 1)  # (B, H, W, C): a view; contiguous already for channels-last inputs
-    x = F.pad(x, (0, 0, l, r, t, b)) if (l or r or t or b) else x.contiguous()
-    B, H, W, C = x.shape
-    (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
-    Ho = (H - dh * (kh - 1) - 1) // sh + 1
-    Wo = (W - dw * (kw - 1) - 1) // sw + 1
-    sB, sH, sW, sC = x.stride()
-    windows = x.as_strided((B, Ho, Wo, kh, kw, C), (sB, sH * sh, sW * sw, sH * dh, sW * dw, sC), x.storage_offset())
-    k = C * kh * kw
-    if module.bias is None:
-        return windows.reshape(B, Ho * Wo, k)
-    rows = x.new_empty(B, Ho * Wo, k + 1)
-    rows[:, :, :k].view(B, Ho, Wo, kh, kw, C).copy_(windows)
-    rows[:, :, k] = 1
-    return rows
-
-
-def tap_major_perm(module) -> torch.Tensor:
-    """``perm`` (``n`` indices): column ``p`` of :func:`conv_rows_tap_major` is column
-    ``perm[p]`` of :func:`layer_inputs` (``(c, i, j) -> c·kh·kw + i·kw + j`` read in
-    ``(i, j, c)`` order; the bias column stays last)."""
-    C, kh, kw = module.weight.shape[1:]
-    perm = torch.arange(C * kh * kw).view(C, kh, kw).permute(1, 2, 0).reshape(-1)
-    if module.bias is not None:
-        perm = torch.cat([perm, torch.tensor([C * kh * kw])])
-    return perm
 
 
 def group_rows(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:

@@ -8,21 +8,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from laplace_core.curvature.hooks import capture, conv_padding, layer_inputs, layer_output_grads, num_positions
-from laplace_core.curvature.layers import find_layers, get_matrix
+from laplace_core.curvature.layers import GroupView, find_layers, get_matrix
+from laplace_core.curvature.tap_major import conv_rows_tap_major, tap_major_perm
 
 TOL = 1e-12
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
+CONV_SHAPES = [
         dict(kernel_size=3, stride=2, padding=1, dilation=2, bias=True),
         dict(kernel_size=3, stride=1, padding=0, dilation=1, bias=False),
         dict(kernel_size=(2, 3), stride=(1, 2), padding=(1, 0), dilation=(2, 1), bias=True),
         dict(kernel_size=(2, 4), stride=1, padding="same", dilation=(1, 2), bias=True),  # asymmetric 'same'
         dict(kernel_size=3, stride=1, padding="valid", bias=True),
-    ],
-)
+]
+
+
+@pytest.mark.parametrize("kwargs", CONV_SHAPES)
 def test_conv_rows_reproduce_the_convolution(kwargs):
     """rows (B, T, n) @ W~^T == conv output (B, m, T): unfold order == weight.reshape(m, -1)."""
     torch.manual_seed(0)
@@ -35,6 +36,23 @@ def test_conv_rows_reproduce_the_convolution(kwargs):
     assert num_positions(conv, x) == T
     lhs = rows @ get_matrix(conv).T  # (B, T, m)
     torch.testing.assert_close(lhs, layer_output_grads(conv, out), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs", CONV_SHAPES)
+def test_tap_major_rows_are_the_rows_with_permuted_columns(kwargs):
+    """The pass's tap-major gather: the same values as layer_inputs, columns in (kh, kw, c_in)
+    order mapped by tap_major_perm; channels-last inputs and conv groups too."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, **kwargs).double()
+    x = torch.randn(2, 4, 9, 8, dtype=torch.float64)
+    perm = tap_major_perm(conv)
+    assert sorted(perm.tolist()) == list(range(get_matrix(conv).shape[1]))
+    assert not torch.equal(perm, torch.arange(len(perm)))
+    for xi in (x, x.contiguous(memory_format=torch.channels_last)):
+        assert torch.equal(conv_rows_tap_major(conv, xi), layer_inputs(conv, x)[..., perm])
+    grouped = nn.Conv2d(4, 6, groups=2, **kwargs).double()
+    view = GroupView(grouped, "g", 1)
+    assert torch.equal(conv_rows_tap_major(view, x), layer_inputs(view, x)[..., tap_major_perm(view)])
 
 
 def test_same_padding_is_asymmetric_like_pytorch():
