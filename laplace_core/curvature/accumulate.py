@@ -202,10 +202,15 @@ def _square_sum_per_example(acc: Accumulator, g: torch.Tensor, a: torch.Tensor, 
         acc.add_square(scratch, alpha)
 
 
-def _per_example_in_cache(t: torch.Tensor) -> bool:
-    """Whether the diagonal's per-example gradients are formed one at a time (CPU) rather
-    than as one batched ``(b, m, n)`` product (accelerators: bandwidth, not launches)."""
-    return t.device.type == "cpu"
+PER_EXAMPLE_MIN = 2**20  # elements of the batched (b, m, n) intermediate from which a CPU forms d_k one at a time
+
+
+def _per_example_in_cache(t: torch.Tensor, elements: int) -> bool:
+    """Whether the diagonal's per-example gradients are formed one at a time: on a CPU once the
+    batched ``(b, m, n)`` intermediate (``elements``) would leave the cache (below ~1M elements
+    the two are equally fast and the batched product makes fewer Python calls); accelerators
+    keep the batched product (bandwidth is plentiful, launches are not)."""
+    return t.device.type == "cpu" and elements >= PER_EXAMPLE_MIN
 
 
 @dataclass
@@ -268,7 +273,7 @@ class LayerSums:
         order = None
         if self.efb is not None:
             order = "rotate" if pairs else (self.force_order or efb_contraction_order(m, n, T, have_d=kfac))
-        diag_apart = kfac and not pairs and order != "form" and _per_example_in_cache(x)
+        diag_apart = kfac and not pairs and order != "form" and _per_example_in_cache(x, B * m * n)
         need_d = (kfac and not pairs and not diag_apart) or order == "form"
         per = max(T * n, T * m, m * n if need_d else 0, (T * (T + 1) // 2) * max(m, n) if pairs else 0, 1)
         bs = max(1, min(B, max_chunk // per))
