@@ -179,7 +179,7 @@ def reproduce(out: Path, *, configs: int, search_mc: int, eval_mc: int, epochs: 
     nets = [cached_lenet(wdir / f"lenet-seed0-e{epochs}.safetensors", xtr, ytr, 0, epochs)]
     with torch.no_grad():
         train_acc = float((nets[0](xtr).argmax(1) == ytr).double().mean())
-    output = out / f"run-{configs}-{tag}-e{epochs}"
+    output = out / (f"run-{configs}-{tag}-e{epochs}" + ("-" + "-".join(x.replace("=", "_") for x in extra) if extra else ""))
     run_job(job_args(data / "mnist", data / "letters", wdir / f"lenet-seed0-e{epochs}.safetensors",
                      output, configs, search_mc, eval_mc, extra))
     res = read_job(output)
@@ -241,13 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--letters", type=int, default=100, help="rendered OOD images per letter A-J")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="folder for table2.json and table2.md")
     p.add_argument("--work", default=str(ROOT / "runs" / "paper-table2"), help="data, weights and the job's output")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to the job as --set (e.g. curvature.precision=bf16); the run's folder and the "
+                        "results' name say which")
+    p.add_argument("--name", default="table2", help="file name of the results in --out (table2.json / .md)")
     args = p.parse_args(argv)
     splits = dict(zip(("train", "val", "test"), args.per_class))
     res = reproduce(Path(args.work), configs=args.configs, search_mc=args.search_mc, eval_mc=args.eval_mc,
-                    epochs=args.epochs, members=args.members, n_letters=args.letters, splits=splits)
+                    epochs=args.epochs, members=args.members, n_letters=args.letters, splits=splits,
+                    extra=args.set)
     res["splits_per_class"] = splits
     md = markdown(res)
-    write(Path(args.out), "table2", res, md)
+    write(Path(args.out), args.name, res, md)
     print(md)
     return 1 if check(res) else 0
 
