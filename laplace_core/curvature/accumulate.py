@@ -132,7 +132,7 @@ class Accumulator:
 
     def reorder(self, rows: torch.Tensor | None, cols: torch.Tensor | None) -> None:
         """Flush ``part[rows][:, cols]`` into the total: the products ran in another row /
-        column order (tap-major conv rows, :func:`~laplace_core.curvature.hooks.tap_major_perm`)."""
+        column order (tap-major conv rows, :func:`~laplace_core.curvature.tap_major.tap_major_perm`)."""
         dev = self.part.device
         self.order = tuple(None if i is None else i.to(dev) for i in (rows, cols))
 
@@ -229,10 +229,10 @@ class LayerSums:
     force_order: str | None
 
     def __post_init__(self):
-        """A convolution's products run on tap-major rows (:func:`~laplace_core.curvature.tap_major.conv_rows_tap_major`, a
-        cheaper gather): ``U_A``'s rows are put in that order, and ``A`` and ``diag`` are
-        flushed back into ``weight.reshape(m, -1)`` order (``efb``'s columns are eigen-
-        directions, the same in both)."""
+        """A convolution's products run on tap-major rows (a cheaper gather,
+        :func:`~laplace_core.curvature.tap_major.conv_rows_tap_major`): ``U_A``'s rows are put
+        in that order, and ``A`` and ``diag`` are flushed back into ``weight.reshape(m, -1)``
+        order (``efb``'s columns are eigen-directions, the same in both)."""
         self.perm = None
         if self.info.kind != "conv2d" or self.info.diag_only:
             return
