@@ -13,6 +13,7 @@ than after s3fs's and botocore's back-off (minutes).
 """
 from __future__ import annotations
 
+import difflib
 import uuid
 from typing import Any
 
@@ -169,7 +170,10 @@ def _check_models(cfg: RunConfig, opts: storage.StorageOptions, world: bool = Tr
             continue
         if spec.name not in valid:
             fam = sorted(n for n in valid if n.startswith(("resnet", "densenet"))) + sorted(EXTRA_MODELS)
-            raise PreflightError(f"unknown model {spec.name!r}; valid: {', '.join(fam)} (or any torchvision classifier)")
+            close = difflib.get_close_matches(spec.name, sorted(valid), n=3, cutoff=0.6)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise PreflightError(f"unknown model {spec.name!r}; {hint}valid: {', '.join(fam)} "
+                                 "(or any torchvision classifier)")
         if spec.weights == RANDOM_WEIGHTS:
             continue
         if spec.weights is not None:

@@ -78,6 +78,12 @@ def test_unknown_model_lists_valid_ones():
     _one_line_error(_run("--preset", "smoke", "--model", "resnet5O"), "unknown model", "resnet50", "densenet121")
 
 
+def test_unknown_model_suggests_the_close_names():
+    """A torchvision family name without its size (a new user's guess) names the models it meant."""
+    _one_line_error(_run("--preset", "smoke", "--model", "mobilenet_v3"), "unknown model 'mobilenet_v3'",
+                    "did you mean", "mobilenet_v3_small", "mobilenet_v3_large")
+
+
 def test_unknown_method_lists_valid_ones():
     _one_line_error(_run("--preset", "smoke", "--methods", "diag,laplace"), "unknown method", "inf", "kfac")
 
