@@ -172,8 +172,18 @@ def wait_for_actors(ready: Sequence[Any], cfg: RuntimeFields, what: str) -> None
                              f"{cfg.placement_timeout_s:g} s: {asks} (lower evaluate.gpus_per_actor or "
                              "evaluate.cpus_per_actor, add nodes, or raise evaluate.placement_timeout_s)")
         print(f"[{what}] {len(pending)} of {len(ready)} actor(s) not started after "
-              f"{time.perf_counter() - t0:.0f} s: {asks} "
-              "(on a cluster without GPUs, set evaluate.gpus_per_actor=0)", flush=True)
+              f"{time.perf_counter() - t0:.0f} s: {asks} ({_waiting_hint(cfg, have)})", flush=True)
+
+
+def _waiting_hint(cfg: RuntimeFields, have: dict[str, float]) -> str:
+    """What to do about actors still waiting: a GPU or CPU request the cluster cannot meet
+    names the setting; a request that fits is only slow to start (a busy machine)."""
+    if cfg.gpus_per_actor > have.get("GPU", 0.0):
+        return ("on a cluster without GPUs, set evaluate.gpus_per_actor=0" if not have.get("GPU")
+                else "lower evaluate.gpus_per_actor or add GPU nodes")
+    if cfg.cpus_per_actor > have.get("CPU", 0.0):
+        return "lower evaluate.cpus_per_actor or add nodes"
+    return "the cluster has room for them: other work is holding its CPUs, or they are still starting"
 
 
 def round_size(cfg: RuntimeFields, what: str, settle_s: float | None = None) -> int:

@@ -302,6 +302,17 @@ def test_actors_waiting_for_resources_are_reported(ray_session, capsys):
     assert "'num_gpus': 1000.0" in out and "set evaluate.gpus_per_actor=0" in out
 
 
+def test_the_waiting_hint_names_only_a_setting_that_cannot_be_met():
+    """A request that fits the cluster is not told to change its GPUs (it is slow to start)."""
+    from pipelines.evaluation.actors import _waiting_hint
+
+    assert "gpus_per_actor=0" in _waiting_hint(EvalConfig(gpus_per_actor=1.0), {"CPU": 2.0})
+    assert "add GPU nodes" in _waiting_hint(EvalConfig(gpus_per_actor=4.0), {"CPU": 8.0, "GPU": 2.0})
+    assert "cpus_per_actor" in _waiting_hint(EvalConfig(gpus_per_actor=0.0, cpus_per_actor=4.0), {"CPU": 2.0})
+    fits = _waiting_hint(EvalConfig(gpus_per_actor=0.0, cpus_per_actor=0.5), {"CPU": 2.0})
+    assert "gpus_per_actor" not in fits and "room for them" in fits
+
+
 class _Unplaceable:
     def run(self, actor_index: int = 0):
         return {}
