@@ -55,6 +55,7 @@ from .layers import GroupView, LayerKind, ScaleView, is_tapped, layer_kind
 __all__ = [
     "Capture",
     "capture",
+    "conv_output_hw",
     "conv_padding",
     "layer_inputs",
     "layer_output_grads",
@@ -64,6 +65,7 @@ __all__ = [
     "norm_grads",
     "num_positions",
     "reference_attention",
+    "rows_from_windows",
 ]
 
 
@@ -95,9 +97,8 @@ def num_positions(module: nn.Module, x: torch.Tensor) -> int:
     middle dimensions of a ``(B, *, in)`` input, 1 for a ``(B, in)`` input)."""
     if layer_kind(module) is LayerKind.CONV2D:
         l, r, t, b = conv_padding(module)
-        H, W = x.shape[-2] + t + b, x.shape[-1] + l + r
-        (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
-        return ((H - dh * (kh - 1) - 1) // sh + 1) * ((W - dw * (kw - 1) - 1) // sw + 1)
+        Ho, Wo = conv_output_hw(module, x.shape[-2] + t + b, x.shape[-1] + l + r)
+        return Ho * Wo
     T = 1
     for s in x.shape[1:-1]:
         T *= int(s)
@@ -139,15 +140,26 @@ def _conv_rows(module: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
         x = F.pad(x, pads)
     B, C, H, W = x.shape
     (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
-    Ho = (H - dh * (kh - 1) - 1) // sh + 1
-    Wo = (W - dw * (kw - 1) - 1) // sw + 1
+    Ho, Wo = conv_output_hw(module, H, W)
     sB, sC, sH, sW = x.stride()
     windows = x.as_strided((B, Ho, Wo, C, kh, kw), (sB, sH * sh, sW * sw, sC, sH * dh, sW * dw), x.storage_offset())
-    k = C * kh * kw
-    if module.bias is None:
+    return rows_from_windows(windows, module.bias is not None)
+
+
+def conv_output_hw(module, H: int, W: int) -> tuple[int, int]:
+    """``(Ho, Wo)`` of a convolution over an already padded ``H x W`` input."""
+    (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
+    return (H - dh * (kh - 1) - 1) // sh + 1, (W - dw * (kw - 1) - 1) // sw + 1
+
+
+def rows_from_windows(windows: torch.Tensor, bias: bool) -> torch.Tensor:
+    """Rows ``(B, Ho·Wo, k)`` of patch windows ``(B, Ho, Wo, *patch)``, a ones column added for a bias."""
+    B, Ho, Wo = windows.shape[:3]
+    k = math.prod(windows.shape[3:])
+    if not bias:
         return windows.reshape(B, Ho * Wo, k)
-    rows = x.new_empty(B, Ho * Wo, k + 1)
-    rows[:, :, :k].view(B, Ho, Wo, C, kh, kw).copy_(windows)
+    rows = windows.new_empty(B, Ho * Wo, k + 1)
+    rows[:, :, :k].view(windows.shape).copy_(windows)
     rows[:, :, k] = 1
     return rows
 
@@ -162,8 +174,7 @@ def group_rows(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     B, C, H, W = x.shape
     g = conv.groups
     (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
-    Ho = (H - dh * (kh - 1) - 1) // sh + 1
-    Wo = (W - dw * (kw - 1) - 1) // sw + 1
+    Ho, Wo = conv_output_hw(conv, H, W)
     sB, sC, sH, sW = x.stride()
     windows = x.as_strided((B, Ho, Wo, C, kh, kw), (sB, sH * sh, sW * sw, sC, sH * dh, sW * dw), x.storage_offset())
     cg = C // g

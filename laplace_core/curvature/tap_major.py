@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .hooks import conv_padding
+from .hooks import conv_output_hw, conv_padding, rows_from_windows
 from .layers import GroupView
 
 __all__ = ["conv_rows_tap_major", "tap_major_perm"]
@@ -30,17 +30,10 @@ def conv_rows_tap_major(module, x: torch.Tensor) -> torch.Tensor:
     x = F.pad(x, (0, 0, l, r, t, b)) if (l or r or t or b) else x.contiguous()
     B, H, W, C = x.shape
     (kh, kw), (sh, sw), (dh, dw) = module.kernel_size, module.stride, module.dilation
-    Ho = (H - dh * (kh - 1) - 1) // sh + 1
-    Wo = (W - dw * (kw - 1) - 1) // sw + 1
+    Ho, Wo = conv_output_hw(module, H, W)
     sB, sH, sW, sC = x.stride()
     windows = x.as_strided((B, Ho, Wo, kh, kw, C), (sB, sH * sh, sW * sw, sH * dh, sW * dw, sC), x.storage_offset())
-    k = C * kh * kw
-    if module.bias is None:
-        return windows.reshape(B, Ho * Wo, k)
-    rows = x.new_empty(B, Ho * Wo, k + 1)
-    rows[:, :, :k].view(B, Ho, Wo, kh, kw, C).copy_(windows)
-    rows[:, :, k] = 1
-    return rows
+    return rows_from_windows(windows, module.bias is not None)
 
 
 def tap_major_perm(module) -> torch.Tensor:
