@@ -210,6 +210,7 @@ def rehearse(args) -> dict:
     from pipelines.ingest.index import DataConfig, partition
     from pipelines.ingest.index_store import IndexedListing, index_uris
     from pipelines.ingest.scan import scan
+    from pipelines.ingest.table_scan import release_unused
     from pipelines.storage import uris as storage
 
     import pyarrow.compute  # noqa: F401  (imports are not part of the listing's seconds)
@@ -263,6 +264,7 @@ def rehearse(args) -> dict:
     del table
     index = scan(dc, lambda _uri: held.pop())
     parts = partition(index, partition_size=args.partition_size)
+    release_unused()  # as the job does (pipelines.cli.plan.scan_splits)
     out["planning_s"] = round(time.perf_counter() - t0, 2)
     out["partitions"] = len(parts)
     out["driver_rss_before_stage"] = vm_hwm()

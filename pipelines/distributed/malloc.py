@@ -61,3 +61,19 @@ def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM
     if libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) != 1 or libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) != 1:
         return None
     return {"mmap_threshold": mmap_threshold, "trim_threshold": trim_threshold}
+
+
+def release_free_memory() -> bool:
+    """Give the free pages of every glibc heap back to the kernel (``malloc_trim(0)``), also those
+    inside a heap, which ``free`` never returns (it only shrinks a heap's top beyond
+    ``M_TRIM_THRESHOLD``). For the end of a phase whose large temporaries are gone: the memory
+    stays counted in the process's RSS otherwise, until later allocations of the same allocator
+    happen to reuse it. Costs a walk over the free chunks (milliseconds). ``True`` when glibc
+    returned memory; ``False`` when it had none to return or this is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
+    return bool(libc.malloc_trim(0))
+
