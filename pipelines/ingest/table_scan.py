@@ -18,7 +18,7 @@ import numpy as np
 from pipelines.ingest.index import DataError
 from pipelines.ingest.pathlist import PathList
 
-__all__ = ["imagefolder", "first_part", "pathlist_of", "labels_tuple", "release_unused"]
+__all__ = ["imagefolder", "first_part", "pathlist_of", "release_unused"]
 
 
 def release_unused() -> None:
@@ -71,16 +71,6 @@ def pathlist_of(chunks, total: int | None = None, count: int | None = None) -> P
     if count is not None and rows != count:
         raise ValueError(f"pathlist_of: {rows} strings, {count} announced")
     return PathList(buf, offs[0] if count is not None else np.concatenate(offs))
-
-
-def labels_tuple(labels: np.ndarray, num_classes: int) -> tuple[int, ...]:
-    """``tuple(int(y) for y in labels)`` with one shared ``int`` object per class (8 bytes an
-    entry, not 8 + 28), built a block at a time."""
-    import itertools
-
-    ints = tuple(range(-1, num_classes))
-    blocks = (map(ints.__getitem__, (labels[a:a + 65536] + 1).tolist()) for a in range(0, len(labels), 65536))
-    return tuple(itertools.chain.from_iterable(blocks))
 
 
 def first_part(paths):
