@@ -104,3 +104,38 @@ def test_release_free_memory_returns_the_holes_of_the_heap():
     # 24 freed 2 MiB buffers between live ones (48 MiB): free() returns none of it, the trim most
     assert got["done"] and got["dropped"] > 30 and got["kept_ok"], got
 
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps and madvise: Linux")
+def test_object_store_pages_leave_the_rss_and_keep_their_contents(tmp_path):
+    """A shared mapping of a file named like Ray's object store: after
+    ``release_object_store_pages`` its pages no longer count in this process's RSS (RssShmem),
+    and reading them again gives the same bytes; a private mapping is left alone."""
+    import mmap
+
+    from pipelines.distributed.malloc import release_object_store_pages
+
+    def shmem_kib() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssShmem"))
+
+    path = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    name = os.path.join(path, f"plasma-infoform-test-{os.getpid()}")
+    size = 16 * 2**20
+    fd = os.open(name, os.O_CREAT | os.O_RDWR)
+    try:
+        os.ftruncate(fd, size)
+        shared = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        private = mmap.mmap(-1, 2**20, mmap.MAP_PRIVATE)
+        for i in range(0, size, 4096):
+            shared[i] = i // 4096 % 251
+        private[0] = 9
+        before = shmem_kib()
+        assert release_object_store_pages() >= size
+        if path == "/dev/shm":
+            assert before - shmem_kib() >= 0.9 * size / 1024
+        assert all(shared[i] == i // 4096 % 251 for i in range(0, size, 4096)) and private[0] == 9
+        shared.close()
+        private.close()
+    finally:
+        os.close(fd)
+        os.unlink(name)
