@@ -36,7 +36,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .malloc import release_object_store_pages
+from .malloc import release_free_memory, release_object_store_pages
 from .comm import allreduce_sum, broadcast_object, new_comm_record
 from .progress import Progress, say
 from .workers import Job, path_keys
@@ -336,6 +336,7 @@ class PassRun:
         else:
             self.progress.finish(sum(self.totals.rows.get(p, 0) for p in self.todo))
         rec["wall_s"] = time.perf_counter() - t_pass
+        release_free_memory()  # the batches' freed buffers: not kept under what the stage does next
         t = self.totals
         return PassResult(state=state, counts=dict(t.counts), rows=sum(t.rows.values()),
                           invalid=sum(t.invalid.values()), skipped=t.skipped, record=rec)
