@@ -1,5 +1,6 @@
 """Compact, immutable sequences for the file lists of an index. :class:`PathList`, of strings:
-one UTF-8 buffer and an int64 offset per entry (``len(path) + 8`` bytes a file, against ~60 + ``len(path)`` + 8 for a tuple of ``str``), used
+one UTF-8 buffer and an offset per entry (int32 while the buffer is below 2 GiB: ``len(path) + 4``
+bytes a file, against ~60 + ``len(path)`` + 8 for a tuple of ``str``), used
 for the file lists of :class:`pipelines.ingest.index.DatasetIndex` and its partitions so that
 an index of 1.28M files is a handful of objects on the driver and pickles as two small buffers
 (the UTF-8 compressed, a length per entry in the narrowest integer type: ~6 bytes a file for
@@ -13,16 +14,22 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-__all__ = ["PathList", "LabelList", "unpack_pathlist"]
+__all__ = ["PathList", "LabelList", "offset_dtype", "unpack_pathlist"]
 
 
 def unpack_pathlist(data: bytes, lengths: bytes, dtype: str) -> "PathList":
     """The PathList that :meth:`PathList.__reduce__` packed: ``data`` the zlib-compressed UTF-8
     of its entries, ``lengths`` their byte lengths as ``dtype`` integers."""
     lens = np.frombuffer(lengths, np.dtype(dtype))
-    off = np.zeros(len(lens) + 1, np.int64)
-    np.cumsum(lens, dtype=np.int64, out=off[1:])
-    return PathList(zlib.decompress(data), off)
+    buf = zlib.decompress(data)
+    off = np.zeros(len(lens) + 1, offset_dtype(len(buf)))
+    np.cumsum(lens, dtype=off.dtype, out=off[1:])
+    return PathList(buf, off)
+
+
+def offset_dtype(nbytes: int) -> type:
+    """The offsets' type for a buffer of ``nbytes``: int32 below 2 GiB, else int64."""
+    return np.int32 if nbytes < 2**31 else np.int64
 
 
 class PathList(Sequence):
@@ -36,7 +43,8 @@ class PathList(Sequence):
 
     def __init__(self, buf: bytes = b"", off: np.ndarray | None = None):
         self._buf = buf if isinstance(buf, (bytes, bytearray)) else bytes(buf)  # kept, not copied
-        self._off = np.zeros(1, np.int64) if off is None else np.ascontiguousarray(off, dtype=np.int64)
+        off = np.zeros(1, np.int64) if off is None else np.ascontiguousarray(off)
+        self._off = off if off.dtype in (np.int32, np.int64) else off.astype(np.int64)  # int32: a large index's
 
     @classmethod
     def of(cls, items: Iterable[str]) -> "PathList":

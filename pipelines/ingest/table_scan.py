@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from pipelines.ingest.index import DataError
-from pipelines.ingest.pathlist import PathList
+from pipelines.ingest.pathlist import PathList, offset_dtype
 
 __all__ = ["imagefolder", "first_part", "pathlist_of", "release_unused"]
 
@@ -43,7 +43,8 @@ def pathlist_of(chunks, total: int | None = None, count: int | None = None) -> P
 
     buf = bytearray(total) if total is not None else None
     pieces: list[bytes] = []
-    offs: list[np.ndarray] = [np.zeros(1 if count is None else count + 1, np.int64)]
+    offs: list[np.ndarray] = [np.zeros(1 if count is None else count + 1,
+                                       np.int64 if total is None else offset_dtype(total))]
     end = rows = 0
     for array in (chunks.chunks if isinstance(chunks, pa.ChunkedArray) else chunks):
         if not len(array):
