@@ -122,19 +122,22 @@ class WorkerWatch(threading.Thread):
         super().__init__(daemon=True)
         self.every_s, self.peak, self.pids, self._halt = every_s, 0, set(), threading.Event()
         self.samples: list[tuple[float, int, int, int]] = []  # (time, VmRSS, RssAnon, RssShmem)
+        self.driver: list[tuple[float, int, int, int]] = []  # the same of this process (the driver)
 
-    def curve(self, points: int = 10) -> list[list[int]]:
-        """``[VmRSS, RssAnon, RssShmem]`` in MiB of the largest worker at ``points`` even steps of
-        the stage's time (the last sample before each step): growth per partition shows here."""
-        if not self.samples:
+    def curve(self, points: int = 10, driver: bool = False) -> list[list[int]]:
+        """``[VmRSS, RssAnon, RssShmem]`` in MiB of the largest worker (``driver``: of this process)
+        at ``points`` even steps of the stage's time (the last sample before each step): growth per
+        partition shows here."""
+        samples = self.driver if driver else self.samples
+        if not samples:
             return []
-        t0, t1 = self.samples[0][0], self.samples[-1][0]
+        t0, t1 = samples[0][0], samples[-1][0]
         out, i = [], 0
         for k in range(1, points + 1):
             step = t0 + (t1 - t0) * k / points
-            while i + 1 < len(self.samples) and self.samples[i + 1][0] <= step:
+            while i + 1 < len(samples) and samples[i + 1][0] <= step:
                 i += 1
-            out.append([v >> 20 for v in self.samples[i][1:]])
+            out.append([v >> 20 for v in samples[i][1:]])
         return out
 
     def run(self) -> None:
@@ -158,6 +161,8 @@ class WorkerWatch(threading.Thread):
                     sample = (time.time(), st["VmRSS"], st.get("RssAnon", 0), st.get("RssShmem", 0))
             if sample[1]:
                 self.samples.append(sample)
+            me = vm_status("self", _RSS_KEYS)
+            self.driver.append((time.time(), me.get("VmRSS", 0), me.get("RssAnon", 0), me.get("RssShmem", 0)))
             self._halt.wait(self.every_s)
 
     def stop(self) -> int:
@@ -196,7 +201,7 @@ def _curvature(parts, dc, output: str, store, classes: int) -> dict:
     report_ranks = res.timings["worker"].get("ranks", [])
     return {"stage_s": round(stage_s, 1), "per_partition_s": round(max(r["wall_s"] for r in ranks) / len(parts), 2),
             "worker_peak_rss": worker_peak, "workers_seen": len(watch.pids),
-            "worker_rss_curve_mib": watch.curve(),
+            "worker_rss_curve_mib": watch.curve(), "driver_rss_curve_mib": watch.curve(driver=True),
             "bytes_to_workers": int(sum(r.get("pass1", {}).get("source_bytes", 0) for r in report_ranks)),
             "bytes_written": int(sum(r["bytes_written"] for r in ranks)), "count": res.stats.count}
 
@@ -205,6 +210,7 @@ def rehearse(args) -> dict:
     from pipelines.ingest.index import DataConfig, partition
     from pipelines.ingest.index_store import IndexedListing, index_uris
     from pipelines.ingest.scan import scan
+    from pipelines.ingest.table_scan import release_unused
     from pipelines.storage import uris as storage
 
     import pyarrow.compute  # noqa: F401  (imports are not part of the listing's seconds)
@@ -258,6 +264,7 @@ def rehearse(args) -> dict:
     del table
     index = scan(dc, lambda _uri: held.pop())
     parts = partition(index, partition_size=args.partition_size)
+    release_unused()  # as the job does (pipelines.cli.plan.scan_splits)
     out["planning_s"] = round(time.perf_counter() - t0, 2)
     out["partitions"] = len(parts)
     out["driver_rss_before_stage"] = vm_hwm()

@@ -242,6 +242,7 @@ def scan_splits(cfg: RunConfig, plan: DataPlan) -> Splits:
     from pipelines.ingest.index import partition
     from pipelines.ingest.index_store import IndexedListing
     from pipelines.ingest.scan import scan as scan_split
+    from pipelines.ingest.table_scan import release_unused
 
     listing = IndexedListing(cfg.output, cfg.storage_options(), relist=cfg.data.relist, log=log)
 
@@ -272,6 +273,7 @@ def scan_splits(cfg: RunConfig, plan: DataPlan) -> Splits:
             scanned["ood"] = ood_full
         ood = limit_index(ood_full, cfg.data.ood_limit)
     parts = partition(train, partition_size=cfg.data.partition_size)
+    release_unused()  # the scans' and fingerprints' temporaries: not kept through the stages
     return Splits(train=train, train_config=train_cfg, parts=parts, classes=classes, search=search,
                   search_config=val_cfg, test=test, test_config=test_cfg, ood=ood, ood_config=ood_cfg,
                   scanned=scanned)

@@ -36,6 +36,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .checkpoint import load_checkpoint, save_checkpoint
+from .malloc import release_free_memory, release_object_store_pages
 from .comm import allreduce_sum, broadcast_object, new_comm_record
 from .progress import Progress, say
 from .workers import Job, path_keys
@@ -319,6 +320,7 @@ class PassRun:
         last = time.perf_counter()
         for i, pid in enumerate(self.todo):
             counters[pid], counts = self._compute(i, pid, state)
+            release_object_store_pages()  # this partition's blocks' pages: the store's, not this worker's
             local = [a + int(b) for a, b in zip(local, counts)]
             seg.append(pid)
             final = i == len(self.todo) - 1
@@ -334,6 +336,7 @@ class PassRun:
         else:
             self.progress.finish(sum(self.totals.rows.get(p, 0) for p in self.todo))
         rec["wall_s"] = time.perf_counter() - t_pass
+        release_free_memory()  # the batches' freed buffers: not kept under what the stage does next
         t = self.totals
         return PassResult(state=state, counts=dict(t.counts), rows=sum(t.rows.values()),
                           invalid=sum(t.invalid.values()), skipped=t.skipped, record=rec)

@@ -61,3 +61,54 @@ def tune_malloc(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM
     if libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) != 1 or libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) != 1:
         return None
     return {"mmap_threshold": mmap_threshold, "trim_threshold": trim_threshold}
+
+
+def release_free_memory() -> bool:
+    """Give the free pages of every glibc heap back to the kernel (``malloc_trim(0)``), also those
+    inside a heap, which ``free`` never returns (it only shrinks a heap's top beyond
+    ``M_TRIM_THRESHOLD``). For the end of a phase whose large temporaries are gone: the memory
+    stays counted in the process's RSS otherwise, until later allocations of the same allocator
+    happen to reuse it. Costs a walk over the free chunks (milliseconds). ``True`` when glibc
+    returned memory; ``False`` when it had none to return or this is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
+    return bool(libc.malloc_trim(0))
+
+
+_MADV_DONTNEED = 4  # <sys/mman.h> (Linux)
+
+
+def release_object_store_pages(marker: str = "plasma") -> int:
+    """Drop this process's page-table entries of the Ray object store's shared memory (every
+    *shared* mapping of a file whose name contains ``marker``) with ``madvise(MADV_DONTNEED)``.
+
+    Why: a process maps the whole object store and every page it ever read or wrote there stays
+    counted in its resident set (``RssShmem``), also after the object on it is freed; as blocks
+    of later partitions land on other pages, a Ray Train worker's RSS grows with the rows it
+    read up to the store's size (measured: +2 MiB a partition of 10,000 rows a rank at 16x16,
+    benchmarks/RESULTS.md, issue 29). The pages themselves belong to the store: for a shared file
+    mapping ``MADV_DONTNEED`` discards nothing (a later access maps the same page again, with
+    its current contents), so objects still in use, also those of a pipeline running beside,
+    are read as before. Private mappings are never touched. Returns the bytes of the mappings
+    advised (0 off Linux, or when no such mapping is found)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        with open("/proc/self/maps") as f:
+            spans = [line.split(maxsplit=5) for line in f]
+    except OSError:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    done = 0
+    for span in spans:
+        if len(span) < 6 or marker not in span[5] or span[1][3:4] != "s":
+            continue
+        lo, hi = (int(x, 16) for x in span[0].split("-"))
+        if libc.madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+            done += hi - lo
+    return done

@@ -106,6 +106,7 @@ def put_sources(by_id: dict, pids, data_config, world: int = 1) -> tuple[Any, di
     import ray
     import ray.data
 
+    from pipelines.distributed.malloc import release_object_store_pages
     from pipelines.ingest.index import rank_share
 
     lazy = {pid: by_id[pid] for pid in pids if not isinstance(by_id[pid], ray.data.Dataset)}
@@ -122,7 +123,9 @@ def put_sources(by_id: dict, pids, data_config, world: int = 1) -> tuple[Any, di
             nbytes[rank] += share_bytes(share)
             refs.append(ray.put(share))
         shares[pid] = refs
-    return ray.put({"data_config": data_config, "world": world, "shares": shares, "bytes": nbytes}), ready
+    ref = ray.put({"data_config": data_config, "world": world, "shares": shares, "bytes": nbytes})
+    release_object_store_pages()  # the pages the driver wrote the shares on stay the store's only
+    return ref, ready
 
 
 def fetch_share(src: dict, pid: int, rank: int, world: int) -> tuple[Any, int]:

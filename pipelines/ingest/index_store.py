@@ -47,10 +47,31 @@ def index_uris(output: str, name: str) -> tuple[str, str]:
 def records_digest(table) -> str:
     """SHA-256 over every ``path \\t size \\t etag`` line of a listing table, in its order."""
     h = hashlib.sha256()
-    for batch in table.select(["path", "size", "etag"]).to_batches(max_chunksize=65536):
+    for batch in table.select(["path", "size", "etag"]).to_batches(max_chunksize=8192):  # ~1 MB of str at a time
         cols = batch.to_pydict()
         h.update("".join(f"{p}\t{s}\t{e}\n" for p, s, e in zip(cols["path"], cols["size"], cols["etag"])).encode())
     return h.hexdigest()
+
+
+def _rows(table, rows) -> list[dict]:
+    """Rows ``rows`` of ``table`` as dicts, each a one-row slice (``take`` would first join the
+    table's chunks: a copy of every column)."""
+    return [table.slice(r, 1).to_pylist()[0] for r in rows]
+
+
+#: Rows per Parquet row group of a stored index, and per batch when it is read back: the
+#: encoder's and the decoder's buffers are one group's or batch's (pyarrow's default group is
+#: 1M rows: ~130 MiB of temporaries at ImageNet's size)
+_GROUP_ROWS = 65536
+
+
+def _read(parquet_file, columns: list[str]):
+    """``columns`` of a stored index, decoded a batch of :data:`_GROUP_ROWS` rows at a time."""
+    import pyarrow as pa
+
+    schema = parquet_file.schema_arrow
+    return pa.Table.from_batches(parquet_file.iter_batches(batch_size=_GROUP_ROWS, columns=columns),
+                                 schema=pa.schema([schema.field(c) for c in columns]))
 
 
 def _class_column(table):
@@ -91,7 +112,8 @@ class IndexedListing:
         self.log(line)
 
     def records(self, name: str, split_uri: str):
-        """The listing table of ``split_uri`` (columns path, class, size, etag), reused or new."""
+        """The listing table of ``split_uri``, reused or new: its columns path and class (what the
+        scan reads; the sizes and ETags are only in the stored index)."""
         pq_uri, fp_uri = index_uris(self.output, name)
         why = "--relist" if self.relist else None
         if why is None:
@@ -106,6 +128,7 @@ class IndexedListing:
         self._write(table, split_uri, pq_uri, fp_uri)
         self._say(f"index {name}: listed {table.num_rows} objects under {split_uri} in {dt:.1f} s ({why}); "
                   f"written to {pq_uri}")
+        table = table.select(["path", "class"])  # the sizes and ETags are in the stored index
         release_unused()
         return table
 
@@ -148,14 +171,17 @@ class IndexedListing:
             return None, f"object count changed under {changed[0]} ({stored[changed[0]]} -> {now[changed[0]]})"
         fs, path = storage.get_fs(pq_uri, self.options)
         with fs.open(path, "rb") as f:  # read as it streams in: no copy of the file's bytes
-            table = pq.read_table(f)
-        if table.num_rows != fp["count"]:
-            return None, "the stored index does not match its fingerprint"
-        rows = rng.sample(range(table.num_rows), min(self.check_keys, table.num_rows))
-        sample = table.take(rows).to_pydict()
-        heads = head_records(split_uri, sample["path"], self.options)
-        for p, s, e, h in zip(sample["path"], sample["size"], sample["etag"], heads):
-            if not p.endswith("/") and h != (s, e):
+            stored_file = pq.ParquetFile(f)
+            n = stored_file.metadata.num_rows
+            if n != fp["count"]:
+                return None, "the stored index does not match its fingerprint"
+            rows = rng.sample(range(n), min(self.check_keys, n))
+            stamps = _rows(_read(stored_file, ["size", "etag"]), rows)  # only the drawn rows kept
+            table = _read(stored_file, ["path", "class"])
+        paths = [r["path"] for r in _rows(table, rows)]
+        heads = head_records(split_uri, paths, self.options)
+        for p, st, h in zip(paths, stamps, heads):
+            if not p.endswith("/") and h != (st["size"], st["etag"]):
                 return None, f"{p} changed"
         self._say(f"index {self._name(pq_uri)}: reused {pq_uri} ({fp['count']} objects; checked the top level, "
                   f"{len(drawn)} of {len(classes)} class counts and {len(rows)} keys; --relist to list again)")

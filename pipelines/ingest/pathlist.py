@@ -1,15 +1,35 @@
-"""A compact, immutable sequence of strings: one UTF-8 buffer and an int64 offset per entry
-(``len(path) + 8`` bytes a file, against ~60 + ``len(path)`` + 8 for a tuple of ``str``), used
+"""Compact, immutable sequences for the file lists of an index. :class:`PathList`, of strings:
+one UTF-8 buffer and an offset per entry (int32 while the buffer is below 2 GiB: ``len(path) + 4``
+bytes a file, against ~60 + ``len(path)`` + 8 for a tuple of ``str``), used
 for the file lists of :class:`pipelines.ingest.index.DatasetIndex` and its partitions so that
-an index of 1.28M files is a handful of objects on the driver and pickles as two buffers."""
+an index of 1.28M files is a handful of objects on the driver and pickles as two small buffers
+(the UTF-8 compressed, a length per entry in the narrowest integer type: ~6 bytes a file for
+ImageNet-style names, against ``len(path) + 8``). :class:`LabelList`, of class labels: one
+small-integer array that the partitions' slices share."""
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from typing import Iterable, Iterator
 
 import numpy as np
 
-__all__ = ["PathList"]
+__all__ = ["PathList", "LabelList", "offset_dtype", "unpack_pathlist"]
+
+
+def unpack_pathlist(data: bytes, lengths: bytes, dtype: str) -> "PathList":
+    """The PathList that :meth:`PathList.__reduce__` packed: ``data`` the zlib-compressed UTF-8
+    of its entries, ``lengths`` their byte lengths as ``dtype`` integers."""
+    lens = np.frombuffer(lengths, np.dtype(dtype))
+    buf = zlib.decompress(data)
+    off = np.zeros(len(lens) + 1, offset_dtype(len(buf)))
+    np.cumsum(lens, dtype=off.dtype, out=off[1:])
+    return PathList(buf, off)
+
+
+def offset_dtype(nbytes: int) -> type:
+    """The offsets' type for a buffer of ``nbytes``: int32 below 2 GiB, else int64."""
+    return np.int32 if nbytes < 2**31 else np.int64
 
 
 class PathList(Sequence):
@@ -23,7 +43,8 @@ class PathList(Sequence):
 
     def __init__(self, buf: bytes = b"", off: np.ndarray | None = None):
         self._buf = buf if isinstance(buf, (bytes, bytearray)) else bytes(buf)  # kept, not copied
-        self._off = np.zeros(1, np.int64) if off is None else np.ascontiguousarray(off, dtype=np.int64)
+        off = np.zeros(1, np.int64) if off is None else np.ascontiguousarray(off)
+        self._off = off if off.dtype in (np.int32, np.int64) else off.astype(np.int64)  # int32: a large index's
 
     @classmethod
     def of(cls, items: Iterable[str]) -> "PathList":
@@ -96,7 +117,13 @@ class PathList(Sequence):
         return hash((bytes(self._compact()[0]), len(self)))
 
     def __reduce__(self):
-        return PathList, self._compact()
+        """Its own entries only (a slice: not the buffer it shares), compressed (zlib level 1:
+        sorted paths share long prefixes), each length in the narrowest unsigned type that holds it."""
+        buf, off = self._compact()
+        lens = np.diff(off)
+        top = int(lens.max()) if len(lens) else 0
+        dtype = np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.uint32 if top < 2**32 else np.int64
+        return unpack_pathlist, (zlib.compress(buf, 1), lens.astype(dtype).tobytes(), np.dtype(dtype).str)
 
     @property
     def nbytes(self) -> int:
@@ -105,3 +132,70 @@ class PathList(Sequence):
 
     def __repr__(self) -> str:
         return f"PathList({len(self)} paths, {self.nbytes} bytes)"
+
+
+class LabelList(Sequence):
+    """An immutable sequence of class labels (``-1``: unlabeled) in one numpy array of the
+    narrowest signed type that holds them (2 bytes a file below 32,767 classes, against 8 for a
+    tuple's slot); an int gives an ``int``, a slice a LabelList that is a view of the same array
+    (the partitions of an index hold no copy of its labels); equal to a tuple or list of the same
+    ints; pickles as its own values only."""
+
+    __slots__ = ("_a",)
+
+    def __init__(self, values=()):
+        a = values if isinstance(values, np.ndarray) else np.asarray(tuple(values), np.int64)
+        self._a = a.reshape(-1) if a.dtype.kind == "i" else a.astype(np.int64).reshape(-1)
+
+    @classmethod
+    def of(cls, values) -> "LabelList":
+        """A LabelList of ``values`` (ints or an integer array) in the narrowest signed type."""
+        if isinstance(values, LabelList):
+            return values
+        a = values if isinstance(values, np.ndarray) else np.asarray(tuple(values), np.int64)
+        lo, hi = (int(a.min()), int(a.max())) if len(a) else (0, 0)
+        for dt in (np.int16, np.int32):
+            if np.iinfo(dt).min <= lo and hi <= np.iinfo(dt).max:
+                return cls(a.astype(dt))
+        return cls(a.astype(np.int64))
+
+    def __len__(self) -> int:
+        return len(self._a)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            return LabelList(self._a[key])  # a view, also with a step
+        return int(self._a[key])
+
+    def __iter__(self) -> Iterator[int]:
+        for s in range(0, len(self._a), 65536):
+            yield from self._a[s:s + 65536].tolist()
+
+    def __array__(self, dtype=None, copy=None):
+        return self._a if dtype is None else self._a.astype(dtype)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, LabelList):
+            return np.array_equal(self._a, other._a)
+        if isinstance(other, (tuple, list)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._a.astype(np.int64).tobytes())
+
+    def __add__(self, other):  # concatenation as tuples do
+        return tuple(self) + tuple(other)
+
+    def __radd__(self, other):
+        return tuple(other) + tuple(self)
+
+    def __reduce__(self):
+        return LabelList, (np.ascontiguousarray(self._a),)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._a.nbytes)
+
+    def __repr__(self) -> str:
+        return f"LabelList({len(self)} labels, {self._a.dtype})"

@@ -43,9 +43,9 @@ from typing import Iterable
 import numpy as np
 
 from pipelines.ingest.index import DataConfig, DataError, DatasetIndex, fingerprint
-from pipelines.ingest.pathlist import PathList
+from pipelines.ingest.pathlist import LabelList, PathList
 from pipelines.ingest.parquet import PARQUET_CLASSES_KEY, PARQUET_META_FILE
-from pipelines.ingest.table_scan import imagefolder, labels_tuple, release_unused
+from pipelines.ingest.table_scan import imagefolder, release_unused
 from pipelines.storage import uris as storage
 
 __all__ = ["scan", "is_image"]
@@ -402,7 +402,7 @@ def scan(cfg: DataConfig, lister=None) -> DatasetIndex:
     empty = tuple(c for c, n in zip(classes, scanned_counts) if n == 0)
     num_scanned = len(paths)
     if isinstance(labels, np.ndarray) and cfg.per_class is None and cfg.limit is None:
-        return _index(cfg, split_uri, fmt, classes, paths, labels_tuple(labels, len(classes)), scanned_counts,
+        return _index(cfg, split_uri, fmt, classes, paths, LabelList.of(labels), scanned_counts,
                       empty=empty, num_scanned=num_scanned, ignored=ignored, unmatched=unmatched)
     order = list(range(len(paths)))
     if cfg.per_class is not None:

@@ -16,59 +16,62 @@ from typing import Sequence
 import numpy as np
 
 from pipelines.ingest.index import DataError
-from pipelines.ingest.pathlist import PathList
+from pipelines.ingest.pathlist import PathList, offset_dtype
 
-__all__ = ["imagefolder", "first_part", "pathlist_of", "labels_tuple", "release_unused"]
+__all__ = ["imagefolder", "first_part", "pathlist_of", "release_unused"]
 
 
 def release_unused() -> None:
-    """Give the memory Arrow's allocator keeps after large temporaries back to the system, so
-    that the Python objects allocated next do not add to the peak (mimalloc and jemalloc keep
-    freed pages for reuse by Arrow only)."""
+    """Give the memory Arrow's allocator and glibc's heaps keep after large temporaries back to
+    the system, so that what is allocated next does not add to the peak (mimalloc and jemalloc
+    keep freed pages for reuse by Arrow only; glibc keeps free pages inside its heaps:
+    :func:`pipelines.distributed.malloc.release_free_memory`)."""
     import pyarrow as pa
 
+    from pipelines.distributed.malloc import release_free_memory
+
     pa.default_memory_pool().release_unused()
+    release_free_memory()
 
 
-def pathlist_of(chunks, total: int | None = None) -> PathList:
+def pathlist_of(chunks, total: int | None = None, count: int | None = None) -> PathList:
     """A PathList of the strings of Arrow string arrays (a chunked array, or an iterable of
     arrays), copied one chunk at a time into one buffer: of ``total`` bytes when the caller knows
-    it (filled in place: the only copy), else joined at the end. No ``str`` per entry."""
+    it (filled in place: the only copy), else joined at the end; the offsets likewise filled in
+    place in one array when the caller knows the ``count`` of strings. No ``str`` per entry."""
     import pyarrow as pa
 
     buf = bytearray(total) if total is not None else None
     pieces: list[bytes] = []
-    offs: list[np.ndarray] = [np.zeros(1, np.int64)]
-    end = 0
+    offs: list[np.ndarray] = [np.zeros(1 if count is None else count + 1,
+                                       np.int64 if total is None else offset_dtype(total))]
+    end = rows = 0
     for array in (chunks.chunks if isinstance(chunks, pa.ChunkedArray) else chunks):
         if not len(array):
             continue
         if array.type != pa.string():
             array = array.cast(pa.string())
         _validity, offsets, data = array.buffers()
-        off = np.frombuffer(offsets, np.int32, len(array) + 1, array.offset * 4).astype(np.int64)
+        off = np.frombuffer(offsets, np.int32, len(array) + 1, array.offset * 4)
         a, b = int(off[0]), int(off[-1])
         if buf is not None:
             buf[end:end + b - a] = memoryview(data)[a:b]
         else:
             pieces.append(memoryview(data)[a:b].tobytes())
-        offs.append(off[1:] - a + end)
-        end += b - a
+        if count is None:
+            offs.append(off[1:].astype(np.int64) - a + end)
+        else:
+            out = offs[0][rows + 1:rows + 1 + len(array)]
+            out[:] = off[1:]
+            out += end - a
+        end, rows = end + b - a, rows + len(array)
     if buf is None:
         buf = b"".join(pieces)
     elif end != len(buf):
         raise ValueError(f"pathlist_of: {end} bytes of strings, {len(buf)} announced")
-    return PathList(buf, np.concatenate(offs))
-
-
-def labels_tuple(labels: np.ndarray, num_classes: int) -> tuple[int, ...]:
-    """``tuple(int(y) for y in labels)`` with one shared ``int`` object per class (8 bytes an
-    entry, not 8 + 28), built a block at a time."""
-    import itertools
-
-    ints = tuple(range(-1, num_classes))
-    blocks = (map(ints.__getitem__, (labels[a:a + 65536] + 1).tolist()) for a in range(0, len(labels), 65536))
-    return tuple(itertools.chain.from_iterable(blocks))
+    if count is not None and rows != count:
+        raise ValueError(f"pathlist_of: {rows} strings, {count} announced")
+    return PathList(buf, offs[0] if count is not None else np.concatenate(offs))
 
 
 def first_part(paths):
@@ -118,18 +121,24 @@ def imagefolder(table, split_uri: str, explicit: tuple[str, ...] | None, extensi
     in_folder = pc.and_(files, pc.match_substring(paths, "/"))
     keep = pc.and_(in_folder, _suffix_ok(paths, extensions))
     del marker, visible, nested
+    release_unused()  # the regex kernels' temporaries: not kept beside the file list built next
     ignored = pc.filter(paths, pc.and_(files, pc.invert(keep))).to_pylist()
     labels = pc.filter(pc.index_in(first, value_set=pa.array(list(classes), pa.string())), keep)
     labels = labels.to_numpy().astype(np.int64) if len(labels) else np.zeros(0, np.int64)
     total = int(pc.sum(pc.filter(pc.binary_length(paths), keep)).as_py() or 0) if len(labels) else 0
-    return classes, pathlist_of(_filtered(paths, keep), total), labels, ignored
+    return classes, pathlist_of(_filtered(paths, keep), total, len(labels)), labels, ignored
+
+
+_FILTER_ROWS = 65536  # rows filtered at a time: a Parquet-read column comes in chunks of up to 1M rows
 
 
 def _filtered(paths, mask):
-    """``pc.filter(paths, mask)`` a chunk of ``paths`` at a time (each chunk freed once read)."""
+    """``pc.filter(paths, mask)`` ``_FILTER_ROWS`` rows at a time (each piece freed once read)."""
     import pyarrow.compute as pc
 
     start = 0
     for chunk in paths.chunks:
-        yield pc.filter(chunk, mask.slice(start, len(chunk)).combine_chunks())
+        for s in range(0, len(chunk), _FILTER_ROWS):
+            piece = chunk.slice(s, _FILTER_ROWS)
+            yield pc.filter(piece, mask.slice(start + s, len(piece)).combine_chunks())
         start += len(chunk)
