@@ -100,6 +100,7 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "python benchmarks/eval_overhead.py --model demo_cnn --size 64 --n-images 128 --batch-size 64 --threads 1":
         ("parse", "benchmark"),
     "python benchmarks/peers.py --model resnet18 --size 64 --batch 32 --batches 4": ("parse", "benchmark"),
+    "python benchmarks/peers_kronfluence.py --size 64 --batch 32 --batches 8 --reps 3": ("parse", "benchmark"),
     "python benchmarks/scaling.py --images 12288 --size 64 --partitions 2 --workers 1 2":
         ("parse", "benchmark"),
     "python benchmarks/comm.py": ("parse", "benchmark (arithmetic; tests/jobs/test_infra.py recomputes ResNet-50's row)"),

@@ -46,6 +46,14 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 from ray import tune
+from ray.tune.utils.util import warn_if_slow
+
+# Tune warns when one of its own steps takes over 0.5 s ("... may be a performance bottleneck.
+# Please consider reporting results less frequently"): on a busy machine that happens to every
+# search, whose steps are whole evaluation chunks, and nothing in it is for the user to act on
+# (the demo's log gained 9 such lines at load 20). A TUNE_WARN_THRESHOLD_S the user sets wins.
+if "TUNE_WARN_THRESHOLD_S" not in os.environ:
+    warn_if_slow.DEFAULT_THRESHOLD = 10.0
 
 from pipelines.errors import DETERMINISTIC, StageError, error_line
 from pipelines.evaluation.actors import ModelActor, await_round

@@ -217,3 +217,22 @@ def test_tpe_proposes_num_configs_in_the_method_s_ranges(ray_session, data):
                        configs=[HyperConfig(0, r["log10_n"], r["log10_tau"])])
     want = one["acc"]["diag"][0].compute()
     assert r["count"] == N_EXAMPLES and r["nll"] == pytest.approx(want["nll"], rel=1e-12)
+
+
+def test_tune_slow_step_warnings_wait_for_ten_seconds():
+    """Tune's 0.5 s "performance bottleneck" warnings (busy machines: every step of a search)
+    are raised to 10 s by importing the search module, unless TUNE_WARN_THRESHOLD_S is set
+    (fresh interpreters: the threshold is read when Tune is imported)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import pipelines.evaluation.tune; from ray.tune.utils.util import warn_if_slow; "
+            "print(warn_if_slow.DEFAULT_THRESHOLD)")
+    env = {k: v for k, v in os.environ.items() if k != "TUNE_WARN_THRESHOLD_S"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-1] == "10.0", out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "TUNE_WARN_THRESHOLD_S": "3"}, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-1] == "3.0", out.stderr[-2000:]
