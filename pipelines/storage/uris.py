@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
@@ -267,8 +268,24 @@ def remove(uri: str, recursive: bool = False, options: Store = None) -> None:
     fs.invalidate_cache(path)
     if not fs.exists(path):
         return
-    fs.rm(path, recursive=recursive)
+    if SCHEMES[_scheme(uri)] == "local":  # fsspec's local rm compares with os.getcwd(), which raises once the cwd is gone
+        _remove_local(path, recursive)
+    else:
+        fs.rm(path, recursive=recursive)
     fs.invalidate_cache(path)
+
+
+def _remove_local(path: str, recursive: bool) -> None:
+    """A local file or tree removed without ``os.getcwd()``: a job's driver can outlive its
+    working directory (Ray's runtime-env agent of a second node on the same machine re-extracts
+    the job's package at the same path, leaving the driver's cwd a deleted folder)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        if not recursive:
+            os.rmdir(path)
+        else:
+            shutil.rmtree(path)
+    else:
+        os.remove(path)
 
 
 def unreachable(options: Store = None, timeout_s: float = 3.0) -> str | None:

@@ -93,3 +93,27 @@ def test_s3_endpoint_from_env(s3_bucket, monkeypatch):
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3")
     monkeypatch.setenv("AWS_ENDPOINT_URL", ep)
     assert storage.read_json(uri) == [1, 2, 3]
+
+
+def test_local_remove_works_after_the_working_directory_is_gone(tmp_path):
+    """A job's driver can outlive its cwd (a second Ray node on the same machine re-extracts the
+    job's package at the same path): removing local trees must not need os.getcwd()."""
+    import os
+
+    from pipelines.storage import uris
+
+    tree = tmp_path / "out" / "stats" / "passes"
+    (tree / "pass1").mkdir(parents=True)
+    (tree / "pass1" / "ckpt.bin").write_bytes(b"x")
+    (tmp_path / "single.txt").write_text("y")
+    gone = tmp_path / "cwd"
+    gone.mkdir()
+    here = os.getcwd()
+    try:
+        os.chdir(gone)
+        os.rmdir(gone)
+        uris.remove(str(tree), recursive=True)
+        uris.remove(str(tmp_path / "single.txt"))
+    finally:
+        os.chdir(here)
+    assert not tree.exists() and not (tmp_path / "single.txt").exists()
