@@ -277,8 +277,9 @@ def remove(uri: str, recursive: bool = False, options: Store = None) -> None:
 
 def _remove_local(path: str, recursive: bool) -> None:
     """A local file or tree removed without ``os.getcwd()``: a job's driver can outlive its
-    working directory (Ray's runtime-env agent of a second node on the same machine re-extracts
-    the job's package at the same path, leaving the driver's cwd a deleted folder)."""
+    working directory (seen with two Ray nodes on one machine: the driver's cwd, the job's
+    package folder, was deleted while the files at its path stayed importable — most likely
+    the second node's runtime-env agent extracting the same package at the same path)."""
     if os.path.isdir(path) and not os.path.islink(path):
         if not recursive:
             os.rmdir(path)
