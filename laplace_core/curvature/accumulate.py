@@ -62,7 +62,7 @@ class Accumulator:
         self._total: torch.Tensor | None = None  # made by the first flush (no zero fill, no temporary)
         self.part = torch.empty(shape, dtype=cdtype, device=device)
         self.fresh = True
-        self.order: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        self.order: tuple[torch.Tensor | None, torch.Tensor | None] | None = None  # (rows, cols) to flush
         self.edges = None
         if sym_blocks > 1:
             n = shape[0]
@@ -119,7 +119,7 @@ class Accumulator:
                 for bj in range(bi + 1, len(e) - 1):
                     self.part[e[bj]:e[bj + 1], e[bi]:e[bi + 1]] = self.part[e[bi]:e[bi + 1], e[bj]:e[bj + 1]].T
         check = self.part.sum()
-        if self.order != (None, None):
+        if self.order is not None:
             self._flush_reordered()
         elif self._total is None:
             self._total = self.part.to(self.dtype, copy=True)
