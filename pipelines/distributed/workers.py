@@ -145,10 +145,12 @@ def fetch_share(src: dict, pid: int, rank: int, world: int) -> tuple[Any, int]:
 
 
 def share_bytes(share: Any) -> int:
-    """The bytes of a share's file list: its paths' buffer (a ``PathList``, or the UTF-8 of a
-    tuple of paths) plus 8 per label."""
+    """The bytes of a share's file list: its paths' buffer (a ``PathList``; a ``PackedPathList``
+    counted as the PathList it unpacks to; the UTF-8 of a tuple of paths) plus 8 per label."""
     paths = share.paths
-    size = paths.nbytes if hasattr(paths, "nbytes") else sum(len(p.encode()) for p in paths)
+    size = getattr(paths, "unpacked_nbytes", getattr(paths, "nbytes", None))
+    if size is None:
+        size = sum(len(p.encode()) for p in paths)
     return int(size) + 8 * len(share.labels)
 
 

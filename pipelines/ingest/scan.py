@@ -43,7 +43,7 @@ from typing import Iterable
 import numpy as np
 
 from pipelines.ingest.index import DataConfig, DataError, DatasetIndex, fingerprint
-from pipelines.ingest.pathlist import LabelList, PathList
+from pipelines.ingest.pathlist import LabelList, PackedPathList, PathList
 from pipelines.ingest.parquet import PARQUET_CLASSES_KEY, PARQUET_META_FILE
 from pipelines.ingest.table_scan import imagefolder, release_unused
 from pipelines.storage import uris as storage
@@ -430,7 +430,7 @@ def _index(cfg: DataConfig, split_uri: str, fmt: str, classes, paths: PathList, 
         root=split_uri.rstrip("/") or split_uri,
         format=fmt,
         classes=tuple(classes),
-        paths=paths,
+        paths=PackedPathList.pack(paths),  # held compressed while the run's stages go on (issue 29)
         labels=labels,
         shards=shards,
         locations=locations,

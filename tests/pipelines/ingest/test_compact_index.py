@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipelines.ingest.pathlist import LabelList, PathList
+from pipelines.ingest.pathlist import LabelList, PackedPathList, PathList
 
 
 def _imagenet_paths(classes: int, per_class: int) -> list[str]:
@@ -30,6 +30,30 @@ def test_pathlist_pickles_compressed_and_round_trips():
     odd = PathList.of(["é/ü.jpg", "x" * 300 + "/long.jpg", "", "a/b.png"])  # non-ASCII, a length above 255
     assert list(pickle.loads(pickle.dumps(odd))) == list(odd)
     assert len(pickle.loads(pickle.dumps(PathList.of([])))) == 0
+
+
+def test_packed_pathlist_reads_as_the_tuple_it_packs():
+    """Blocks of 7 entries (1,024 in use) so that every read crosses block edges: ints, negative
+    ints, contiguous slices of slices (views), stepped slices and take (PathLists), iteration,
+    equality both ways with PathList / tuple / list, hash, pickling, concatenation, sizes."""
+    ref = tuple(_imagenet_paths(5, 11)) + ("é/ü.jpg", "x" * 300 + "/long.jpg", "", "a/b.png")
+    packed = PackedPathList.pack(PathList.of(ref), block=7)
+    assert len(packed) == len(ref) and tuple(packed) == ref and packed == ref and list(ref) == packed
+    assert [packed[i] for i in range(-len(ref), len(ref))] == list(ref + ref)
+    with pytest.raises(IndexError):
+        packed[len(ref)]
+    view = packed[5:40][3:30]  # a view of a view: blocks shared, not copied
+    assert isinstance(view, PackedPathList) and view._blocks is packed._blocks and view == ref[8:35]
+    assert view[-1] == ref[34] and tuple(view[::4]) == ref[8:35:4] and isinstance(view[::4], PathList)
+    assert packed.take([50, 3, 3, 17]) == (ref[50], ref[3], ref[3], ref[17]) and packed[1::2] == ref[1::2]
+    assert packed == PathList.of(ref) and PathList.of(ref) == packed and packed != ref[:-1] and view != ref[8:34]
+    assert hash(packed) == hash(PathList.of(ref)) and hash(view) == hash(PathList.of(ref[8:35]))
+    assert pickle.loads(pickle.dumps(view)) == ref[8:35] and view.unpacked_nbytes == view.unpack().nbytes
+    assert view.unpack() == ref[8:35] and packed[10:10] == () and len(packed[40:5]) == 0
+    assert packed[:2] + ("z",) == ref[:2] + ("z",) and PackedPathList.pack(packed) is packed
+    big = PackedPathList.pack(_imagenet_paths(100, 100))
+    assert big.nbytes < PathList.of(_imagenet_paths(100, 100)).nbytes / 5  # ~3.5 bytes a file against ~30
+    assert len(PackedPathList.pack([])) == 0 and list(PackedPathList.pack([])) == []
 
 
 def test_labellist_is_a_small_shared_tuple():

@@ -219,7 +219,7 @@ def test_column_scan_equals_the_walk_on_an_odd_tree(tmp_path):
     top-level files, suffix case and multi-dot names, an explicit class list, sorted order."""
     from pipelines.ingest.index import DataConfig
     from pipelines.ingest.index_store import IndexedListing
-    from pipelines.ingest.pathlist import PathList
+    from pipelines.ingest.pathlist import PackedPathList
     from pipelines.ingest.scan import scan
 
     files = ["b/x.JPG", "b/y.tar.jpeg", "b/deep/z.png", "b/.hid.jpg", "b/.git/k.jpg", "b/notes.txt", "b/x.",
@@ -233,9 +233,9 @@ def test_column_scan_equals_the_walk_on_an_odd_tree(tmp_path):
         walked = scan(dc)
         listing = IndexedListing(str(tmp_path / f"out{len(kw)}{'classes' in kw}"))
         col = scan(dc, listing.lister("train"))
-        assert isinstance(col.paths, PathList) and list(col.paths) == sorted(col.paths)
+        assert isinstance(col.paths, PackedPathList) and list(col.paths) == sorted(col.paths)
         assert col == walked, kw
-    part = col.paths[1:3]  # a slice shares the buffer; it pickles as its own bytes only
+    part = col.paths[1:3]  # a slice shares the blocks; it pickles as its own entries only
     import pickle
     back = pickle.loads(pickle.dumps(part))
-    assert back == part == tuple(col.paths)[1:3] and back.nbytes == part.nbytes < col.paths.nbytes
+    assert back == part == tuple(col.paths)[1:3] and back.nbytes == part.unpacked_nbytes < col.paths.unpacked_nbytes
