@@ -228,8 +228,8 @@ def rehearse(args) -> dict:
             write_local(args.root, args.classes, args.per_class)
         out["write_s"] = round(time.perf_counter() - t0, 1)
     output = args.output or storage.join(args.root, "_rehearsal_out")
-    if storage.exists(storage.join(output, "index"), store):
-        storage.remove(storage.join(output, "index"), recursive=True, options=store)
+    if storage.exists(output, store):  # a fresh run: an earlier run's checkpoints would be resumed from
+        storage.remove(output, recursive=True, options=store)
     if args.moto:
         import listing_bench as lb
 
@@ -281,7 +281,7 @@ def main(argv=None) -> int:
     ap.add_argument("--classes", type=int, default=100)
     ap.add_argument("--per-class", type=int, default=100)
     ap.add_argument("--partition-size", type=int, default=2000)
-    ap.add_argument("--output", help="the run's output (default <root>/_rehearsal_out)")
+    ap.add_argument("--output", help="the run's output, removed first (default <root>/_rehearsal_out)")
     ap.add_argument("--endpoint", help="S3-compatible endpoint URL")
     ap.add_argument("--moto", action="store_true", help="start the counting moto server and use it")
     ap.add_argument("--skip-write", action="store_true", help="the tree is there already")

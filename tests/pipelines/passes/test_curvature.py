@@ -224,6 +224,8 @@ def test_summary_json(local_run):
         assert len(recs) == 2 and all(r["reduces"] == 1 and r["allreduce_bytes"] == payload for r in recs), name
         assert all(r[k] >= 0 for r in recs for k in ("compute_s", "data_wait_s", "reduce_s", "write_s")), name
     assert [r["bytes_written"] for r in passes["pass1"]["ranks"]] == [p1, 0]
+    # each partition's Ray Data executor (reference cycles) is collected when it ends, not left to pile up
+    assert all(r["gc_freed"] > 0 for r in passes["pass1"]["ranks"]), passes["pass1"]["ranks"]
     assert [r["bytes_written"] for r in passes["pass2"]["ranks"]] == [0, 0]
 
 
