@@ -28,7 +28,29 @@ from pipelines.storage import uris as storage
 from pipelines.storage.store import RunStore
 
 __all__ = ["ActorProgress", "ModelActor", "inject_fault", "actor_options", "wait_for_actors", "round_size",
-           "await_round", "run_actors"]
+           "await_round", "run_actors", "quiet_exit_in_callbacks"]
+
+
+def quiet_exit_in_callbacks() -> None:
+    """In this process, a ``SystemExit`` raised inside a callback Python cannot raise from (a
+    weakref or ``__del__`` callback that a garbage collection runs) is dropped without the
+    traceback Python prints for it. Ray's SIGTERM handler raises ``SystemExit`` wherever the
+    actor is: when Tune ends a trial while a collection runs such a callback, the job's log
+    showed "(SearchTrainable pid=...) Traceback ... SystemExit: 1" (1 of 3 demo runs); the
+    exit is dropped there either way, this only keeps the noise out. Other such exceptions
+    are printed as before."""
+    import sys
+
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, SystemExit):
+            return
+        previous(unraisable)
+
+    if getattr(previous, "__name__", "") != "quiet_exit_hook":
+        hook.__name__ = "quiet_exit_hook"
+        sys.unraisablehook = hook
 
 
 class ActorProgress:
@@ -123,6 +145,7 @@ class ModelActor:
         t0 = time.perf_counter()
         torch.set_num_threads(cfg.threads)
         tune_malloc()  # reuse the per-batch buffers instead of page-faulting them in again
+        quiet_exit_in_callbacks()
         self.model = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device,
                                      store=store, precision=cfg.precision)
         dev = torch.device(cfg.resolved_device)

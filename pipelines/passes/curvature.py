@@ -449,7 +449,7 @@ def _curvature_result(job: Job, done: Mapping[str, Sequence[int]], fit_s: float)
 
 
 PASS_RECORD_KEYS = ("reduces", "allreduce_calls", "allreduce_bytes", "bytes_written", "checkpoints", "compute_s",
-                    "data_wait_s", "reduce_s", "write_s", "wall_s", "computed", "reused", "source_bytes")
+                    "data_wait_s", "reduce_s", "write_s", "wall_s", "computed", "reused", "source_bytes", "gc_freed")
 
 
 def pass_records(report: Mapping[str, Any], names: Sequence[str] = ("pass1", "pass2", "subnet")) -> dict[str, Any]:
