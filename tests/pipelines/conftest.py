@@ -85,6 +85,25 @@ def ray_session():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def smoke_shift_run(ray_session, tmp_path_factory):
+    """One smoke run (temperature, diag and INF; a shift sweep of two corruptions at severities 1
+    and 5; ASHA) that the scoring tests and the shift tests both read: fitted once per session.
+    Its output is read only: a test writes under its own folders."""
+    from pipelines.cli.run import run
+    from pipelines.config.load import load_config
+
+    out = tmp_path_factory.mktemp("smoke_shift") / "out"
+    cfg = load_config("smoke", [
+        f"output={out}", "posterior.methods=[temperature, diag, inf]",
+        "evaluate.shift={corruptions: [gaussian_noise, contrast], severities: [1, 5]}",
+        "evaluate.mc_samples=4", "search.scheduler=asha", "search.chunk_size=25", "evaluate.batch_size=25",
+    ])
+    res = run(cfg)
+    assert res.summary is not None
+    return out
+
+
 def _saved_posteriors(root, stats, methods, basis=None, inf_rank=None) -> tuple[dict, dict]:
     """``(posteriors, uris)``: each method built from ``stats`` and saved under ``root/posterior/<method>``."""
     import laplace_core as lc

@@ -1,5 +1,5 @@
 """The smoke preset with ``--methods temperature,diag,inf`` and a distribution-shift sweep of two
-corruptions x two severities, end to end on the session's Ray instance (one run, module-scoped).
+corruptions x two severities, end to end on the session's Ray instance (one run a session, shared with the scoring tests).
 
 Checked: every method row (MAP, temperature, Diag, INF) has its metrics.json with the headline
 metrics; the temperature row is ``softmax(f/T)`` with the ``T`` fitted on the search split
@@ -22,19 +22,9 @@ SHIFT = {"corruptions": ["gaussian_noise", "contrast"], "severities": [1, 5]}
 
 
 @pytest.fixture(scope="module")
-def shift_run(ray_session, tmp_path_factory):
-    from pipelines.cli.run import run
-    from pipelines.config.load import load_config
-
-    out = tmp_path_factory.mktemp("shift") / "out"
-    cfg = load_config("smoke", [
-        f"output={out}", "posterior.methods=[temperature, diag, inf]",
-        "evaluate.shift={corruptions: [gaussian_noise, contrast], severities: [1, 5]}",
-        "evaluate.mc_samples=4", "search.scheduler=asha", "search.chunk_size=25", "evaluate.batch_size=25",
-    ])
-    res = run(cfg)
-    assert res.summary is not None
-    return out
+def shift_run(smoke_shift_run):
+    """The session's smoke run with a shift sweep (``tests/pipelines/conftest.py``)."""
+    return smoke_shift_run
 
 
 def test_demo_accuracy_under_gaussian_noise_does_not_increase_with_severity(shift_run):

@@ -1,5 +1,5 @@
-"""``infoform score`` and ``infoform.load_run`` on one smoke run (module-scoped, built once: the
-smoke preset with ``--methods temperature,diag,inf``, K = 4).
+"""``infoform score`` and ``infoform.load_run`` on one smoke run (the session's, built once and
+shared with the shift tests: the smoke preset with ``--methods temperature,diag,inf``, K = 4).
 
 Checked:
 * scoring the run's own test split writes one row per image, in index order, with every column;
@@ -37,15 +37,10 @@ README = Path(__file__).resolve().parents[3] / "README.md"
 
 
 @pytest.fixture(scope="module")
-def smoke_run(ray_session, tmp_path_factory):
-    from pipelines.cli.run import run
-    from pipelines.config.load import load_config
-
-    out = tmp_path_factory.mktemp("score") / "run"
-    cfg = load_config("smoke", [f"output={out}", "posterior.methods=[temperature, diag, inf]",
-                                "evaluate.mc_samples=4"])
-    assert run(cfg).summary is not None
-    return str(out)
+def smoke_run(smoke_shift_run):
+    """The session's smoke run (temperature, diag, INF; ``tests/pipelines/conftest.py``): its
+    shift sweep and ASHA search do not touch what scoring reads."""
+    return str(smoke_shift_run)
 
 
 def _score(capsys, *args):
