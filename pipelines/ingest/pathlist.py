@@ -31,6 +31,24 @@ def unpack_pathlist(data: bytes, lengths: bytes, dtype: str) -> "PathList":
     return PathList(buf, off)
 
 
+def _joined(pieces: list) -> "PathList":
+    """The PathList of the UTF-8 ``pieces``, in order (one buffer, int64 offsets)."""
+    out = np.zeros(len(pieces) + 1, np.int64)
+    if pieces:
+        np.cumsum(np.fromiter((len(p) for p in pieces), np.int64, len(pieces)), out=out[1:])
+    return PathList(b"".join(pieces), out)
+
+
+def _position(key, n: int, name: str) -> int:
+    """The non-negative position of int ``key`` in a sequence of ``n`` (negatives from the end)."""
+    i = int(key)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"{name} index out of range")
+    return i
+
+
 def offset_dtype(nbytes: int) -> type:
     """The offsets' type for a buffer of ``nbytes``: int32 below 2 GiB, else int64."""
     return np.int32 if nbytes < 2**31 else np.int64
@@ -55,11 +73,7 @@ class PathList(Sequence):
         """A PathList of ``items`` (returned as is when it is one, or a PackedPathList)."""
         if isinstance(items, (PathList, PackedPathList)):
             return items
-        enc = [s.encode("utf-8") for s in items]
-        off = np.zeros(len(enc) + 1, np.int64)
-        if enc:
-            np.cumsum(np.fromiter((len(b) for b in enc), np.int64, len(enc)), out=off[1:])
-        return cls(b"".join(enc), off)
+        return _joined([s.encode("utf-8") for s in items])
 
     def __len__(self) -> int:
         return len(self._off) - 1
@@ -75,21 +89,12 @@ class PathList(Sequence):
                 stop = max(start, stop)
                 return PathList(self._buf, self._off[start:stop + 1])  # shared, not copied
             return self.take(range(start, stop, step))
-        i = int(key)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError("PathList index out of range")
-        return self._get(i)
+        return self._get(_position(key, n, "PathList"))
 
     def take(self, idx: Iterable[int]) -> "PathList":
         """The entries at ``idx``, in that order."""
         off, buf = self._off, self._buf
-        pieces = [buf[off[i]:off[i + 1]] for i in idx]
-        out = np.zeros(len(pieces) + 1, np.int64)
-        if pieces:
-            np.cumsum(np.fromiter((len(p) for p in pieces), np.int64, len(pieces)), out=out[1:])
-        return PathList(b"".join(pieces), out)
+        return _joined([buf[off[i]:off[i + 1]] for i in idx])
 
     def __iter__(self) -> Iterator[str]:
         buf, off = self._buf, self._off.tolist()
@@ -200,20 +205,11 @@ class PackedPathList(Sequence):
                 stop = max(start, stop)
                 return PackedPathList(self._blocks, self._lens, self._block, self._start + start, self._start + stop)
             return self.take(range(start, stop, step))
-        i = int(key)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError("PackedPathList index out of range")
-        return self._raw(self._start + i).decode("utf-8")
+        return self._raw(self._start + _position(key, n, "PackedPathList")).decode("utf-8")
 
     def take(self, idx: Iterable[int]) -> PathList:
         """The entries at ``idx`` (positions in this list), in that order, as a PathList."""
-        pieces = [self._raw(self._start + i) for i in idx]
-        out = np.zeros(len(pieces) + 1, np.int64)
-        if pieces:
-            np.cumsum(np.fromiter((len(p) for p in pieces), np.int64, len(pieces)), out=out[1:])
-        return PathList(b"".join(pieces), out)
+        return _joined([self._raw(self._start + i) for i in idx])
 
     def _chunks(self) -> Iterator[tuple[bytes, list]]:
         """``(block bytes, offsets of this list's entries in them)`` block by block."""
