@@ -264,7 +264,7 @@ def rehearse(args) -> dict:
     del table
     index = scan(dc, lambda _uri: held.pop())
     parts = partition(index, partition_size=args.partition_size)
-    release_unused()  # as the job does (pipelines.cli.plan.scan_splits)
+    release_unused()  # as the job does (pipelines.ingest.plan.scan_splits)
     out["planning_s"] = round(time.perf_counter() - t0, 2)
     out["partitions"] = len(parts)
     out["driver_rss_before_stage"] = vm_hwm()

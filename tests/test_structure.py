@@ -6,6 +6,9 @@ imported; ``laplace_core`` never imports ``pipelines``, so no cycle can run betw
   checked), and
 * there are no import cycles among its modules, counting every import statement, also
   those inside functions (a lazy import hides a cycle, it does not remove it),
+* the packages of ``pipelines/`` import one way: no package-level circle, and each imports
+  only from the layers below it in :data:`pipelines.LAYERS` (the README's architecture block
+  and docs/design.md show that order),
 * no file is longer than :data:`MAX_LINES`, and
 * no string or comment refers to anything outside the repository (the founding design
   notes now live in ``docs/design.md``).
@@ -146,6 +149,59 @@ def test_the_checker_sees_a_cycle_and_a_private_import(tmp_path, monkeypatch):
     edges, private = _graph("demo_pkg")
     assert private == ["demo_pkg.a imports demo_pkg.b._hidden"]
     assert _cycles(edges) == [["demo_pkg.a", "demo_pkg.b"]]
+
+
+def _package_edges(package: str) -> dict[str, set[str]]:
+    """The module graph collapsed to the package's direct children (subpackages and
+    top-level modules): ``a -> b`` when any module under ``a`` imports one under ``b``."""
+    edges, _ = _graph(package)
+
+    def child(mod: str) -> str:
+        parts = mod.split(".")
+        return parts[1] if len(parts) > 1 else ""
+
+    out: dict[str, set[str]] = {}
+    for src, targets in edges.items():
+        if child(src):
+            out.setdefault(child(src), set()).update(t for t in map(child, targets) if t and t != child(src))
+    return out
+
+
+def _layer_violations(edges: dict[str, set[str]], layers) -> list[str]:
+    rank = {name: i for i, layer in enumerate(layers) for name in layer}
+    bad = [f"{src}: not in any layer" for src in sorted(edges) if src not in rank]
+    for src in sorted(edges):
+        for dst in sorted(edges[src]):
+            if src in rank and rank.get(dst, -1) >= rank[src]:
+                bad.append(f"{src} imports {dst} (layer {rank.get(dst)} >= {rank[src]})")
+    return bad
+
+
+def test_the_pipelines_packages_import_one_way():
+    """No circle among ``pipelines/``'s packages, and every import goes down the layers."""
+    from pipelines import LAYERS
+
+    edges = _package_edges("pipelines")
+    assert _cycles(edges) == []
+    assert _layer_violations(edges, LAYERS) == []
+
+
+def test_the_package_checker_sees_a_planted_circle(tmp_path, monkeypatch):
+    """Two packages that import each other (one lazily, inside a function) form a circle
+    and break the layering, though no two modules form a cycle."""
+    root = tmp_path / "demo_pkg"
+    for sub in ("low", "high"):
+        (root / sub).mkdir(parents=True)
+        (root / sub / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "low" / "a.py").write_text("def f():\n    from demo_pkg.high import b\n")
+    (root / "high" / "b.py").write_text("from demo_pkg.low import c\n")
+    (root / "low" / "c.py").write_text("x = 1\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert _cycles(_graph("demo_pkg")[0]) == []
+    edges = _package_edges("demo_pkg")
+    assert _cycles(edges) == [["high", "low"]]
+    assert _layer_violations(edges, (("low",), ("high",))) == ["low imports high (layer 1 >= 0)"]
 
 
 def _texts(path: Path):

@@ -139,7 +139,7 @@ def schedule_flags(args: argparse.Namespace) -> list[str]:
 def chosen_preset(args: argparse.Namespace) -> tuple[str, list[str]]:
     """``--preset``, or with none: ``custom`` when ``--data`` / ``--model`` / ``--weights`` point at a
     model and data of one's own (with the settings derived from the model,
-    :func:`pipelines.cli.plan.custom_preset`), else the embedded ``demo``."""
+    :func:`pipelines.ingest.plan.custom_preset`), else the embedded ``demo``."""
     if args.preset is not None:
         return args.preset, []
     if args.data is None and args.model is None and args.weights is None:
@@ -147,7 +147,7 @@ def chosen_preset(args: argparse.Namespace) -> tuple[str, list[str]]:
     if args.model is None:
         raise ConfigError("--data without a preset is your own model and data: give --model NAME (a torchvision "
                           "name or package.module:callable) and --weights FILE (or --preset demo / smoke)")
-    from pipelines.cli.plan import custom_preset
+    from pipelines.ingest.plan import custom_preset
 
     return "custom", custom_preset(args.model, args.weights, args.data)[0]
 

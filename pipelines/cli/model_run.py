@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from laplace_core.posteriors.methods import TEMPERATURE, method_info
 from pipelines.cli.counts import ignored_lines
-from pipelines.cli.plan import DataPlan, Splits, demo_model, scan_splits
+from pipelines.ingest.plan import DataPlan, Splits, demo_model, scan_splits
 from pipelines.cli.stages import Stages, fingerprint, log
 from pipelines.config.load import derive, to_dict
 from pipelines.config.schema import ActorSpec, ConfigError, EvalSpec, ModelSpec, RunConfig

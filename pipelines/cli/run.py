@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from pipelines.cli.counts import skipped_images, skipped_lines
 from pipelines.cli.model_run import ModelRun, forget_placement, read_search
-from pipelines.cli.plan import DataPlan, config_plan
+from pipelines.ingest.plan import DataPlan, config_plan
 from pipelines.cli.stages import fingerprint, log
 from pipelines.config.load import to_dict
 from pipelines.config.schema import STAGES, ModelSpec, RunConfig

@@ -14,14 +14,10 @@ import time
 from typing import Any, Callable
 
 from pipelines.config.schema import RunConfig
+from pipelines.console import log
 from pipelines.storage.store import RunStore
 
 __all__ = ["log", "fingerprint", "Stages"]
-
-
-def log(msg: str) -> None:
-    """One line of the job's own log."""
-    print(f"[infoform {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def fingerprint(obj: Any) -> str:

@@ -26,8 +26,7 @@ from laplace_core.curvature.subnet_fisher import check_subnet_memory
 from laplace_core.posteriors.subnet import SELECTION_RULES
 from laplace_core.curvature.subnet_fisher import SUBNET_FISHER_TYPES as SUBNET_FISHERS
 from pipelines.config.settings import Checked, setting
-from pipelines.evaluation.predictors import PRED_TYPES
-from pipelines.ingest.corruptions import CORRUPTIONS, SEVERITIES, check_corruption
+from pipelines.config.choices import CORRUPTION_NAMES, PRED_TYPES, SEVERITIES, check_corruption
 
 __all__ = [
     "ConfigError",
@@ -305,8 +304,8 @@ class ShiftSpec(Checked):
     each ImageNet-C-style corruption (:data:`pipelines.ingest.corruptions.CORRUPTIONS`) at each
     severity (1..5), every method evaluated on it."""
 
-    corruptions: tuple[str, ...] = setting(tuple(CORRUPTIONS), "corruptions of the test split",
-                                           choices=CORRUPTIONS, item="corruption")
+    corruptions: tuple[str, ...] = setting(CORRUPTION_NAMES, "corruptions of the test split",
+                                           choices=CORRUPTION_NAMES, item="corruption")
     severities: tuple[int, ...] = setting(SEVERITIES, "severities, each one of 1..5")
 
     def _check(self) -> None:
@@ -358,7 +357,7 @@ class ActorSpec(Checked):
             raise ValueError(f"precision {self.precision} applies to pred_type nn; pred_type glm (Jacobian-vector "
                              "products, the closed-form last layer) runs in fp32")
         if self.gpus_per_actor is not None:
-            from pipelines.distributed.cluster import check_gpu_request
+            from pipelines.config.choices import check_gpu_request
 
             why = check_gpu_request(self.gpus_per_actor)
             if why:

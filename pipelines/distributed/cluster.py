@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipelines.config.choices import RESOURCE_UNITS, check_gpu_request
 from pipelines.storage import uris as storage
 from pipelines.errors import PreflightError
 
@@ -39,8 +40,6 @@ __all__ = [
     "HOME_ENV",
 ]
 
-#: Ray's resources are fixed-point numbers in units of 1e-4.
-RESOURCE_UNITS = 10_000
 #: Environment variable naming the base of relative outputs inside a Ray working-dir copy.
 HOME_ENV = "INFOFORM_HOME"
 _WORKING_DIR_MARK = os.sep + os.path.join("runtime_resources", "working_dir_files") + os.sep
@@ -117,24 +116,6 @@ def gpu_share(num_actors: int, cluster_gpus: float) -> float:
     # 1/k rounded down to Ray's resource unit (1e-4): k shares then fit one GPU however Ray
     # rounds (1/6 as a float would become 1667 units, and six of those do not fit)
     return math.floor(RESOURCE_UNITS / k) / RESOURCE_UNITS
-
-
-def check_gpu_request(gpus_per_actor: float) -> str | None:
-    """``None`` when ``gpus_per_actor`` can be placed next to copies of itself without
-    waste (0, a whole number, or ``1/k`` in Ray's resource units of 1e-4, e.g. 0.5, 0.3333,
-    0.1666); else why not, in one line."""
-    x = float(gpus_per_actor)
-    if x == 0 or (x >= 1 and x == int(x)):
-        return None
-    if 0 < x < 1:
-        unit = round(x * RESOURCE_UNITS)  # what Ray schedules with
-        k = RESOURCE_UNITS // max(unit, 1)
-        left = RESOURCE_UNITS - k * unit
-        if left < k:  # less than one unit per share left over: the shares tile the GPU
-            return None
-        return (f"{x:g} GPUs per actor does not tile a GPU ({k} fit, {left / RESOURCE_UNITS:.4g} of each GPU "
-                f"left idle); use 1/k rounded down to 4 decimals (0.5, 0.3333, 0.25, 0.1666, ...) or a whole number")
-    return f"{x:g} GPUs per actor: use a whole number above 1 (Ray places a fraction only within one GPU)"
 
 
 def in_ray_working_dir(cwd: str | None = None) -> bool:

@@ -37,7 +37,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .checkpoint import load_checkpoint, save_checkpoint
-from .malloc import release_free_memory, release_object_store_pages
+from pipelines.malloc import release_free_memory, release_object_store_pages
 from .comm import allreduce_sum, broadcast_object, new_comm_record
 from .progress import Progress, say
 from .workers import Job, path_keys

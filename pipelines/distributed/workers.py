@@ -106,7 +106,7 @@ def put_sources(by_id: dict, pids, data_config, world: int = 1) -> tuple[Any, di
     import ray
     import ray.data
 
-    from pipelines.distributed.malloc import release_object_store_pages
+    from pipelines.malloc import release_object_store_pages
     from pipelines.ingest.index import rank_share
 
     lazy = {pid: by_id[pid] for pid in pids if not isinstance(by_id[pid], ray.data.Dataset)}
@@ -169,10 +169,10 @@ def path_keys(paths: Sequence[str]) -> torch.Tensor:
 
 def worker_setup(job: Job) -> tuple[int, int, torch.device]:
     """``(rank, world_size, device)`` of this Ray Train worker; also sets the torch thread count
-    and the process's malloc settings (:mod:`pipelines.distributed.malloc`)."""
+    and the process's malloc settings (:mod:`pipelines.malloc`)."""
     import ray.train
 
-    from pipelines.distributed.malloc import tune_malloc
+    from pipelines.malloc import tune_malloc
 
     tune_malloc()
     ctx = ray.train.get_context()

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import torch
 from ray import method as ray_method
 
-from pipelines.distributed.malloc import tune_malloc
+from pipelines.malloc import tune_malloc
 from pipelines.distributed.workers import free_cpus
 from pipelines.errors import StageError, cause_line, is_deterministic
 from pipelines.evaluation.predictors import load_eval_model, load_posteriors

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from pipelines.config.choices import PRED_TYPES
 from pipelines.storage.store import RunStore
 
 __all__ = [
@@ -34,13 +35,6 @@ __all__ = [
     "predict_chunk_stats",
 ]
 
-#: Predictive types: "nn" = MC over weight samples through the network; "glm" = MC-GLM, the
-#: same samples pushed through the network's Jacobian (linearised predictive).
-PRED_TYPES: dict[str, str] = {
-    "nn": "Monte-Carlo over weight samples, average of softmax",
-    "glm": "linearised (GLM) predictive, MC-GLM: the same weight samples pushed through the Jacobian (JVP); "
-           "a last-layer posterior: closed-form logit covariance, MC over the Gaussian logits",
-}
 _PLANNED_PRED_TYPES: tuple[str, ...] = ()
 #: Name of the MAP baseline in every result dict.
 MAP = "map"

@@ -44,10 +44,10 @@ from typing import Callable
 
 import numpy as np
 
+from pipelines.config.choices import CORRUPTION_NAMES, SEVERITIES, check_corruption
+
 __all__ = ["SEVERITIES", "Corruption", "CORRUPTIONS", "corruption_names", "check_corruption", "corruption_rng",
            "corrupt", "gaussian_kernel", "gaussian_filter"]
-
-SEVERITIES = (1, 2, 3, 4, 5)
 
 
 def gaussian_kernel(sigma: float, truncate: float = 4.0) -> np.ndarray:
@@ -140,14 +140,6 @@ CORRUPTIONS: dict[str, Corruption] = {c.name: c for c in (
 
 def corruption_names() -> tuple[str, ...]:
     return tuple(CORRUPTIONS)
-
-
-def check_corruption(name: str, severity: int) -> None:
-    """``ValueError`` in one line for an unknown corruption or a severity outside 1..5."""
-    if name not in CORRUPTIONS:
-        raise ValueError(f"unknown corruption {name!r}; valid: {', '.join(CORRUPTIONS)}")
-    if isinstance(severity, bool) or not isinstance(severity, (int, np.integer)) or severity not in SEVERITIES:
-        raise ValueError(f"corruption severity must be one of {', '.join(map(str, SEVERITIES))}, got {severity!r}")
 
 
 def corruption_rng(seed: int, name: str, path: str) -> np.random.Generator:

@@ -25,10 +25,10 @@ def release_unused() -> None:
     """Give the memory Arrow's allocator and glibc's heaps keep after large temporaries back to
     the system, so that what is allocated next does not add to the peak (mimalloc and jemalloc
     keep freed pages for reuse by Arrow only; glibc keeps free pages inside its heaps:
-    :func:`pipelines.distributed.malloc.release_free_memory`)."""
+    :func:`pipelines.malloc.release_free_memory`)."""
     import pyarrow as pa
 
-    from pipelines.distributed.malloc import release_free_memory
+    from pipelines.malloc import release_free_memory
 
     pa.default_memory_pool().release_unused()
     release_free_memory()

@@ -1,5 +1,5 @@
 """The torchvision weights' own eval transforms of a model, read as metadata (no download):
-what the ``custom`` preset sizes and normalises the images with (``pipelines.cli.plan``)."""
+what the ``custom`` preset sizes and normalises the images with (``pipelines.ingest.plan``)."""
 from __future__ import annotations
 
 from pipelines.ingest.models import EXTRA_MODELS, is_enum_name, is_factory, resolve_weights_enum

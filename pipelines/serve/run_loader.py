@@ -84,7 +84,7 @@ class RunInfo:
 
     def data_config(self, root: str):
         """The run's image transforms (size, resize, mean, std) for the unlabeled images under ``root``."""
-        from pipelines.cli.plan import DataPlan, data_config
+        from pipelines.ingest.plan import DataPlan, data_config
 
         mean = std = None
         if self.config.data.demo:
@@ -98,7 +98,7 @@ class RunInfo:
     def split(self, name: str = "test"):
         """``(index, data config)`` of one of the run's own splits (``test``, ``search``, ``ood``),
         the very images its stages read (scanned as the run scans them)."""
-        from pipelines.cli.plan import config_plan, scan_splits
+        from pipelines.ingest.plan import config_plan, scan_splits
 
         s = scan_splits(self.config, config_plan(self.config, self.root))
         got = {"test": (s.test, s.test_config), "search": (s.search, s.search_config),

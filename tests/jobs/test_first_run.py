@@ -226,7 +226,7 @@ def test_quick_start_dry_run_is_the_custom_preset(quick_start):
 
 def test_no_preset_model_without_weights_torchvision_defaults_and_random():
     """A model with no torchvision weights: 224 and ImageNet's statistics, said; --weights random said."""
-    from pipelines.cli.plan import custom_preset
+    from pipelines.ingest.plan import custom_preset
 
     sets, why = custom_preset("tiny_cnn", "random", "s3://bucket/pets/")
     assert "data.image_size=224" in sets and 'output="runs/tiny_cnn-pets"' in sets

@@ -32,7 +32,7 @@ def test_demo_accuracy_under_gaussian_noise_does_not_increase_with_severity(shif
     (the decode function the Ray Data tasks run) and classified by the run's demo CNN."""
     import torch
 
-    from pipelines.cli.plan import config_plan, demo_model, scan_splits
+    from pipelines.ingest.plan import config_plan, demo_model, scan_splits
     from pipelines.config.load import load_config
     from pipelines.ingest.batches import iter_local_batches
     from pipelines.ingest.models import load_model

@@ -157,3 +157,11 @@ def test_the_shift_sweep_config_is_validated_in_one_line():
     with pytest.raises(ConfigError, match="listed twice"):
         load_config("smoke", ["evaluate.shift.severities=[2, 2]"])
     assert load_config("smoke", ["posterior.methods=[temperature, inf]"]).posterior.methods == ("temperature", "inf")
+
+
+def test_the_config_names_exactly_the_implemented_corruptions():
+    """The config validates against ``pipelines.config.choices`` (below the stages); the
+    implementation here must cover exactly that set, in its order."""
+    from pipelines.config.choices import CORRUPTION_NAMES
+
+    assert tuple(CORRUPTIONS) == CORRUPTION_NAMES

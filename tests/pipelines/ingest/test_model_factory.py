@@ -116,7 +116,7 @@ def test_set_data_mean_changes_what_the_model_sees(tmp_path):
     transform: the same JPEG decodes to ``(x/255 − mean) / std`` with the values set."""
     from pipelines.ingest.batches import iter_local_batches
     from pipelines.ingest.scan import scan
-    from pipelines.cli.plan import DataPlan as _DataPlan, data_config as _data_config
+    from pipelines.ingest.plan import DataPlan as _DataPlan, data_config as _data_config
 
     for c in ("a", "b"):
         (tmp_path / "train" / c).mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""pipelines.distributed.malloc: the settings take effect (a freed batch's buffers stay in the process for
+"""pipelines.malloc: the settings take effect (a freed batch's buffers stay in the process for
 the next batch instead of going back to the kernel), can be switched off, and reject bad values.
 Measured by RSS, not by page-fault counts: with transparent huge pages those vary from run to
 run. Each check that calls ``mallopt`` runs in a fresh subprocess so this test process's
@@ -12,13 +12,13 @@ import sys
 
 import pytest
 
-from pipelines.distributed.malloc import ENV_SWITCH, tune_malloc
+from pipelines.malloc import ENV_SWITCH, tune_malloc
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 _PROBE = r"""
 import json, sys, torch
-from pipelines.distributed.malloc import tune_malloc
+from pipelines.malloc import tune_malloc
 applied = tune_malloc()
 torch.set_num_threads(1)
 
@@ -74,7 +74,7 @@ def test_bad_values_are_rejected_before_mallopt():
 
 _TRIM_PROBE = r"""
 import json, torch
-from pipelines.distributed.malloc import release_free_memory, tune_malloc
+from pipelines.malloc import release_free_memory, tune_malloc
 tune_malloc()  # freed memory is kept (up to 512 MiB at the heap's top): what a Train worker does
 
 def rss_mib():
@@ -112,7 +112,7 @@ def test_object_store_pages_leave_the_rss_and_keep_their_contents(tmp_path):
     and reading them again gives the same bytes; a private mapping is left alone."""
     import mmap
 
-    from pipelines.distributed.malloc import release_object_store_pages
+    from pipelines.malloc import release_object_store_pages
 
     def shmem_kib() -> int:
         with open("/proc/self/status") as f:

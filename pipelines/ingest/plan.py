@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipelines.cli.stages import log
+from pipelines.console import log
 from pipelines.config.load import derive
 from pipelines.config.schema import ModelSpec, RunConfig
 from pipelines.storage import layout
