@@ -37,7 +37,7 @@ from laplace_core.curvature.collect import collect_efb, collect_statistics
 from laplace_core.basis.eigenbasis import eigenbasis
 
 
-def _kronfluence_task():
+def kronfluence_task():
     from kronfluence.task import Task
 
     class Classification(Task):
@@ -63,7 +63,7 @@ class Kronfluence:
         from kronfluence.arguments import FactorArguments
         from kronfluence.utils.dataset import DataLoaderKwargs
 
-        task = _kronfluence_task()
+        task = kronfluence_task()
         self.model = prepare_model(model, task)
         self.analyzer = Analyzer("bench", self.model, task, cpu=True, disable_tqdm=True, output_dir=out_dir)
         self.data = torch.utils.data.TensorDataset(x, y)
