@@ -6,12 +6,13 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+DEMO_STAMP := $(VENV)/.installed-demo-stamp
 
 # Ray on one machine: bind to 127.0.0.1 and no token auth.
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 
-.PHONY: demo core-demo test install clean-venv
+.PHONY: demo core-demo test install install-demo clean-venv
 
 install: $(STAMP)
 
@@ -20,8 +21,16 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/pip install -e '.[dev,bench]'
 	@touch $(STAMP)
 
+# `make demo` needs the base and dev only, not the bench peers (a full install serves it too).
+install-demo: $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test $(STAMP) -nt pyproject.toml -a $(STAMP) -nt Makefile || $(VENV)/bin/pip install -e '.[dev]'
+	@touch $(DEMO_STAMP)
+
 # The embedded default: the Ray job on a local Ray instance with the bundled demo data.
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PY) jobs/imagenet_inf.py
 
 # The core alone (no Ray): statistics, every posterior, samples and sizes on the demo data.
