@@ -91,3 +91,11 @@ def pytest_runtest_protocol(item, nextitem):
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+# ---- The suite's clock and count guard (issue 43): tests/suite_guard.py, budget in tests/budget.toml ----
+# (a copy of this file elsewhere, as tests/test_timeout.py plants one, runs without it)
+if (Path(__file__).parent / "suite_guard.py").exists():
+    if str(Path(__file__).parent) not in sys.path:
+        sys.path.insert(0, str(Path(__file__).parent))
+    pytest_plugins = ["suite_guard"]
