@@ -17,7 +17,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -e '.[dev,bench]'
+	$(VENV)/bin/pip install -e '.[dev,bench,timm]'
 	@touch $(STAMP)
 
 # The embedded default: the Ray job on a local Ray instance with the bundled demo data.

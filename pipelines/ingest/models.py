@@ -14,7 +14,8 @@ callable returning an ``nn.Module``, called as ``callable()`` or, when ``num_cla
 given, ``callable(num_classes=num_classes)`` (:func:`resolve_factory`). The module must be
 importable where the job runs (the job's working directory is on the path). A missing
 module or attribute, a factory that raises or one that returns something other than an
-``nn.Module`` give a one-line ``ValueError``.
+``nn.Module`` give a one-line ``ValueError``. ``"timm:NAME"`` is timm's architecture NAME
+(:mod:`pipelines.ingest.timm_models`; optional, never downloads), with the state-dict weights below.
 
 ``weights`` is one of
 
@@ -44,6 +45,8 @@ from typing import TYPE_CHECKING, Callable, Mapping
 import torch
 from torch import nn
 
+from pipelines.ingest.timm_models import build_timm, is_timm
+
 if TYPE_CHECKING:
     from pipelines.storage.uris import StorageOptions
 
@@ -63,6 +66,7 @@ __all__ = [
     "convnext_tiny_test",
     "is_factory",
     "resolve_factory",
+    "build_meta",
 ]
 
 
@@ -139,7 +143,7 @@ def model_names() -> list[str]:
 
 def is_factory(name: str) -> bool:
     """``"package.module:callable"`` (a user's model factory) rather than a registry name."""
-    return ":" in name
+    return ":" in name and not is_timm(name)
 
 
 def resolve_factory(name: str) -> Callable[..., nn.Module]:
@@ -334,7 +338,7 @@ def _infer_num_classes(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> int 
 def _check_enum_fits(name: str, enum, weights: str) -> None:
     import torchvision.models as tvm
 
-    if name in EXTRA_MODELS:
+    if name in EXTRA_MODELS or is_timm(name):
         raise ValueError(f"model {name!r} has no torchvision weights; pass a state-dict file")
     expected = tvm.get_model_weights(name)
     if not isinstance(enum, expected):
@@ -342,10 +346,10 @@ def _check_enum_fits(name: str, enum, weights: str) -> None:
 
 
 def _build(name: str, num_classes: int | None, weights_enum=None) -> nn.Module:
-    if name in EXTRA_MODELS:
+    if name in EXTRA_MODELS or is_timm(name):
         if weights_enum is not None:
             raise ValueError(f"model {name!r} has no torchvision weights; pass a state-dict file")
-        return EXTRA_MODELS[name](num_classes)
+        return build_timm(name, num_classes) if is_timm(name) else EXTRA_MODELS[name](num_classes)
     import torchvision.models as tvm
 
     if name not in _torchvision_names():
@@ -398,7 +402,7 @@ def load_model(
             check_state_dict(model, sd, name)
             model.load_state_dict(sd, strict=True)
         return model.eval()
-    if name not in EXTRA_MODELS and name not in _torchvision_names():
+    if name not in EXTRA_MODELS and not is_timm(name) and name not in _torchvision_names():
         raise _unknown_model(name)
     if weights is None:
         model = _build(name, num_classes)
@@ -416,7 +420,7 @@ def load_model(
     return model.eval()
 
 
-def _build_meta(name: str, num_classes: int | None) -> nn.Module:
+def build_meta(name: str, num_classes: int | None) -> nn.Module:
     """The model's shapes without memory: built on the ``meta`` device where its constructor allows."""
     if is_factory(name):
         return _build_factory(name, num_classes)
@@ -434,7 +438,7 @@ def check_weights(name: str, weights: str, num_classes: int | None = None, *,
     Returns ``{"head": name of the last Linear layer or None, "num_classes": its outputs}``;
     one-line ``ValueError`` for a file that is not weights or weights that do not fit."""
     sd = read_state_dict(weights, options=options)
-    model = _fit_state_dict(name, sd, num_classes, _build_meta)
+    model = _fit_state_dict(name, sd, num_classes, build_meta)
     head = _last_linear(model)
     return {"head": head, "num_classes": None if head is None else int(model.get_submodule(head).out_features)}
 
@@ -451,11 +455,7 @@ def model_size_report(name: str, num_classes: int | None = None, norm_layers: st
     """:func:`laplace_core.posteriors.sizes.model_sizes` of model ``name`` built without weights (``meta`` device)."""
     from laplace_core.posteriors.sizes import model_sizes
 
-    try:
-        with torch.device("meta"):
-            model = _build(name, num_classes)
-    except NotImplementedError:  # constructors that read tensor values (regnet)
-        model = _build(name, num_classes)
+    model = build_meta(name, num_classes)
     return model_sizes(model, rank=rank, norm_layers=norm_layers, layers=layers)
 
 
@@ -468,7 +468,7 @@ def model_coverage(name: str, num_classes: int | None = None, norm_layers: str =
     from laplace_core.curvature.layers import DESELECTED
     from laplace_core.posteriors.sizes import model_sizes
 
-    model = _build_meta(name, num_classes) if not is_factory(name) else _build(name, num_classes)
+    model = build_meta(name, num_classes) if not is_factory(name) else _build(name, num_classes)
     rep = model_sizes(model, norm_layers=norm_layers, layers=layers)
     cov = rep.coverage
     cov["at_map_layers"] = [k for k, why in rep.excluded.items() if why == DESELECTED]  # model order
