@@ -64,6 +64,7 @@ __all__ = [
     "model_coverage",
     "vit_tiny_test",
     "convnext_tiny_test",
+    "vit_tiny_timm_test",
     "is_factory",
     "resolve_factory",
     "build_meta",
@@ -119,12 +120,22 @@ def convnext_tiny_test(num_classes: int | None = None) -> nn.Module:
                     num_classes=10 if num_classes is None else int(num_classes))
 
 
+def vit_tiny_timm_test(num_classes: int | None = None) -> nn.Module:
+    """timm's ``VisionTransformer`` cut down for tests (needs timm): 32x32 images, 8x8 patches, 1 block,
+    2 heads, width 16; its ``Attention`` (fused ``qkv``, ``F.scaled_dot_product_attention``) is timm's."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2, mlp_ratio=2,
+                             num_classes=10 if num_classes is None else int(num_classes))
+
+
 # name -> builder(num_classes or None). torchvision names are resolved separately.
 EXTRA_MODELS: dict[str, Callable[[int | None], nn.Module]] = {
     "demo_cnn": _demo_cnn,
     "tiny_cnn": tiny_cnn,
     "vit_tiny_test": vit_tiny_test,
     "convnext_tiny_test": convnext_tiny_test,
+    "vit_tiny_timm_test": vit_tiny_timm_test,
 }
 
 _ENUM_RE = re.compile(r"^[A-Za-z0-9_]+_Weights\.[A-Za-z0-9_]+$")
