@@ -91,6 +91,8 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "ray start --head": ("run", "tests/jobs/test_job.py"),
     "python jobs/imagenet_inf.py --data my_data --model resnet18 --weights my_model.pt":
         ("run", "tests/jobs/test_first_run.py"),
+    "python jobs/imagenet_inf.py --data my_data --model timm:convnext_tiny --weights my_convnext.safetensors":
+        ("parse", "needs a trained convnext_tiny; tests/pipelines/cli/test_timm_run.py runs timm models through the job"),
     "infoform config --list": ("run", "tests/pipelines/config/test_settings.py"),
     "make core-demo": ("parse", "minutes of CPU: the Makefile target and jobs/core_demo.py's parser"),
     "python benchmarks/core_pass.py --random-basis": ("parse", "benchmark"),
