@@ -18,7 +18,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -e '.[dev,bench]'
+	$(VENV)/bin/pip install -e '.[dev,bench,timm]'
 	@touch $(STAMP)
 
 # `make demo` needs the base and dev only, not the bench peers (a full install serves it too).

@@ -14,7 +14,7 @@ quoted beside a command are checked on the page that quotes them (``infoform siz
 | --- | --- |
 | ``make demo`` / ``python jobs/imagenet_inf.py`` | tests/jobs/test_demo_fresh.py (fresh clone, new venv; on in ``make test``) |
 | ``make test`` | ``.ci/run`` (CI runs exactly ``make test``) |
-| ``pip install -e '.[dev,bench]'`` / ``'.[dev]'`` | the Makefile's install recipes (``make test`` / ``make demo``) |
+| ``pip install -e '.[dev,bench,timm]'`` / ``'.[dev]'`` | the Makefile's install recipes (``make test`` / ``make demo``) |
 | ``ray job submit ... --preset smoke ...``, ``ray start --head`` | tests/jobs/test_job.py (submits to a ``ray start --head`` on loopback, with a worker node; S3 on moto) |
 | ``ray job submit ... --preset imagenet-resnet50 ... s3://`` | parse: Ray's own ``job submit`` CLI + the job's parser (dry run) |
 | ``infoform sizes ...`` | run here (meta device, seconds); docs/methods.md's resnet18 figures checked |
@@ -73,7 +73,7 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "make demo": ("run", "tests/jobs/test_demo_fresh.py"),
     "make test": ("run", ".ci/run"),
     "python jobs/imagenet_inf.py": ("run", "Makefile"),  # `make demo` runs it; test_demo_fresh runs make demo
-    "pip install -e '.[dev,bench]'": ("run", "Makefile"),
+    "pip install -e '.[dev,bench,timm]'": ("run", "Makefile"),
     "pip install -e '.[dev]'": ("run", "Makefile"),  # `make demo`'s install (install-demo)
     "ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/imagenet_inf.py --preset smoke "
     "--output s3://bucket/infoform-smoke --endpoint-url http://127.0.0.1:9000": ("run", "tests/jobs/test_job.py"),
@@ -92,6 +92,8 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "ray start --head": ("run", "tests/jobs/test_job.py"),
     "python jobs/imagenet_inf.py --data my_data --model resnet18 --weights my_model.pt":
         ("run", "tests/jobs/test_first_run.py"),
+    "python jobs/imagenet_inf.py --data my_data --model timm:convnext_tiny --weights my_convnext.safetensors":
+        ("parse", "needs a trained convnext_tiny; tests/pipelines/cli/test_timm_run.py runs timm models through the job"),
     "infoform config --list": ("run", "tests/pipelines/config/test_settings.py"),
     "make core-demo": ("parse", "minutes of CPU: the Makefile target and jobs/core_demo.py's parser"),
     "python benchmarks/core_pass.py --random-basis": ("parse", "benchmark"),
@@ -131,7 +133,7 @@ RUNNER_NEEDLES = {
     "make demo": '["make", "demo"]',
     "make test": "make test",
     "python jobs/imagenet_inf.py": "$(PY) jobs/imagenet_inf.py",
-    "pip install -e '.[dev,bench]'": "pip install -e '.[dev,bench]'",
+    "pip install -e '.[dev,bench,timm]'": "pip install -e '.[dev,bench,timm]'",
     "pip install -e '.[dev]'": "pip install -e '.[dev]'",
     "ray start --head": '"start", "--head"',
     "python jobs/imagenet_inf.py --data my_data --model resnet18 --weights my_model.pt":

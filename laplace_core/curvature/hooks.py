@@ -33,7 +33,8 @@ q/k/v projection of ``nn.MultiheadAttention``, its ``out_proj``, Swin's ``qkv`` 
 weight is a tapped parameter (by identity) and records its input and output edge like a
 module hook would. Their inputs are ``(B·w, ..., n)`` with the examples outermost
 (Swin's windows of one image follow each other), so rows are ``x.reshape(B, -1, n)``
-with ``B`` the model input's batch size. ``F.multi_head_attention_forward`` itself is
+with ``B`` the model input's batch size; the same for an ``nn.Linear`` module called on such
+inputs (timm's Swin). timm's norm + activation layers are recorded at their ``drop``'s input. ``F.multi_head_attention_forward`` itself is
 replaced, under the mode only, by :func:`mha_forward` (same signature, same numbers:
 self-attention, batch-major ``F.linear`` calls on ``(N, L, E)``), because the mode
 could not see the calls inside the library function.
@@ -50,7 +51,8 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from .layers import GroupView, LayerKind, ScaleView, is_tapped, layer_kind
+from .layers import GroupView, LayerKind, ScaleView, affine_output_child, is_tapped, layer_kind
+from .norm_rows import norm_grads
 
 __all__ = [
     "Capture",
@@ -206,52 +208,6 @@ def layer_output_grads(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
     return g.reshape(g.shape[0], -1, g.shape[-1])
 
 
-# --------------------------------------------------------------------------- normalisation
-def _channel_dim(layer) -> int:
-    """Axis of the affine parameters in the layer's input: 1 for BatchNorm / GroupNorm /
-    torchvision's ``LayerNorm2d`` / the layer scale, the last axis for ``nn.LayerNorm``."""
-    if isinstance(layer, nn.LayerNorm) and type(layer).__name__ != "LayerNorm2d":
-        return -1
-    return 1
-
-
-def _normalised(layer, x: torch.Tensor) -> torch.Tensor:
-    """``x̂``, the value the affine weight multiplies (eval mode: running statistics)."""
-    if isinstance(layer, ScaleView):
-        return x  # the block's output
-    if isinstance(layer, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)):
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        return (x - layer.running_mean.reshape(shape)) * torch.rsqrt(layer.running_var.reshape(shape) + layer.eps)
-    if isinstance(layer, nn.GroupNorm):
-        xg = x.reshape(x.shape[0], layer.num_groups, -1)
-        mean = xg.mean(-1, keepdim=True)
-        var = xg.var(-1, unbiased=False, keepdim=True)
-        return ((xg - mean) * torch.rsqrt(var + layer.eps)).reshape(x.shape)
-    if isinstance(layer, nn.LayerNorm):
-        d = _channel_dim(layer)
-        mean = x.mean(d, keepdim=True)
-        var = x.var(d, unbiased=False, keepdim=True)
-        return (x - mean) * torch.rsqrt(var + layer.eps)
-    raise ValueError(f"norm_grads: unsupported layer type {type(layer).__name__}")
-
-
-def norm_grads(layer, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Per-example gradients ``(B, C, n)`` of a normalisation layer's ``W~ = [γ, β]``.
-
-    ``y = γ ∘ x̂ + β`` along the channel axis, so ``∂/∂γ_c = Σ_t g_{t,c} x̂_{t,c}`` and
-    ``∂/∂β_c = Σ_t g_{t,c}`` over the positions ``t`` of one example (``x̂``: the input
-    normalised with the running statistics for BatchNorm, per example for LayerNorm /
-    GroupNorm, the block output for a layer scale). ``x`` is the layer's input, ``g`` the
-    gradient of its output; exact (the eval-mode ``x̂`` does not depend on ``γ``, ``β``)."""
-    d = _channel_dim(layer)
-    xh = _normalised(layer, x.to(g.dtype))
-    gc = g.movedim(d, 1).reshape(g.shape[0], g.shape[d], -1)  # (B, C, T)
-    cols = [(gc * xh.movedim(d, 1).reshape(gc.shape)).sum(-1)]
-    if layer.bias is not None:
-        cols.append(gc.sum(-1))
-    return torch.stack(cols, -1)
-
-
 # --------------------------------------------------------------------------- attention
 def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     if mask is None:
@@ -403,8 +359,11 @@ class Capture:
 
     # called by the forward hooks
     def _record(self, name: str, module: nn.Module, args: tuple, out, names: list[str] | None = None) -> None:
-        if self._start(name, names or [name], args[0].detach(), out):
-            self._hook_output(name, out)
+        x, B, rows = args[0].detach(), self.batch_size, None
+        if isinstance(module, nn.Linear) and B and x.dim() > 2 and x.shape[0] != B and x.shape[0] % B == 0:
+            rows = lambda t: t.reshape(B, -1, t.shape[-1])  # noqa: E731 (timm Swin's windows, example-major)
+        if self._start(name, names or [name], x if rows is None else rows(x), out):
+            self._hook_output(name, out, rows)
 
     def _record_tap(self, name: str, x: torch.Tensor, out: torch.Tensor) -> None:
         B = self.batch_size
@@ -457,6 +416,18 @@ class Capture:
         return self.grads
 
 
+def _split_hooks(cap: Capture, name: str, layer, held: dict) -> list:
+    """Hooks of a layer whose input and output edge are two modules' tensors: a layer scale (input:
+    its block's output; edge: the parent's output) or timm's norm + act (input: the module's; edge:
+    its ``drop``'s input, the affine output before the activation)."""
+    if isinstance(layer, ScaleView):
+        return [layer.parent.block.register_forward_hook(lambda m, args, out: held.__setitem__(name, out.detach())),
+                layer.parent.register_forward_hook(lambda m, args, out: cap._record(name, m, (held.pop(name),), out))]
+    return [layer.register_forward_pre_hook(lambda m, args: held.__setitem__(name, args[0])),
+            affine_output_child(layer).register_forward_pre_hook(
+                lambda m, args: cap._record(name, layer, (held.pop(name),), args[0]))]
+
+
 @contextlib.contextmanager
 def capture(model: nn.Module, modules: Mapping[str, nn.Module]) -> Iterator[Capture]:
     """Install forward hooks on ``modules`` (one per convolution for its groups), a
@@ -473,11 +444,8 @@ def capture(model: nn.Module, modules: Mapping[str, nn.Module]) -> Iterator[Capt
     groups: dict[int, tuple[nn.Module, list[str]]] = {}
     block_out: dict[str, torch.Tensor] = {}
     for name, layer in modules.items():
-        if isinstance(layer, ScaleView):  # input: the block's output; output edge: the parent's
-            handles.append(layer.parent.block.register_forward_hook(
-                lambda m, args, out, _n=name: block_out.__setitem__(_n, out.detach())))
-            handles.append(layer.parent.register_forward_hook(
-                lambda m, args, out, _n=name: cap._record(_n, m, (block_out.pop(_n),), out)))
+        if isinstance(layer, ScaleView) or affine_output_child(layer) is not None:
+            handles.extend(_split_hooks(cap, name, layer, block_out))
         elif is_tapped(layer):
             taps[id(getattr(layer.parent, layer.weight_name))] = name
         elif isinstance(layer, GroupView):

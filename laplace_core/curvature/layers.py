@@ -62,6 +62,7 @@ __all__ = [
     "NORM_LAYER_MODES",
     "NORM_TYPES",
     "ScaleView",
+    "affine_output_child",
     "check_norm_layers",
     "is_tapped",
     "layer_kind",
@@ -207,8 +208,19 @@ def check_norm_layers(norm_layers: str) -> str:
     return norm_layers
 
 
+def affine_output_child(mod: nn.Module) -> nn.Module | None:
+    """timm's norm + activation layers (``timm.layers.norm_act``: ``BatchNormAct2d``, ``GroupNormAct``,
+    ``LayerNormAct(2d)``) normalise, then call ``drop`` and ``act``: their affine output is the input
+    of ``drop`` (the hooks take the output gradient there). None for any other module."""
+    if type(mod).__module__ == "timm.layers.norm_act" and isinstance(getattr(mod, "drop", None), nn.Module):
+        return mod.drop
+    return None
+
+
 def _norm_reason(mod: nn.Module) -> str | None:
     """Why a normalisation module cannot get a diagonal posterior (None: it can)."""
+    if next(mod.children(), None) is not None and affine_output_child(mod) is None:
+        return f"{type(mod).__name__} calls modules of its own after normalising (point estimate)"
     if isinstance(mod, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)) and mod.running_mean is None:
         return "BatchNorm without running statistics normalises with batch statistics (no per-example Fisher)"
     if isinstance(mod, nn.LayerNorm) and len(mod.normalized_shape) != 1:

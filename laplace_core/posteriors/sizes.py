@@ -173,6 +173,7 @@ class SizeReport:
     at_map: dict[str, int] | None = None  # module type -> parameters left at MAP (None: no model given)
     norm_layers: str = "map"
     selection: str = "all"  # the layer selection (laplace_core.curvature.layer_selection.selection_label)
+    at_map_why: dict[str, str] | None = None  # module type -> its parameters at MAP and why
 
     @property
     def totals(self) -> dict[str, int | None]:
@@ -206,7 +207,7 @@ class SizeReport:
         at_map = sum(self.at_map.values())
         return {"weights_under_posterior": under, "weights_at_map": at_map, "total_parameters": under + at_map,
                 "fraction": under / max(1, under + at_map), "at_map_by_type": dict(self.at_map),
-                "norm_layers": self.norm_layers, "layers": self.selection}
+                "at_map_why": dict(self.at_map_why or {}), "norm_layers": self.norm_layers, "layers": self.selection}
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per method: ``method``, ``numbers`` (None when unknown), ``mb``, ``note``."""
@@ -353,17 +354,43 @@ def model_sizes(
 
     _, infos, excluded = find_layers(model, norm_layers=norm_layers, layers=layers)
     label = selection_label(layers)
-    at_map = parameters_at_map(model, excluded)
+    at_map, why = parameters_at_map(model, excluded), at_map_reasons(model, excluded)
     if stats is None:
         rep = count_sizes(infos, rank=rank, excluded=excluded, model=name)
-        return dataclasses.replace(rep, at_map=at_map, norm_layers=norm_layers, selection=label)
+        return dataclasses.replace(rep, at_map=at_map, norm_layers=norm_layers, selection=label, at_map_why=why)
     want = {k: v.shape for k, v in infos.items()}
     have = {k: v.shape for k, v in stats.infos.items()}
     if want != have:
         diff = sorted(set(want.items()) ^ set(have.items()))[:3]
         raise ValueError(f"statistics do not match the model's layers (name, (m, n)) differences: {diff}")
     rep = statistics_sizes(stats, rank=rank, model=name, sparsify=sparsify)
-    return SizeReport(rep.layers, rep.rank, dict(excluded), name, rep.inf_from_statistics, at_map, norm_layers, label)
+    return SizeReport(rep.layers, rep.rank, dict(excluded), name, rep.inf_from_statistics, at_map, norm_layers, label,
+                      why)
+
+
+def _why(mod: nn.Module, reason: str) -> str:
+    from ..curvature.layers import NORM_TYPES
+
+    if not reason.endswith("is not in the layer registry (point estimate)"):
+        return reason
+    if isinstance(mod, NORM_TYPES):
+        return "normalisation layer at MAP (--norm-layers diag puts it under a diagonal posterior)"
+    return "parameters of no Linear, Conv or normalisation module: no layer input and output to form their Fisher from"
+
+
+def at_map_reasons(model: nn.Module, excluded: Mapping[str, str]) -> dict[str, str]:
+    """Module type -> ``"{its parameters' names}: why"`` over the ``excluded`` modules that own
+    trainable parameters (what :func:`parameters_at_map` counts)."""
+    mods = dict(model.named_modules())
+    names: dict[str, set[str]] = {}
+    why: dict[str, str] = {}
+    for name, reason in excluded.items():
+        mod = mods.get(name)
+        own = [k for k, p in mod.named_parameters(recurse=False) if p.requires_grad] if mod is not None else []
+        if own:
+            names.setdefault(type(mod).__name__, set()).update(own)
+            why.setdefault(type(mod).__name__, _why(mod, reason))
+    return {t: f"{', '.join(sorted(names[t]))}: {why[t]}" for t in names}
 
 
 def parameters_at_map(model: nn.Module, excluded: Mapping[str, str]) -> dict[str, int]:
@@ -400,6 +427,7 @@ def format_table(report: SizeReport) -> str:
         by = ", ".join(f"{k} {v:,}" for k, v in cov["at_map_by_type"].items()) or "none"
         lines.append(f"coverage: {100 * cov['fraction']:.2f}% of {cov['total_parameters']:,} parameters under the "
                      f"posterior (norm layers: {cov['norm_layers']}{_layers_note(cov)}); at MAP: {cov['weights_at_map']:,} ({by})")
+        lines += [f"  at MAP in {t}: {w}" for t, w in cov["at_map_why"].items()]
     lines += [head, "-" * len(head)]
     for r in report.rows():
         if r["numbers"] is None and "lower_bound" in r:

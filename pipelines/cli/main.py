@@ -334,6 +334,14 @@ def build_torchvision_model(name: str, *, num_classes: int | None = None):
             return torchvision.models.get_model(name, weights=None, **kwargs), "cpu"
 
 
+def _build_sizes_model(name: str, num_classes: int | None):
+    """``timm:NAME`` through timm on the meta device (no weights), else a torchvision name."""
+    from pipelines.ingest.models import build_meta
+    from pipelines.ingest.timm_models import is_timm
+
+    return build_meta(name, num_classes) if is_timm(name) else build_torchvision_model(name, num_classes=num_classes)[0]
+
+
 def _examples(names: list[str]) -> list[str]:
     preferred = ["resnet18", "resnet50", "densenet121", "vgg16", "efficientnet_b0", "vit_b_16"]
     return [n for n in preferred if n in names] or names[:6]
@@ -349,7 +357,7 @@ def add_sizes_parser(sub: argparse._SubParsersAction) -> None:
             "EFB eigenvalues: give --stats for the exact count, otherwise a lower bound is shown."
         ),
     )
-    p.add_argument("--model", help="torchvision architecture name, e.g. resnet18")
+    p.add_argument("--model", help="torchvision architecture name, e.g. resnet18, or timm:NAME (timm's registry)")
     p.add_argument("--num-classes", type=_positive_int, default=None, help="classifier outputs (default: the model's)")
     p.add_argument("--rank", type=_positive_int, default=None, help="INF rank K (top-K EFB eigenvalues per layer)")
     p.add_argument("--stats", default=None, metavar="URI", help="statistics with EFB sums (CurvatureStatistics.save)")
@@ -394,7 +402,7 @@ def cmd_sizes(args: argparse.Namespace) -> int:
             raise CliError(f"cannot load statistics {args.stats!r}: {e}") from None
     try:
         if args.model is not None:
-            model, _ = build_torchvision_model(args.model, num_classes=args.num_classes)
+            model = _build_sizes_model(args.model, args.num_classes)
             report = sizes.model_sizes(model, rank=args.rank, stats=stats, name=args.model,
                                        norm_layers=args.norm_layers, layers=_layer_selection(args.layers))
         else:

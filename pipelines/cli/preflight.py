@@ -160,6 +160,7 @@ def _check_enum_weights(name: str, cfg: RunConfig) -> None:
 def _check_models(cfg: RunConfig, opts: storage.StorageOptions, world: bool = True) -> None:
     from pipelines.ingest.models import (EXTRA_MODELS, RANDOM_WEIGHTS, is_enum_name, is_factory, model_names,
                                          resolve_factory, resolve_weights_enum)
+    from pipelines.ingest.timm_models import check_timm_name, is_timm
 
     valid = set(model_names())
     for spec in cfg.all_models():
@@ -168,7 +169,14 @@ def _check_models(cfg: RunConfig, opts: storage.StorageOptions, world: bool = Tr
             if spec.weights not in (None, RANDOM_WEIGHTS) and world:
                 check_uri(spec.weights, "weights file", opts)
             continue
-        if spec.name not in valid:
+        if is_timm(spec.name):  # timm's registry: timm installed, a known name (close matches otherwise)
+            try:
+                check_timm_name(spec.name)
+            except ValueError as e:
+                raise PreflightError(str(e)) from None
+            if spec.weights is not None and is_enum_name(spec.weights):
+                raise PreflightError(f"model {spec.name!r} has no torchvision weights; pass a state-dict file")
+        elif spec.name not in valid:
             fam = sorted(n for n in valid if n.startswith(("resnet", "densenet"))) + sorted(EXTRA_MODELS)
             close = difflib.get_close_matches(spec.name, sorted(valid), n=3, cutoff=0.6)
             hint = f"did you mean {', '.join(close)}? " if close else ""

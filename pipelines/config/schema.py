@@ -90,7 +90,8 @@ class ModelSpec(Checked):
     enum name, or ``None`` (``demo_cnn``: trained on the spot on the demo data; a factory:
     the model as it returns it)."""
 
-    name: str = setting("resnet50", "torchvision name, demo_cnn, or package.module:callable")
+    name: str = setting("resnet50", "torchvision name, demo_cnn, timm:NAME (timm's registry, pip install "
+                                    "'infoform[timm]') or package.module:callable")
     weights: str | None = setting(None, "state-dict file (local or s3://) or torchvision weights enum name")
     num_classes: int | None = setting(None, "classes of the head (null: those found in the data)", range=COUNT)
 

@@ -14,7 +14,8 @@ callable returning an ``nn.Module``, called as ``callable()`` or, when ``num_cla
 given, ``callable(num_classes=num_classes)`` (:func:`resolve_factory`). The module must be
 importable where the job runs (the job's working directory is on the path). A missing
 module or attribute, a factory that raises or one that returns something other than an
-``nn.Module`` give a one-line ``ValueError``.
+``nn.Module`` give a one-line ``ValueError``. ``"timm:NAME"`` is timm's architecture NAME
+(:mod:`pipelines.ingest.timm_models`; optional, never downloads), with the state-dict weights below.
 
 ``weights`` is one of
 
@@ -44,6 +45,8 @@ from typing import TYPE_CHECKING, Callable, Mapping
 import torch
 from torch import nn
 
+from pipelines.ingest.timm_models import build_timm, is_timm
+
 if TYPE_CHECKING:
     from pipelines.storage.uris import StorageOptions
 
@@ -61,8 +64,10 @@ __all__ = [
     "model_coverage",
     "vit_tiny_test",
     "convnext_tiny_test",
+    "vit_tiny_timm_test",
     "is_factory",
     "resolve_factory",
+    "build_meta",
 ]
 
 
@@ -115,12 +120,22 @@ def convnext_tiny_test(num_classes: int | None = None) -> nn.Module:
                     num_classes=10 if num_classes is None else int(num_classes))
 
 
+def vit_tiny_timm_test(num_classes: int | None = None) -> nn.Module:
+    """timm's ``VisionTransformer`` cut down for tests (needs timm): 32x32 images, 8x8 patches, 1 block,
+    2 heads, width 16; its ``Attention`` (fused ``qkv``, ``F.scaled_dot_product_attention``) is timm's."""
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(img_size=32, patch_size=8, embed_dim=16, depth=1, num_heads=2, mlp_ratio=2,
+                             num_classes=10 if num_classes is None else int(num_classes))
+
+
 # name -> builder(num_classes or None). torchvision names are resolved separately.
 EXTRA_MODELS: dict[str, Callable[[int | None], nn.Module]] = {
     "demo_cnn": _demo_cnn,
     "tiny_cnn": tiny_cnn,
     "vit_tiny_test": vit_tiny_test,
     "convnext_tiny_test": convnext_tiny_test,
+    "vit_tiny_timm_test": vit_tiny_timm_test,
 }
 
 _ENUM_RE = re.compile(r"^[A-Za-z0-9_]+_Weights\.[A-Za-z0-9_]+$")
@@ -139,7 +154,7 @@ def model_names() -> list[str]:
 
 def is_factory(name: str) -> bool:
     """``"package.module:callable"`` (a user's model factory) rather than a registry name."""
-    return ":" in name
+    return ":" in name and not is_timm(name)
 
 
 def resolve_factory(name: str) -> Callable[..., nn.Module]:
@@ -334,7 +349,7 @@ def _infer_num_classes(model: nn.Module, sd: Mapping[str, torch.Tensor]) -> int 
 def _check_enum_fits(name: str, enum, weights: str) -> None:
     import torchvision.models as tvm
 
-    if name in EXTRA_MODELS:
+    if name in EXTRA_MODELS or is_timm(name):
         raise ValueError(f"model {name!r} has no torchvision weights; pass a state-dict file")
     expected = tvm.get_model_weights(name)
     if not isinstance(enum, expected):
@@ -342,10 +357,10 @@ def _check_enum_fits(name: str, enum, weights: str) -> None:
 
 
 def _build(name: str, num_classes: int | None, weights_enum=None) -> nn.Module:
-    if name in EXTRA_MODELS:
+    if name in EXTRA_MODELS or is_timm(name):
         if weights_enum is not None:
             raise ValueError(f"model {name!r} has no torchvision weights; pass a state-dict file")
-        return EXTRA_MODELS[name](num_classes)
+        return build_timm(name, num_classes) if is_timm(name) else EXTRA_MODELS[name](num_classes)
     import torchvision.models as tvm
 
     if name not in _torchvision_names():
@@ -398,7 +413,7 @@ def load_model(
             check_state_dict(model, sd, name)
             model.load_state_dict(sd, strict=True)
         return model.eval()
-    if name not in EXTRA_MODELS and name not in _torchvision_names():
+    if name not in EXTRA_MODELS and not is_timm(name) and name not in _torchvision_names():
         raise _unknown_model(name)
     if weights is None:
         model = _build(name, num_classes)
@@ -416,7 +431,7 @@ def load_model(
     return model.eval()
 
 
-def _build_meta(name: str, num_classes: int | None) -> nn.Module:
+def build_meta(name: str, num_classes: int | None) -> nn.Module:
     """The model's shapes without memory: built on the ``meta`` device where its constructor allows."""
     if is_factory(name):
         return _build_factory(name, num_classes)
@@ -434,7 +449,7 @@ def check_weights(name: str, weights: str, num_classes: int | None = None, *,
     Returns ``{"head": name of the last Linear layer or None, "num_classes": its outputs}``;
     one-line ``ValueError`` for a file that is not weights or weights that do not fit."""
     sd = read_state_dict(weights, options=options)
-    model = _fit_state_dict(name, sd, num_classes, _build_meta)
+    model = _fit_state_dict(name, sd, num_classes, build_meta)
     head = _last_linear(model)
     return {"head": head, "num_classes": None if head is None else int(model.get_submodule(head).out_features)}
 
@@ -451,11 +466,7 @@ def model_size_report(name: str, num_classes: int | None = None, norm_layers: st
     """:func:`laplace_core.posteriors.sizes.model_sizes` of model ``name`` built without weights (``meta`` device)."""
     from laplace_core.posteriors.sizes import model_sizes
 
-    try:
-        with torch.device("meta"):
-            model = _build(name, num_classes)
-    except NotImplementedError:  # constructors that read tensor values (regnet)
-        model = _build(name, num_classes)
+    model = build_meta(name, num_classes)
     return model_sizes(model, rank=rank, norm_layers=norm_layers, layers=layers)
 
 
@@ -468,7 +479,7 @@ def model_coverage(name: str, num_classes: int | None = None, norm_layers: str =
     from laplace_core.curvature.layers import DESELECTED
     from laplace_core.posteriors.sizes import model_sizes
 
-    model = _build_meta(name, num_classes) if not is_factory(name) else _build(name, num_classes)
+    model = build_meta(name, num_classes) if not is_factory(name) else _build(name, num_classes)
     rep = model_sizes(model, norm_layers=norm_layers, layers=layers)
     cov = rep.coverage
     cov["at_map_layers"] = [k for k, why in rep.excluded.items() if why == DESELECTED]  # model order

@@ -44,6 +44,8 @@ def custom_preset(model: str | None, weights: str | None, data: str | None) -> t
         t = {"image_size": 224, "resize_size": 256, "mean": IMAGENET_MEAN, "std": IMAGENET_STD}
         how = (f"{name} has no torchvision weights to take the transforms from: images at 224 px (resize 256) and "
                "ImageNet's mean/std; set data.image_size, data.mean, data.std if your model was trained otherwise")
+    elif t.get("note"):  # a timm model's own data config
+        how = f"images as in {t['note']}"
     else:
         how = (f"images at {t['image_size']} px (resize {t['resize_size']}) and the normalisation of "
                f"{t['source']}'s transforms")

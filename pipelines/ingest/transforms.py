@@ -1,8 +1,10 @@
-"""The torchvision weights' own eval transforms of a model, read as metadata (no download):
-what the ``custom`` preset sizes and normalises the images with (``pipelines.ingest.plan``)."""
+"""The torchvision weights' own eval transforms of a model, or a ``timm:`` model's data config,
+read as metadata (no download): what the ``custom`` preset sizes and normalises the images
+with (``pipelines.ingest.plan``)."""
 from __future__ import annotations
 
 from pipelines.ingest.models import EXTRA_MODELS, is_enum_name, is_factory, resolve_weights_enum
+from pipelines.ingest.timm_models import is_timm, timm_transforms
 
 __all__ = ["default_transforms"]
 
@@ -11,8 +13,15 @@ def default_transforms(name: str, weights: str | None = None) -> dict[str, objec
     """Image size, resize size and normalisation of the torchvision weights' own eval transforms
     (``weights`` when it is an enum name, else the architecture's ``DEFAULT`` weights): a dict with
     ``image_size``, ``resize_size``, ``mean``, ``std`` and ``source`` (the enum), or None when the
-    model has no torchvision weights (a factory, an extra model). Reads metadata only: no download."""
+    model has no torchvision weights (a factory, an extra model). A ``timm:`` model: its data config
+    (:func:`pipelines.ingest.timm_models.timm_transforms`, with a ``note``). Reads metadata only: no download."""
     import torchvision.models as tvm
+
+    if is_timm(name):
+        try:
+            return timm_transforms(name)
+        except ValueError:  # timm missing or an unknown name: the preflight says so in one line
+            return None
 
     try:
         if weights is not None and is_enum_name(weights):

@@ -1,0 +1,81 @@
+"""timm models through the whole job (issue 40, acceptance 2): ONE small audit run in this process
+(the smoke preset's demo digits at 32x32, cut to 100 training images, 50 search / test / OOD
+images, diag and KFAC, two (N, τ) configurations) holding two timm models:
+
+* ``timm:resnet10t`` with ``--weights random`` (timm's registry by name, a random initialisation);
+* ``vit_tiny_timm_test`` (timm's ``VisionTransformer``: its ``Attention`` with fused ``qkv`` and
+  ``F.scaled_dot_product_attention``) from a state dict saved here as safetensors.
+
+Checked: every stage of both models ran (stage markers, metrics of every method, posteriors that
+load, a report); then ``infoform score`` scores the run's test split with the ViT's KFAC posterior
+(one row per image, probabilities that sum to one).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+timm = pytest.importorskip("timm")
+
+MODELS = ("timm:resnet10t", "vit_tiny_timm_test")
+STAGES = ("curvature", "posterior", "search", "evaluate", "report")
+METHODS = ("diag", "kfac")
+
+
+@pytest.fixture(scope="module")
+def timm_run(ray_session, tmp_path_factory):
+    import torch
+    from safetensors.torch import save_file
+
+    from pipelines.cli.run import run
+    from pipelines.config.load import load_config
+    from pipelines.ingest.models import vit_tiny_timm_test
+
+    root = tmp_path_factory.mktemp("timm_run")
+    torch.manual_seed(0)
+    weights = root / "vit.safetensors"
+    save_file({k: v.contiguous() for k, v in vit_tiny_timm_test(10).state_dict().items()}, str(weights))
+    cfg = load_config("smoke", [
+        f"output={root / 'out'}", "model.name=resnet50",
+        f"models=[{{name: 'timm:resnet10t', weights: random}}, {{name: vit_tiny_timm_test, weights: '{weights}'}}]",
+        "posterior.methods=[diag, kfac]", "data.limit=100", "data.per_class=10", "data.val_limit=50",
+        "data.test_limit=50", "data.ood_limit=50", "data.partition_size=50", "search.num_configs=2",
+        "search.mc_samples=2", "evaluate.mc_samples=4", "evaluate.batch_size=50",
+    ])
+    res = run(cfg)
+    assert res.summary is not None
+    return root / "out"
+
+
+def test_both_timm_models_run_every_stage(timm_run):
+    from laplace_core.posteriors.structures.base import load_posterior
+
+    for model in MODELS:
+        sub = timm_run / "models" / model
+        for stage in STAGES:
+            assert json.loads((sub / "stages" / f"{stage}.json").read_text())["stage"] == stage, (model, stage)
+        run = json.loads((sub / "run.json").read_text())
+        assert run["model"]["name"] == model and run["data"]["num_classes"] == 10
+        for m in ("map", *METHODS):
+            metrics = json.loads((sub / "eval" / m / "metrics.json").read_text())
+            assert metrics["status"] == "ok" and 0.0 <= metrics["accuracy"] <= 1.0, (model, m)
+        for m in METHODS:
+            assert load_posterior(str(sub / "posterior" / m)).num_stored() == run["posterior_sizes"][m]["numbers"]
+        assert (sub / "report.html").is_file()
+
+
+def test_infoform_score_scores_with_the_timm_vit(timm_run, tmp_path, capsys):
+    from pipelines.cli.main import main
+    from pipelines.serve.score import read_scores
+
+    out = str(tmp_path / "scores")
+    code = main(["score", "--run", str(timm_run), "--model-name", "vit_tiny_timm_test", "--data", "run:test",
+                 "--output", out, "--method", "kfac", "--keep-probs"])
+    assert code == 0, capsys.readouterr().err
+    table = read_scores(out)
+    assert table.num_rows == 50
+    probs = np.stack(table.column("probs").to_numpy(zero_copy_only=False))
+    assert probs.shape == (50, 10) and np.allclose(probs.sum(1), 1.0, atol=1e-5)
