@@ -56,6 +56,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="tiny CNN, 16x16, CPU: seconds (the suite runs it)")
     p.add_argument("--budget-s", type=float, default=420.0, help="wall-clock budget of the whole run")
     p.add_argument("--model", default="resnet50")
+    p.add_argument("--weights", default=None,
+                   help="a state-dict file (safetensors) for --model; default random init (see docs/benchmarks.md: the "
+                        "check (e) on random init is not representative of a trained network)")
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--classes", type=int, default=1000)
     p.add_argument("--batch", type=int, default=64, help="images per batch of the passes (the ImageNet preset's)")
@@ -204,7 +207,7 @@ def main(argv=None) -> int:
     run = Run(a)
     run.doc["device"] = str(dev)
     torch.manual_seed(0)
-    model = load_model(a.model, None, a.classes).to(dev).eval()
+    model = load_model(a.model, a.weights, a.classes).to(dev).eval()
     configs = a.configs.split(",")
     xc, yc = parts.make_data(a.classes, a.size, a.check_images, dev, seed=1)
     check_batches = [(xc[i:i + a.batch], yc[i:i + a.batch]) for i in range(0, a.check_images, a.batch)]

@@ -32,10 +32,8 @@ import time
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from laplace_core.basis.eigenbasis import eigenbasis
-from laplace_core.curvature.batch_loop import PRECISIONS
 from laplace_core.curvature.collect import collect_efb, collect_statistics
 from laplace_core.curvature.keyed_rng import KeyedSampler
 
@@ -275,5 +273,5 @@ def make_data(classes: int, size: int, batch: int, dev, seed: int = 0):
     return x.to(dev), y.to(dev)
 
 
-__all__ = ["BF16_CHECK_RTOL", "CONFIGS", "PRECISIONS", "F", "TimedBatches", "measure", "precision_check",
+__all__ = ["BF16_CHECK_RTOL", "CONFIGS", "TimedBatches", "measure", "precision_check",
            "time_passes", "time_kronfluence", "time_mc_forward", "make_data", "syncer", "tf32", "pass_options"]

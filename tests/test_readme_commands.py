@@ -111,6 +111,9 @@ EXERCISED: dict[str, tuple[str, str]] = {
         ("parse", "benchmark; needs a CUDA device"),
     "python benchmarks/eval_overhead.py --model resnet50 --size 224 --num-classes 1000 --n-images 256 "
     "--batch-size 64 --repeats 2 --device cuda": ("parse", "benchmark; needs a CUDA device"),
+    "python benchmarks/gpu_check.py --out gpu_check.json": ("parse", "benchmark; needs a CUDA device (docs/benchmarks.md: "
+                                                              "the device run)"),
+    "python benchmarks/gpu_check.py --tiny --out tiny.json": ("run", "tests/benchmarks/test_gpu_check.py"),
     "python benchmarks/synth_imagenet.py /tmp/inet --classes 10 --per-class 800 --val-per-class 40":
         ("parse", "writes 8,400 JPEGs for the GPU throughput run"),
     "python jobs/imagenet_inf.py --preset imagenet-resnet50 --data /tmp/inet --weights /tmp/r50.pt --set "
@@ -139,6 +142,7 @@ RUNNER_NEEDLES = {
     "python jobs/imagenet_inf.py --data my_data --model resnet18 --weights my_model.pt":
         'QUICK_START = ["--data", "my_data", "--model", "resnet18", "--weights", "my_model.pt"]',
     "infoform config --list": 'main(["config", "--list"])',
+    "python benchmarks/gpu_check.py --tiny --out tiny.json": '["--tiny", "--out"',
 }
 
 
