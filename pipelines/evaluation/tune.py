@@ -70,7 +70,7 @@ MAP_TRIAL = "map"
 #: same settings returns them without restoring the experiment.
 DONE_FILE = "infoform-done.json"
 
-__all__ = ["MAP_TRIAL", "chunk_refs", "SearchTrainable", "experiment_key", "run_experiment",
+__all__ = ["MAP_TRIAL", "chunk_refs", "load_chunk", "SearchTrainable", "experiment_key", "run_experiment",
            "map_reference"]
 
 
@@ -103,7 +103,8 @@ def _rows(cfg: SearchConfig) -> str:
     return f" ({n} images)" if n else ""
 
 
-def _chunk(d: Mapping[str, Any], device: str) -> Chunk:
+def load_chunk(d: Mapping[str, Any], device: str) -> Chunk:
+    """One chunk of :func:`chunk_refs` (its ``ray.get`` value) as a :class:`Chunk` on ``device``."""
     sizes = [int(s) for s in d["sizes"]]
     ys = torch.from_numpy(np.array(d["ys"]))
     xs = torch.from_numpy(np.array(d["xs"])).to(device)
@@ -216,7 +217,7 @@ class SearchTrainable(tune.Trainable):
 
         if not self.reason:
             t0 = time.perf_counter()
-            chunk = _chunk(ray.get(self.chunks[self.k]), self.cfg.resolved_device)
+            chunk = load_chunk(ray.get(self.chunks[self.k]), self.cfg.resolved_device)
             with torch.no_grad():
                 p = torch.cat(predict_chunk(self.actor.model, self.pred, chunk))
             y = torch.cat(chunk.ys)
@@ -421,7 +422,7 @@ def map_reference(model: Mapping[str, Any], chunks: Sequence[Any], cfg: SearchCo
         acc = SearchAccumulator.create(cfg)
         with torch.no_grad():
             for ref in chunks:
-                c = _chunk(ray.get(ref), cfg.resolved_device)
+                c = load_chunk(ray.get(ref), cfg.resolved_device)
                 acc = acc.update(torch.cat(predict_chunk(net, None, c)), torch.cat(c.ys))
         return acc.to_json()
 
