@@ -329,6 +329,7 @@ def _search_info(cfg: SearchConfig, methods: Sequence[str], rows: Sequence[dict[
         "scheduler": cfg.scheduler,
         "algorithm": cfg.algorithm,
         "reduction_factor": cfg.reduction_factor,
+        "map_limit_log10_tau": cfg.map_limit_log10_tau,
         "examples": images,
         "chunks": n_chunks,
         "skipped": skipped["count"],

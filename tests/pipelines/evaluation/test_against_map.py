@@ -121,3 +121,30 @@ def test_identical_predictions_are_never_an_improvement():
     assert (v["diff"], v["lo"], v["hi"], v["improved"]) == (0.0, 0.0, 0.0, False)
     assert v["mark"] == "no configuration of kfac improved validation NLL over MAP (best Δ = +0.0000 [+0.0000, +0.0000])"
     assert not_better_line("kfac", None).startswith("no configuration of kfac improved validation NLL over MAP")
+
+
+def test_the_map_limit_configuration_joins_every_method_s_search():
+    from pipelines.config.load import load_config
+    from pipelines.evaluation.trials import sample_configs
+
+    cfg = SearchConfig(num_configs=5, log10_n=(1.0, 4.0), log10_tau=(0.0, 2.0), seed=3, map_limit_log10_tau=8.0,
+                       method_ranges=(("kfac", (2.0, 6.0), None),))
+    plain = sample_configs(SearchConfig(num_configs=5, log10_n=(1.0, 4.0), log10_tau=(0.0, 2.0), seed=3))
+    got = sample_configs(cfg)
+    assert got[:5] == plain and len(got) == 6  # the draws unchanged, the limit appended
+    assert (got[5].config_id, got[5].log10_n, got[5].log10_tau) == (5, 4.0, 8.0)
+    assert sample_configs(cfg, "kfac")[5].log10_n == 6.0  # the top of the method's own range
+    assert len(sample_configs(SearchConfig(configs=((1.0, 2.0),), map_limit_log10_tau=8.0))) == 1  # explicit: as given
+    assert load_config("demo").search.map_limit_log10_tau == 8.0
+
+
+def test_tpe_starts_from_the_map_limit_and_its_range_reaches_it():
+    from pipelines.evaluation.tune import tpe_space
+
+    cfg = SearchConfig(num_configs=4, log10_n=(1.0, 3.0), log10_tau=(0.0, 2.0), algorithm="tpe", map_limit_log10_tau=8.0)
+    space, first = tpe_space(cfg, "diag")
+    assert (space["log10_n"].lower, space["log10_n"].upper) == (1.0, 3.0)
+    assert (space["log10_tau"].lower, space["log10_tau"].upper) == (0.0, 8.0)
+    assert first == [{"log10_n": 3.0, "log10_tau": 8.0}]
+    space, first = tpe_space(SearchConfig(num_configs=4, log10_tau=(0.0, 2.0), algorithm="tpe"), "diag")
+    assert space["log10_tau"].upper == 2.0 and first is None
