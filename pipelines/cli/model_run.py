@@ -308,7 +308,10 @@ class ModelRun:
 
             for line in edge_notes(res.chosen, to_dict(self.cfg.search)):
                 log(f"search: {line}")
-            out.update(chosen=res.chosen, notes=res.notes, map=res.map,
+            for line in res.marks().values():
+                log(f"search: {line}")
+            out.update(chosen=res.chosen, notes=res.notes, map=res.map, against_map=res.against_map,
+                       not_better_than_map=res.marks(),
                        info={**res.info, "device": search_cfg.resolved_device},
                        failed=sum(1 for r in res.rows if r["status"] != "ok"),
                        skipped={"count": res.info["skipped"], "examples": res.info.get("skipped_examples", [])})

@@ -139,6 +139,7 @@ def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: di
                                                "excluded", "skipped_batches", "passes")}
         | ({"subnet": curv["subnet"]} if "subnet" in curv else {}),
         "search": {"chosen": srch.get("chosen"), "notes": srch.get("notes"),
+                   "against_map": srch.get("against_map"), "not_better_than_map": srch.get("not_better_than_map") or {},
                    "device": (srch.get("info") or {}).get("device")}
         | {k: (srch.get("info") or {}).get(k) for k in ("scheduler", "algorithm", "image_samples",
                                                           "image_samples_full", "wall_s")},
@@ -161,13 +162,14 @@ def verdict_lines(summary: dict[str, Any]) -> list[str]:
     shown = [f"{x.label} {x.fmt(m[x.key])}" for x in METRICS[:5] if isinstance(m.get(x.key), (int, float))]
     n = ((summary.get("data") or {}).get("test") or {}).get("num_files")
     lines = [f"verdict: MAP on {n if n is not None else 'the'} test images: {', '.join(shown)}"]
-    lines += [f"verdict: {s}" for s in verdict_sentences(results, summary.get("posterior_sizes"))]
+    marks = (summary.get("search") or {}).get("not_better_than_map") or {}
+    lines += [f"verdict: {s}" for s in verdict_sentences(results, summary.get("posterior_sizes"), marks=marks)]
     skipped = sum(int(d.get("count", 0)) for d in (summary.get("skipped_images") or {}).values())
     ignored = sum(int(d.get("count", 0)) for d in (summary.get("ignored_files") or {}).values())
     failed = [k for k, r in results.items() if isinstance(r, dict) and r.get("status") not in (None, "ok")]
     lines.append(f"verdict: {skipped} image(s) skipped as undecodable, {ignored} non-image file(s) ignored"
                  + (f"; failed: {', '.join(failed)}" if failed else ""))
-    return lines[:6]
+    return lines[:6 + len(marks)]
 
 
 def _stable_run_json(summary: dict[str, Any]) -> dict[str, Any]:

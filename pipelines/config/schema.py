@@ -279,6 +279,9 @@ class SearchSpec(Checked):
                              choices=ALGORITHMS)
     reduction_factor: int = setting(4, "ASHA: 1 in reduction_factor configurations goes on at each rung",
                                     range="[2, inf)")
+    map_limit_log10_tau: float | None = setting(
+        None, "adds the MAP-limit configuration (log10 N at the top of the method's range, this log10 tau; "
+              "8: the predictive is MAP's within MC noise) to every method's search; null: none", range=ANY)
 
     def _check(self) -> None:
         for name in ("log10_n", "log10_tau"):

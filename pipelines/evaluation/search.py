@@ -148,13 +148,24 @@ class SearchResult:
     ``chosen``: method -> ``{"config_id", "log10_n", "log10_tau", "n_data",
     "prior_precision", "nll", "ece", "accuracy", "brier"}`` or None; ``notes``: method ->
     why nothing was chosen; ``map``: MAP metrics on the validation split; ``info``:
-    settings, counts and timings."""
+    settings, counts and timings; ``against_map``: method -> the chosen configuration against
+    MAP on the same validation images (:func:`pipelines.evaluation.against_map.judge_terms`:
+    ``diff``, ``lo``, ``hi``, ``improved``, ``mark``), or None when nothing was chosen."""
 
     rows: tuple[dict[str, Any], ...]
     chosen: dict[str, dict[str, Any] | None]
     notes: dict[str, str] = field(default_factory=dict)
     map: dict[str, Any] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+    against_map: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+
+    def marks(self) -> dict[str, str]:
+        """``method -> "no configuration of <method> improved validation NLL over MAP (...)"`` for
+        every method whose chosen configuration did not beat MAP on validation."""
+        from pipelines.evaluation.against_map import not_better_line
+
+        return {m: line for m in self.chosen if m in self.against_map
+                and (line := not_better_line(m, self.against_map[m]))}
 
     def hyper(self) -> dict[str, tuple[float, float]]:
         """``method -> (N, τ)`` of the chosen configurations (for ``evaluate(hyper=...)``)."""
@@ -260,11 +271,26 @@ def search(
     map_json = json.loads(maps[0]["acc"]) if maps else search_tune.map_reference(ref, chunks, cfg, store)
     map_acc = SearchAccumulator.from_json(map_json)
     rows, chosen, notes = _choose_per_method(trials, list(uris), images, len(chunks), cfg)
+    against = _against_map(ref, uris, chosen, chunks, cfg, store)
     info = _search_info(cfg, list(uris), rows, images, len(chunks), skipped, time.perf_counter() - t0)
-    result = SearchResult(tuple(rows), chosen, notes, map_acc.compute() if map_acc.count else {}, info)
+    result = SearchResult(tuple(rows), chosen, notes, map_acc.compute() if map_acc.count else {}, info, against)
     if store.output is not None:
         _write_search(store, result)
     return result
+
+
+def _against_map(ref: Mapping[str, Any], uris: Mapping[str, str], chosen: Mapping[str, Any], chunks: Sequence[Any],
+                 cfg: SearchConfig, store: RunStore) -> dict[str, dict[str, Any] | None]:
+    """Each chosen configuration against MAP on the same validation images
+    (:func:`pipelines.evaluation.against_map.judge`); the methods that did not beat MAP in the log."""
+    from pipelines.evaluation.against_map import judge, not_better_line
+
+    got = judge(ref, uris, chosen, chunks, cfg, store) if any(c is not None for c in chosen.values()) else {}
+    out = {m: got.get(m) for m in uris}
+    for m, v in out.items():
+        if line := not_better_line(m, v):
+            print(f"[search] {line}", flush=True)
+    return out
 
 
 def _choose_per_method(trials: Sequence[dict[str, Any]], methods: Sequence[str], images: int, n_chunks: int,
@@ -303,6 +329,7 @@ def _search_info(cfg: SearchConfig, methods: Sequence[str], rows: Sequence[dict[
         "scheduler": cfg.scheduler,
         "algorithm": cfg.algorithm,
         "reduction_factor": cfg.reduction_factor,
+        "map_limit_log10_tau": cfg.map_limit_log10_tau,
         "examples": images,
         "chunks": n_chunks,
         "skipped": skipped["count"],
@@ -324,4 +351,5 @@ def _write_search(store: RunStore, result: SearchResult) -> None:
         store.write_bytes_atomic(storage.join(d, "search.parquet"), _parquet_bytes(result.table(m)))
         store.write_json_atomic(storage.join(d, "search.json"),
                                 {"method": m, "chosen": chosen, "note": result.notes.get(m, ""),
-                                 "map_validation": result.map, **result.info})
+                                 "map_validation": result.map, "against_map": result.against_map.get(m),
+                                 "not_better_than_map": result.marks().get(m, ""), **result.info})

@@ -22,7 +22,7 @@ from laplace_core.metrics.scores import NLL, Accuracy, Brier
 
 from pipelines.evaluation.runtime import SearchConfig
 
-__all__ = ["HyperConfig", "sample_configs", "SearchAccumulator"]
+__all__ = ["HyperConfig", "sample_configs", "map_limit_config", "SearchAccumulator"]
 
 
 @dataclass(frozen=True)
@@ -53,10 +53,22 @@ def sample_configs(cfg: SearchConfig, method: str | None = None) -> tuple[HyperC
     rng = np.random.default_rng(cfg.seed)
     u = rng.random((cfg.num_configs, 2))
     (n0, n1), (t0, t1) = cfg.ranges(method)
-    return tuple(
+    drawn = tuple(
         HyperConfig(i, float(n0 + (n1 - n0) * u[i, 0]), float(t0 + (t1 - t0) * u[i, 1]))
         for i in range(cfg.num_configs)
     )
+    return drawn + tuple(c for c in [map_limit_config(cfg, method)] if c is not None)
+
+
+def map_limit_config(cfg: SearchConfig, method: str | None = None) -> HyperConfig | None:
+    """The MAP-limit configuration (issue #38) appended to the draws when
+    ``cfg.map_limit_log10_tau`` is set: id ``num_configs``, ``log10 N`` at the top of the
+    method's range, ``log10 τ = map_limit_log10_tau`` (at 8 the draws move the weights by
+    ~10^-4: the predictive is MAP's within MC noise), so every search can reach MAP."""
+    if cfg.map_limit_log10_tau is None or cfg.configs is not None:
+        return None
+    (_, n1), _ = cfg.ranges(method)
+    return HyperConfig(cfg.num_configs, float(n1), float(cfg.map_limit_log10_tau))
 
 
 # --------------------------------------------------------------------------- accumulator

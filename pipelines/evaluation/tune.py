@@ -70,7 +70,7 @@ MAP_TRIAL = "map"
 #: same settings returns them without restoring the experiment.
 DONE_FILE = "infoform-done.json"
 
-__all__ = ["MAP_TRIAL", "chunk_refs", "SearchTrainable", "experiment_key", "run_experiment",
+__all__ = ["MAP_TRIAL", "chunk_refs", "load_chunk", "tpe_space", "SearchTrainable", "experiment_key", "run_experiment",
            "map_reference"]
 
 
@@ -103,7 +103,8 @@ def _rows(cfg: SearchConfig) -> str:
     return f" ({n} images)" if n else ""
 
 
-def _chunk(d: Mapping[str, Any], device: str) -> Chunk:
+def load_chunk(d: Mapping[str, Any], device: str) -> Chunk:
+    """One chunk of :func:`chunk_refs` (its ``ray.get`` value) as a :class:`Chunk` on ``device``."""
     sizes = [int(s) for s in d["sizes"]]
     ys = torch.from_numpy(np.array(d["ys"]))
     xs = torch.from_numpy(np.array(d["xs"])).to(device)
@@ -216,7 +217,7 @@ class SearchTrainable(tune.Trainable):
 
         if not self.reason:
             t0 = time.perf_counter()
-            chunk = _chunk(ray.get(self.chunks[self.k]), self.cfg.resolved_device)
+            chunk = load_chunk(ray.get(self.chunks[self.k]), self.cfg.resolved_device)
             with torch.no_grad():
                 p = torch.cat(predict_chunk(self.actor.model, self.pred, chunk))
             y = torch.cat(chunk.ys)
@@ -243,7 +244,8 @@ def experiment_key(cfg: SearchConfig, methods: Sequence[str], images: int, extra
     """A short hash of what a method's trials compute (settings, split size, ``extra``: e.g. the
     split's fingerprint); not the actor resources, retries or logging."""
     keep = ("num_configs", "log10_n", "log10_tau", "objective", "mc_samples", "seed", "ece_bins", "ece_mode",
-            "configs", "chunk_size", "batch_size", "pred_type", "dtype", "scheduler", "algorithm", "reduction_factor")
+            "configs", "chunk_size", "batch_size", "pred_type", "dtype", "scheduler", "algorithm", "reduction_factor",
+            "map_limit_log10_tau")
     d = {k: getattr(cfg, k) for k in keep}
     d.update(methods=list(methods), ranges=[cfg.ranges(m) for m in methods], images=images, extra=extra)
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
@@ -281,12 +283,24 @@ def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
     except ImportError:
         raise StageError("search.algorithm=tpe needs optuna (pip install optuna)") from None
     (method,) = methods
-    (n0, n1), (t0, t1) = cfg.ranges(method)
-    space = {"log10_n": tune.uniform(n0, n1), "log10_tau": tune.uniform(t0, t1)}
-    alg = OptunaSearch(sampler=optuna.samplers.TPESampler(seed=cfg.seed), metric="objective", mode="min")
+    space, first = tpe_space(cfg, method)
+    alg = OptunaSearch(sampler=optuna.samplers.TPESampler(seed=cfg.seed), metric="objective", mode="min",
+                       points_to_evaluate=first)
     if sched is None:
         return space, alg, cfg.num_configs, None, cfg.num_actors
     return space, RunningLimiter(alg, cfg.num_actors, sched), cfg.num_configs, sched, None
+
+
+def tpe_space(cfg: SearchConfig, method: str) -> tuple[dict[str, Any], list[dict[str, float]] | None]:
+    """``(Tune space, points to evaluate first)`` of a TPE search of ``method``: its ranges; with
+    ``cfg.map_limit_log10_tau`` TPE starts from the MAP-limit configuration and the τ range reaches it."""
+    from pipelines.evaluation.trials import map_limit_config
+
+    (n0, n1), (t0, t1) = cfg.ranges(method)
+    limit = map_limit_config(cfg, method)
+    top = t1 if limit is None else max(t1, limit.log10_tau)
+    space = {"log10_n": tune.uniform(n0, n1), "log10_tau": tune.uniform(t0, top)}
+    return space, None if limit is None else [{"log10_n": limit.log10_n, "log10_tau": limit.log10_tau}]
 
 
 def _grid_size(space: Mapping[str, Any]) -> int:
@@ -421,7 +435,7 @@ def map_reference(model: Mapping[str, Any], chunks: Sequence[Any], cfg: SearchCo
         acc = SearchAccumulator.create(cfg)
         with torch.no_grad():
             for ref in chunks:
-                c = _chunk(ray.get(ref), cfg.resolved_device)
+                c = load_chunk(ray.get(ref), cfg.resolved_device)
                 acc = acc.update(torch.cat(predict_chunk(net, None, c)), torch.cat(c.ys))
         return acc.to_json()
 

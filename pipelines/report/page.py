@@ -205,7 +205,7 @@ def _summary(run_summary: Mapping[str, Any], model: str | None = None) -> tuple[
         return None, []
     temp = run_summary.get("temperature")
     notes = [temp["fallback"]] if isinstance(temp, Mapping) and temp.get("fallback") else []
-    sentences = verdict_sentences(results, run_summary.get("posterior_sizes") or {}, notes)
+    sentences = verdict_sentences(results, run_summary.get("posterior_sizes") or {}, notes, marks(run_summary))
     return Table(header, rows, "summary-table", keys, marked), sentences
 
 
@@ -245,6 +245,14 @@ def _meta_line(summary: Mapping[str, Any]) -> str:
 def _stage_rows(summary: Mapping[str, Any]) -> list[list[str]]:
     t = opt_mapping(summary, "timings")
     return [[s, _fmt(t[s], "s") if is_finite(t[s]) else str(t[s])] for s in order_stages(t)]
+
+
+def marks(summary: Mapping[str, Any]) -> dict[str, str]:
+    """``method -> "no configuration of <method> improved validation NLL over MAP (...)"`` of a run
+    summary (run.json's ``search.not_better_than_map``; issue #38)."""
+    srch = summary.get("search") if isinstance(summary.get("search"), Mapping) else {}
+    got = srch.get("not_better_than_map")
+    return {str(k): str(v) for k, v in got.items() if v} if isinstance(got, Mapping) else {}
 
 
 # --------------------------------------------------------------------------- sections
@@ -378,6 +386,11 @@ def build_report_page(run_summary: Mapping[str, Any], mbm: Mapping[str, Mapping[
     cfg = run_summary.get("config") if isinstance(run_summary.get("config"), Mapping) else {}
     chosen = run_summary.get("chosen") if isinstance(run_summary.get("chosen"), Mapping) else {}
     notes += [f"Search: {line}" for line in edge_notes(chosen, cfg.get("search"))]
+    marked = marks(run_summary)
+    notes += [f"Search: {line}; its test row is shown for reference, not as the method's improvement."
+              for line in marked.values()]
+    trows = [[r[0] + (" (not better than MAP on validation)" if m in marked else ""), *r[1:]]
+             for m, r in zip(methods, trows)]
     srows = _stage_rows(run_summary)
     summary, verdict = _summary(run_summary)
     paired, sample = _paired(run_summary)

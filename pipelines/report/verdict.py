@@ -229,19 +229,24 @@ def _point_sentences(results: Mapping[str, Any]) -> list[str]:
 
 
 def verdict_sentences(results: Mapping[str, Any], sizes: Mapping[str, Any] | None = None,
-                      notes: list[str] | None = None) -> list[str]:
+                      notes: list[str] | None = None, marks: Mapping[str, str] | None = None) -> list[str]:
     """One sentence per method against MAP (and each Laplace row against temperature scaling),
     claiming "better" / "worse" only where the paired interval excludes 0; then ``notes`` (e.g.
-    the temperature fallback line). Without intervals: the point values and no claim."""
+    the temperature fallback line). Without intervals: the point values and no claim. ``marks``:
+    method -> "no configuration of <method> improved validation NLL over MAP (...)"
+    (:meth:`pipelines.evaluation.search.SearchResult.marks`): such a method's sentence opens with
+    its mark, and its test row is read as a reference, not as the method's improvement."""
     methods = _methods(results)
+    marks = marks or {}
     out = []
     for meth in methods:
         if meth == MAP:
             continue
         n = int(_intervals(results, meth).get("n") or 0)
         parts = [s for ref in (MAP, TEMPERATURE) if ref != meth and (s := _against(results, meth, ref, n))]
-        if parts:
-            out.append(f"{method_label(meth)} " + "; ".join(parts) + ".")
+        mark = f"{marks[meth][0].upper()}{marks[meth][1:]}; its test row is shown for reference: " if marks.get(meth) else ""
+        if parts or mark:
+            out.append(mark + f"{method_label(meth)} " + ("; ".join(parts) or "has no paired test interval") + ".")
     if not out:
         out = _point_sentences(results)
     return out + list(notes or [])

@@ -261,6 +261,7 @@ def test_runtime_configs_copy_every_field_they_share_with_the_specs():
                "method_ranges": (("kfac", (0.0, 1.0), (2.0, 3.0)),), "dtype": "float64", "torch_threads": 3,
                "log_every_s": 2.0, "entropy_bins": 7, "ood_exact_limit": 11, "scheduler": "asha",
                "algorithm": "tpe", "reduction_factor": 3, "stall_timeout_s": 12.0, "bootstrap": 50,
+               "map_limit_log10_tau": 7.5,
                "shift": ShiftSpec(corruptions=("contrast",), severities=(2,))}
     # precision bf16 needs pred_type nn and dtype float32 (ActorSpec._check): a second set for it
     autocast = {**changed, "precision": "bf16", "pred_type": "nn", "dtype": "float32"}
