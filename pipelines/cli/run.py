@@ -69,7 +69,7 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, store: RunStore, plan: DataPlan,
     for line in skipped_lines(summary["skipped_images"]):
         log(line)
     if stages.evaluate.summary is not None:
-        if cfg.schedule.history:  # one row per method in <history>/history.parquet, before the report's trend
+        if cfg.schedule.history:  # one row per method in <history>/history/ (its own object), before the report's trend
             from pipelines.report.history import append_run
 
             append_run(cfg.schedule.history, summary, model_run.splits, model_run.store.options, log=log)
