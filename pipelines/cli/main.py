@@ -83,7 +83,7 @@ def get_args_parser(add_help: bool = False) -> argparse.ArgumentParser:
                    help="take the curvature, posteriors and search of this earlier run (read in place) and evaluate "
                         "only; auto (default): a matching run under --history (docs/scheduled-audits.md)")
     p.add_argument("--history", metavar="ROOT",
-                   help="audit root: append to ROOT/history.parquet; auto reuse looks there")
+                   help="audit root: each run adds its own object under ROOT/history/; auto reuse looks there")
     p.add_argument("--alert", metavar="RULES",
                    help="e.g. 'ece>0.05,accuracy<0.70,inf.ood_auroc<0.8': exit code 3 and <output>/alerts.json "
                         "when one fires")

@@ -69,7 +69,7 @@ def _run_model(cfg: RunConfig, spec: ModelSpec, store: RunStore, plan: DataPlan,
     for line in skipped_lines(summary["skipped_images"]):
         log(line)
     if stages.evaluate.summary is not None:
-        if cfg.schedule.history:  # one row per method in <history>/history.parquet, before the report's trend
+        if cfg.schedule.history:  # one row per method in <history>/history/ (its own object), before the report's trend
             from pipelines.report.history import append_run
 
             append_run(cfg.schedule.history, summary, model_run.splits, model_run.store.options, log=log)
@@ -232,16 +232,29 @@ def run(cfg: RunConfig, init_ray: Callable[[], None] | None = None) -> RunResult
     if output != cfg.output:
         cfg = dataclasses.replace(cfg, output=output)
     cfg = absolute_inputs(cfg)
-    plan = config_plan(cfg, output)
-    ensure_ray = _ray_starter(cfg, init_ray)
-    store = RunStore.open(output, cfg.storage_options())  # the run's one store, handed to every stage and worker
-    store.write_json_atomic(store.config_uri(), to_dict(cfg))
-    models = cfg.all_models()
-    if len(models) == 1:
-        summary = _run_model(cfg, models[0], store, plan, ensure_ray)
-        report = layout.report_uris(output)["html"]
-        return RunResult(output=output, report_path=report, summary=summary)
-    return _run_audit(cfg, models, store, plan, ensure_ray)
+    with _take_lease(output, cfg.storage_options()):  # one job per output, before any cluster work
+        plan = config_plan(cfg, output)
+        ensure_ray = _ray_starter(cfg, init_ray)
+        store = RunStore.open(output, cfg.storage_options())  # the run's one store, handed to every stage and worker
+        store.write_json_atomic(store.config_uri(), to_dict(cfg))
+        models = cfg.all_models()
+        if len(models) == 1:
+            summary = _run_model(cfg, models[0], store, plan, ensure_ray)
+            report = layout.report_uris(output)["html"]
+            return RunResult(output=output, report_path=report, summary=summary)
+        return _run_audit(cfg, models, store, plan, ensure_ray)
+
+
+def _take_lease(output: str, options: Any):
+    """The lease on ``output`` (:mod:`pipelines.storage.lease`), its heartbeat running; a fresh
+    lease of another job is a :class:`PreflightError` (one line, exit code 2)."""
+    from pipelines.errors import PreflightError
+    from pipelines.storage.lease import LeaseHeld, acquire
+
+    try:
+        return acquire(output, options, log=log).start()
+    except LeaseHeld as e:
+        raise PreflightError(str(e)) from None
 
 
 def _ray_starter(cfg: RunConfig, init_ray: Callable[[], None] | None) -> Callable[[], None]:

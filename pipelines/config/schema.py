@@ -392,7 +392,7 @@ class ScheduleSpec(Checked):
     reuse: str = setting("auto", "an earlier run's output URI whose curvature, posteriors and search this run reads in "
                                  "place; auto: the newest matching run under schedule.history; none: compute them",
                          fingerprint=False)
-    history: str | None = setting(None, "the audit root: each run appends its rows to <history>/history.parquet and "
+    history: str | None = setting(None, "the audit root: each run writes its rows as its own object under <history>/history/ and "
                                         "auto reuse looks at the runs in its sub-folders (null: neither)",
                                   fingerprint=False)
     alert: tuple[str, ...] = setting((), "rules like ece>0.05, accuracy<0.70 or inf.ood_auroc<0.8: a rule that "

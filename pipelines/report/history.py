@@ -1,15 +1,20 @@
-"""The history of a scheduled audit: ``<root>/history.parquet`` and the trend on the report
+"""The history of a scheduled audit: ``<root>/history/*.parquet`` and the trend on the report
 (docs/scheduled-audits.md).
 
-Each run with ``schedule.history`` (``--history ROOT``) appends one row per (model, method) to
-``ROOT/history.parquet``: when (UTC), the run's output URI, the model, the method, a fingerprint of
-the evaluation data (test split and OOD set: location and listing), the run its fitted stages were read from,
-and every headline metric (:data:`pipelines.report.verdict.METRICS`) with its 95% bootstrap
-interval (``<metric>_lo``, ``<metric>_hi``) and the images behind it (``n``, ``n_ood``). The file
-is read, changed and written whole with an atomic write (:func:`pipelines.storage.uris.write_bytes_atomic`:
-a reader never sees half a file, locally or on S3); a re-submitted run replaces its own rows. Runs
-of one audit root are meant to follow each other (a weekly schedule): two runs appending at the
-same moment could each write the file without the other's rows.
+Each run with ``schedule.history`` (``--history ROOT``) writes one row per (model, method): when
+(UTC), the run's output URI, the model, the method, a fingerprint of the evaluation data (test
+split and OOD set: location and listing), the run its fitted stages were read from, and every
+headline metric (:data:`pipelines.report.verdict.METRICS`) with its 95% bootstrap interval
+(``<metric>_lo``, ``<metric>_hi``) and the images behind it (``n``, ``n_ood``).
+
+The history is append-only: each run and model owns one immutable object,
+``ROOT/history/<model>--<run folder>--<hash>.parquet`` (:func:`run_object_uri`), written once
+with an atomic write (:func:`pipelines.storage.uris.write_bytes_atomic`: a local temporary file
+and ``os.replace``; on S3 one PUT). No run reads or rewrites another run's object, so runs
+appending at the same moment lose nothing; a re-submitted run writes the same name and so
+replaces its own rows only. :func:`read_history` reads every object as one table. An older root
+holding the single file ``ROOT/history.parquet`` is still read (its rows under the objects'), and
+the first run that appends migrates it: one object per run and model, then the file is removed.
 
 With two or more runs of the model in the history, the report shows :func:`render_trend` (each
 metric over the runs, one line per method, the interval shaded) and a table of the change since the
@@ -20,6 +25,7 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import io
+import re
 from typing import Any, Mapping, Sequence
 
 from pipelines.report.methods import method_color, method_label, order_methods
@@ -27,16 +33,37 @@ from pipelines.report.page import Section, Table
 from pipelines.report.verdict import METRICS
 from pipelines.storage import uris as storage
 
-__all__ = ["HISTORY_FILE", "history_uri", "data_fingerprint", "run_rows", "read_history", "append_run",
-           "render_trend", "trend_parts", "audit_trends"]
+__all__ = ["HISTORY_FILE", "HISTORY_DIR", "history_uri", "history_dir", "run_object_uri", "data_fingerprint",
+           "run_rows", "read_history", "append_run", "migrate_legacy", "render_trend", "trend_parts", "audit_trends"]
 
+#: The single file of older roots (read, and migrated by the first run that appends).
 HISTORY_FILE = "history.parquet"
+#: The folder of the append-only history: one object per run and model.
+HISTORY_DIR = "history"
 _TEXT = ("run", "model", "method", "data_fingerprint", "reused_from")
 _COUNTS = ("n", "n_ood", "test_images", "ood_images")
 
 
 def history_uri(root: str) -> str:
+    """The older single-file history (``<root>/history.parquet``)."""
     return storage.join(root, HISTORY_FILE)
+
+
+def history_dir(root: str) -> str:
+    """The folder of the append-only history (``<root>/history``)."""
+    return storage.join(root, HISTORY_DIR)
+
+
+def _slug(text: str, limit: int = 40) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._")[:limit] or "run"
+
+
+def run_object_uri(root: str, run: str, model: str | None) -> str:
+    """The object holding the rows of ``run`` (its output URI) and ``model``: readable parts and a
+    hash of both, so two runs never share a name and a re-submitted run finds its own."""
+    key = hashlib.sha256(f"{run}\0{model}".encode()).hexdigest()[:16]
+    folder = str(run).rstrip("/").rsplit("/", 1)[-1]
+    return storage.join(history_dir(root), f"{_slug(str(model))}--{_slug(folder)}--{key}.parquet")
 
 
 def _schema():
@@ -85,38 +112,95 @@ def run_rows(summary: Mapping[str, Any], splits: Any, when: _dt.datetime) -> lis
     return rows
 
 
-def read_history(root: str, store: Any = None):
-    """``<root>/history.parquet`` as a pyarrow Table (None when there is none yet)."""
+def _merged_schema(fields: Sequence[Any] = ()):
+    """The history's columns, plus the columns of an older layout (they stay)."""
+    schema = _schema()
+    for f in fields:
+        if schema.get_field_index(f.name) < 0:
+            schema = schema.append(f)
+    return schema
+
+
+def _table_bytes(rows: Sequence[Mapping[str, Any]], extra: Sequence[Any] = ()) -> bytes:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    uri = history_uri(root)
-    if not storage.exists(uri, store):
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(list(rows), schema=_merged_schema(extra)), buf)
+    return buf.getvalue()
+
+
+def _read_legacy(root: str, store: Any):
+    """The older single file as a pyarrow Table (None when absent)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(io.BytesIO(storage.read_bytes(history_uri(root), store)))
+    except FileNotFoundError:
         return None
-    return pq.read_table(io.BytesIO(storage.read_bytes(uri, store)))
+
+
+def _read_objects(root: str, store: Any) -> list[Any]:
+    """Every run object under ``<root>/history`` as a pyarrow Table (temporary files skipped)."""
+    import pyarrow.parquet as pq
+
+    folder = history_dir(root)
+    names = [n for n in storage.listdir(folder, store) if n.endswith(".parquet") and not n.startswith(".")]
+    raw = storage.read_many([storage.join(folder, n) for n in names], store)
+    return [pq.read_table(io.BytesIO(b)) for b in raw.values()]
+
+
+def read_history(root: str, store: Any = None):
+    """Every row under ``root`` as one pyarrow Table in date order (None when there is none yet):
+    the run objects, and the older single file's rows of the runs and models no object holds."""
+    import pyarrow as pa
+
+    legacy, tables = _read_legacy(root, store), _read_objects(root, store)
+    rows = [r for t in tables for r in t.to_pylist()]
+    if legacy is not None:
+        held = {(r.get("run"), r.get("model")) for r in rows}
+        rows = [r for r in legacy.to_pylist() if (r.get("run"), r.get("model")) not in held] + rows
+    if legacy is None and not tables:
+        return None
+    extra = [f for t in ([legacy] if legacy is not None else []) + tables for f in t.schema]
+    return pa.Table.from_pylist(sorted(rows, key=lambda r: r["date"]), schema=_merged_schema(extra))
+
+
+def migrate_legacy(root: str, store: Any = None, log: Any = print) -> int:
+    """Move an older ``<root>/history.parquet`` into one object per run and model (an object that
+    exists already, a newer write of that run, is kept), then remove the file; returns the objects
+    written (0: nothing to migrate). Safe to run by several runs at once: each writes the same
+    objects, and a file already removed by another is no error."""
+    legacy = _read_legacy(root, store)
+    if legacy is None:
+        return 0
+    groups: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for r in legacy.to_pylist():
+        groups.setdefault((r.get("run"), r.get("model")), []).append(r)
+    written = 0
+    for (run, model), rows in groups.items():
+        uri = run_object_uri(root, str(run), model)
+        if not storage.exists(uri, store):
+            storage.write_bytes_atomic(uri, _table_bytes(rows, legacy.schema), store)
+            written += 1
+    storage.remove(history_uri(root), options=store)
+    log(f"history: migrated {history_uri(root)} to {len(groups)} object(s) under {history_dir(root)}")
+    return written
 
 
 def append_run(root: str, summary: Mapping[str, Any], splits: Any, store: Any = None,
                when: _dt.datetime | None = None, log: Any = print) -> int:
-    """Append the run's rows (replacing rows of the same run and model); returns the rows now held."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+    """Write the run's rows as its own object (replacing that object when the run was submitted
+    before), after migrating an older single-file history; returns the rows now held."""
     new = run_rows(summary, splits, when or _dt.datetime.now(_dt.timezone.utc))
-    old = read_history(root, store)
-    schema = _schema()
-    kept: list[dict[str, Any]] = []
-    if old is not None:
-        for name in old.column_names:  # columns of an older layout stay
-            if schema.get_field_index(name) < 0:
-                schema = schema.append(old.schema.field(name))
-        done = {(r["run"], r["model"]) for r in new}
-        kept = [r for r in old.to_pylist() if (r.get("run"), r.get("model")) not in done]
-    rows = sorted(kept + new, key=lambda r: r["date"])
-    buf = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), buf)
-    storage.write_bytes_atomic(history_uri(root), buf.getvalue(), store)
-    runs = len({r["run"] for r in rows if r.get("model") == (summary.get("model") or {}).get("name")})
-    log(f"history: {len(new)} row(s) of this run appended to {history_uri(root)} ({runs} run(s) of this model)")
+    model = (summary.get("model") or {}).get("name")
+    migrate_legacy(root, store, log=log)
+    uri = run_object_uri(root, str(summary.get("output")), model)
+    storage.write_bytes_atomic(uri, _table_bytes(new), store)
+    table = read_history(root, store)
+    rows = table.to_pylist() if table is not None else []
+    runs = len({r["run"] for r in rows if r.get("model") == model})
+    log(f"history: {len(new)} row(s) of this run written to {uri} ({runs} run(s) of this model)")
     return len(rows)
 
 
@@ -209,7 +293,7 @@ def trend_parts(root: str | None, output: str, model: str, store: Any = None) ->
 
     uri = figure_uri(output, "trend")
     storage.write_bytes_atomic(uri, render_trend(rows), store)
-    section = Section(title=f"Over time: {len(runs)} runs in {history_uri(root)}",
+    section = Section(title=f"Over time: {len(runs)} runs in {history_dir(root)}",
                       table=Table(["Method", "Metric", "This run [95% CI]", "Since the previous run",
                                    "Since the first run"], _change_rows(rows, output), "trend-table"),
                       note=f"First run {runs[0]}; the figure 'trend' shows every run. A change is a difference of "

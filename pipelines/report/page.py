@@ -39,7 +39,7 @@ CAPTIONS = {
                      "kept (coverage), one line per method, AURC in the legend.",
     "shift": "Distribution shift (ImageNet-C-style corruptions of the test split, Hendrycks & Dietterich 2019): "
              "accuracy, NLL and ECE averaged over the corruptions, against severity, one line per method.",
-    "trend": "A scheduled audit's headline metrics over its runs (history.parquet), one line per method with "
+    "trend": "A scheduled audit's headline metrics over its runs (the history under the audit root), one line per method with "
              "its 95% bootstrap interval shaded; the last point is this run.",
     "hyper": "Hyper-parameter search over (log10 N, log10 τ) per method and objective, the colour scale "
              "clipped to the 10–90% range of each panel (arrows on the colour bar when clipped); red crosses: "

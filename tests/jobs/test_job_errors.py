@@ -210,3 +210,25 @@ def test_s3_preflight_answers_within_seconds(s3_layout):
                                                                   f"{bucket}/out")))
     assert preflight(good)["endpoint"] == endpoint
     assert storage.listdir(f"{bucket}/out", endpoint) == []
+
+
+def test_a_second_job_on_a_running_jobs_output_is_refused_before_ray(tmp_path):
+    """Issue 41: a fresh lease of another job (its process alive on this host, heartbeat now) on
+    ``--output``: one line naming the owner, exit 2, no Ray started, nothing written there."""
+    import json
+    import socket
+    import time
+
+    out = tmp_path / "out"
+    out.mkdir()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        owner = f"{socket.gethostname()}:{sleeper.pid}:first"
+        (out / "lease.json").write_text(json.dumps({"owner": owner, "host": socket.gethostname(), "pid": sleeper.pid,
+                                                    "heartbeat_at": time.time()}))
+        _one_line_error(_run("--preset", "smoke", "--output", str(out)), "held by another job", owner,
+                        str(out / "lease.json"))
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["lease.json"]  # no config.json

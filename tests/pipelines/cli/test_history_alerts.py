@@ -1,5 +1,5 @@
 """The parts of a scheduled audit that need no cluster (fast): alert rules (parsing, checking,
-``alerts.json`` and the exit code), ``history.parquet`` (append, replace on re-submission, on a
+``alerts.json`` and the exit code), the history (append, replace on re-submission, on a
 local folder and on S3 through moto's server), the trend figure and change table, the reuse keys'
 difference line, and the ``--alert`` / ``--reuse`` refusals of preflight (one line, exit 2).
 The runs themselves are in tests/pipelines/cli/test_scheduled_audit.py."""
@@ -109,7 +109,8 @@ def test_history_appends_rows_and_a_resubmission_replaces_its_own(tmp_path):
                log=lambda s: None)
     rows = read_history(str(tmp_path)).to_pylist()
     assert len(rows) == 4 and [r["accuracy"] for r in rows if r["run"] == "runs/w2"] == [0.84, 0.84]
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # the atomic write left no temp file
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]  # the atomic write left no temp file
+    assert len(list((tmp_path / "history").iterdir())) == 2  # one object per run (and model)
 
 
 def test_history_on_s3(s3_bucket):

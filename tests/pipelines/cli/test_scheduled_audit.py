@@ -10,7 +10,7 @@ accuracy<0.9``. Checked:
 * week 2 computes no curvature pass: its ``run.json`` names week 1 as the origin of the curvature,
   posterior and search stages, its output holds no statistics and no marker of those stages, its
   posteriors and chosen ``(N, τ)`` are week 1's, and only its evaluation ran (on the new drop);
-* ``ROOT/history.parquet`` holds one row per method of both runs, with their data fingerprints,
+* the history ``ROOT/history/`` holds one row per method of both runs, with their data fingerprints,
   intervals and ``n``;
 * week 2's report has the trend figure and the change table (week 1's, with one run, has neither);
 * the alert does not fire on week 1 (exit 0, ``alerts.json`` with nothing fired) and fires on week 2
@@ -117,9 +117,10 @@ def test_second_run_takes_the_fitted_stages_and_only_evaluates(weeks):
 
 
 def test_history_holds_both_runs_rows(weeks):
-    import pyarrow.parquet as pq
+    from pipelines.report.history import read_history
 
-    rows = pq.read_table(weeks["root"] / "history.parquet").to_pylist()
+    rows = read_history(str(weeks["root"])).to_pylist()
+    assert len(list((weeks["root"] / "history").glob("*.parquet"))) == 2  # one object per run
     methods = set(_run_json(weeks["w1"])["results"])
     w1, w2 = str(weeks["w1"]), str(weeks["w2"])
     by_run = {r: [x for x in rows if x["run"] == r] for r in (w1, w2)}

@@ -169,3 +169,38 @@ def test_the_report_shows_intervals_and_paired_differences(shift_run):
     assert fit["temperature"] != 1e-3
     if fit["fallback"]:
         assert fit["temperature"] == 1.0 and fit["fallback"] in html
+
+
+def test_a_killed_runs_stale_lease_is_taken_over_and_the_run_resumes_from_its_markers(shift_run, capsys):
+    """Issue 41: the finished run's output with a lease left by a killed job (its process on this
+    host gone, the heartbeat fresh): the next run says it takes the lease over, then resumes from the
+    markers (every stage done earlier, skipped; nothing needs the cluster) and leaves no lease.
+    The run's own output, not a copy (the stage fingerprints hold the output's location): a fully
+    skipped re-run rewrites config.json and run.json with the same content, so the other tests'
+    reads are unchanged."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from pipelines.cli.run import run
+    from pipelines.config.load import load_config
+    from pipelines.storage.lease import read_lease
+
+    out = shift_run
+    killed = subprocess.Popen([sys.executable, "-c", "pass"])
+    killed.wait()
+    (out / "lease.json").write_text(json.dumps({"owner": f"{socket.gethostname()}:{killed.pid}:killed",
+                                                "host": socket.gethostname(), "pid": killed.pid,
+                                                "heartbeat_at": time.time()}))
+    capsys.readouterr()
+    run(load_config("smoke", [  # the settings of tests/pipelines/conftest.py's smoke_shift_run
+        f"output={out}", "posterior.methods=[temperature, diag, inf]",
+        "evaluate.shift={corruptions: [gaussian_noise, contrast], severities: [1, 5]}",
+        "evaluate.mc_samples=4", "search.scheduler=asha", "search.chunk_size=25", "evaluate.batch_size=25"]))
+    log = capsys.readouterr().out
+    assert f"lease: taking over {out / 'lease.json'} from {socket.gethostname()}:{killed.pid}:killed" in log, log
+    for stage in ("curvature", "posterior", "search", "evaluate", "report"):
+        assert f"stage {stage}: done earlier, skipped" in log, log
+    assert "running" not in log and read_lease(str(out)) is None
