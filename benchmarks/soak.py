@@ -3,7 +3,7 @@
 baseline taken before the first: available CPUs, memory, object-store bytes in use, live actors,
 placement groups not removed, and Ray worker processes of this cluster.
 
-    /work/wt/heavy .venv/bin/python benchmarks/soak.py --jobs 20 [--out /tmp/soak]
+    .venv/bin/python benchmarks/soak.py --jobs 20 [--out /tmp/soak]
 
 The jobs cycle through the smoke preset, the shift-run configuration (temperature, diag, INF, a
 shift sweep, ASHA; the suite's ``smoke_shift_run``) and a scoring job (``jobs/score.py`` on the

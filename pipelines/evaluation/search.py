@@ -282,15 +282,12 @@ def search(
 def _against_map(ref: Mapping[str, Any], uris: Mapping[str, str], chosen: Mapping[str, Any], chunks: Sequence[Any],
                  cfg: SearchConfig, store: RunStore) -> dict[str, dict[str, Any] | None]:
     """Each chosen configuration against MAP on the same validation images
-    (:func:`pipelines.evaluation.against_map.judge`); the methods that did not beat MAP in the log."""
-    from pipelines.evaluation.against_map import judge, not_better_line
+    (:func:`pipelines.evaluation.against_map.judge`); the job logs the marks once
+    (:meth:`SearchResult.marks`, ``pipelines.cli.model_run``)."""
+    from pipelines.evaluation.against_map import judge
 
     got = judge(ref, uris, chosen, chunks, cfg, store) if any(c is not None for c in chosen.values()) else {}
-    out = {m: got.get(m) for m in uris}
-    for m, v in out.items():
-        if line := not_better_line(m, v):
-            print(f"[search] {line}", flush=True)
-    return out
+    return {m: got.get(m) for m in uris}
 
 
 def _choose_per_method(trials: Sequence[dict[str, Any]], methods: Sequence[str], images: int, n_chunks: int,
