@@ -98,3 +98,15 @@ def test_bad_arguments_exit_2():
     with pytest.raises(SystemExit) as e:
         gpu_check.parse(["--batches", "2", "--warmup", "2"])
     assert e.value.code == 2
+
+
+def test_the_pass_1_profile_runs_on_cpu(tmp_path):
+    """benchmarks/gpu_profile.py (the GPU session's follow-up) on a tiny CNN: the table names the
+    statistics' kernels, so that the script a GPU session runs cannot rot."""
+    from benchmarks import gpu_profile
+
+    out = tmp_path / "profile.txt"
+    assert gpu_profile.main(["--device", "cpu", "--model", "tiny_cnn", "--classes", "10", "--size", "16",
+                             "--batch", "4", "--batches", "1", "--configs", "fp32_default", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("==== fp32_default") and "aten::addmm" in text and "aten::convolution" in text
