@@ -35,7 +35,7 @@ from ray.util.state import list_actors, list_placement_groups
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 avail, total = ray.available_resources(), ray.cluster_resources()
 from ray._private.internal_api import memory_summary
-m = re.search(r"Plasma memory usage (\d+) MiB, (\d+) objects", memory_summary(stats_only=True))
+m = re.search(r"Plasma memory usage (\d+) MiB, (\d+) objects", memory_summary(address=sys.argv[1], stats_only=True))
 print(json.dumps({"cpu_available": avail.get("CPU", 0.0), "cpu_total": total.get("CPU", 0.0),
   "memory_available": avail.get("memory", 0.0), "object_store_available": avail.get("object_store_memory", 0.0),
   "plasma_mib": int(m.group(1)) if m else None, "plasma_objects": int(m.group(2)) if m else None,
