@@ -39,8 +39,8 @@ m = re.search(r"Plasma memory usage (\d+) MiB, (\d+) objects", memory_summary(ad
 print(json.dumps({"cpu_available": avail.get("CPU", 0.0), "cpu_total": total.get("CPU", 0.0),
   "memory_available": avail.get("memory", 0.0), "object_store_available": avail.get("object_store_memory", 0.0),
   "plasma_mib": int(m.group(1)) if m else None, "plasma_objects": int(m.group(2)) if m else None,
-  "actors_alive": [a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)],
-  "pgs_live": [p.placement_group_id for p in list_placement_groups(raise_on_missing_output=False) if p.state != "REMOVED"]}))
+  "actors_alive": [a.class_name for a in list_actors(address=sys.argv[1], filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)],
+  "pgs_live": [p.placement_group_id for p in list_placement_groups(address=sys.argv[1], raise_on_missing_output=False) if p.state != "REMOVED"]}))
 """
 
 
@@ -121,13 +121,14 @@ def job_args(i: int, out: Path) -> tuple[str, list[str]]:
     return kind, ["jobs/imagenet_inf.py", "--preset", "smoke", "--output", str(out / f"job{i:03d}"), *extra]
 
 
-def submit(dash: str, args: list[str]) -> tuple[int, float]:
+def submit(dash: str, args: list[str]) -> tuple[int, float, str]:
     ray_bin = str(Path(sys.executable).parent / "ray")
     cmd = [ray_bin, "job", "submit", "--address", dash, "--working-dir", str(ROOT), "--runtime-env-json",
            json.dumps({"excludes": [".venv", ".git", "runs", "*.pyc"]}), "--", "python", *args]
     t0 = time.time()
     res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=3600)
-    return res.returncode, time.time() - t0
+    errors = [ln for ln in (res.stdout + res.stderr).splitlines() if "error" in ln.lower()]
+    return res.returncode, time.time() - t0, (errors[-1] if errors else "")[-500:]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,9 +154,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps({"stopped": f"--max-minutes {a.max_minutes} reached after {i} job(s)"}))
                     break
                 kind, args = job_args(i, out)
-                rc, took = submit(dash, args)
+                rc, took, error = submit(dash, args)
                 time.sleep(a.settle_s)
                 row = {"job": i, "kind": kind, "rc": rc, "seconds": round(took, 1), **probe(gcs, tmp)}
+                if rc:
+                    row["error"] = error
                 print(json.dumps(row), flush=True)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
