@@ -84,7 +84,19 @@ def _interval(head: Mapping[str, Any], metric: str) -> tuple[list[float] | None,
     iv = head.get("intervals") if isinstance(head.get("intervals"), Mapping) else {}
     ci = (iv.get("ci") or {}).get(metric)
     n = iv.get("n_ood") if metric.startswith("ood_") and iv.get("n_ood") else iv.get("n")
+    if "@" in metric:  # one OOD set's images, or its group's
+        n = _set_count(head, metric.partition("@")[2]) or n
     return (list(ci) if isinstance(ci, (list, tuple)) and len(ci) == 2 else None), n
+
+
+def _set_count(head: Mapping[str, Any], where: str) -> int | None:
+    from pipelines.report.oodsets import per_set_of
+
+    per = per_set_of(head) or {}
+    sets = per.get("sets") or {}
+    names = (per.get("groups") or {}).get(where, {}).get("sets") or [where]
+    got = [sets[n].get("n_out") for n in names if isinstance(sets.get(n), Mapping)]
+    return sum(got) if got and all(isinstance(x, int) for x in got) else None
 
 
 def check_rules(rules: Sequence[Rule], results: Mapping[str, Any], model: str | None = None) -> Iterator[dict]:

@@ -77,6 +77,8 @@ def test_report_run_json_history_and_alerts_name_the_sets(smoke_shift_run):
     fired = list(check_rules(rules, run["results"]))
     assert {(e["method"], e["metric"]) for e in fired} >= {("inf", "ood_auroc@letters"), ("map", "ood_fpr95@far")}
     assert all(e["fired"] and e["ci"] is not None for e in fired)
+    assert {e["n"] for e in fired if e["metric"] == "ood_auroc@letters"} == {60}  # the set's own images
+    assert {e["n"] for e in fired if e["metric"] == "ood_fpr95@far"} == {40}
     cfg = load_config("smoke", [f"output={smoke_shift_run}"] + _ood_overrides(run))
     rows = run_rows(run, scan_splits(cfg, config_plan(cfg, str(smoke_shift_run))), dt.datetime.now(dt.timezone.utc))
     row = next(r for r in rows if r["method"] == "inf")
