@@ -19,12 +19,13 @@ normalised predictive entropy (OOD positive; ties as scikit-learn,
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from .base import bin_index
 from .ood import ranking_metrics
+from .oodsets import OOD_SCORES, OODSets, set_summary
 from .perimage import PerImage
 
 __all__ = ["BOOT_METRICS", "LEVEL", "RankedScores", "canonical", "ood_summary", "weighted_metrics", "bootstrap", "bootstrap_means"]
@@ -32,8 +33,6 @@ __all__ = ["BOOT_METRICS", "LEVEL", "RankedScores", "canonical", "ood_summary", 
 LEVEL = 0.95
 BOOT_METRICS = ("accuracy", "nll", "brier", "ece", "aurc", "acc_at_90", "acc_at_95",
                 "ood_auroc", "ood_fpr95", "ood_aupr")
-#: OOD scores (higher = more OOD): name -> per-image field and sign.
-OOD_SCORES = {"entropy": ("entropy", 1.0), "max_prob": ("conf", -1.0), "mutual_information": ("mi", 1.0)}
 
 
 class RankedScores:
@@ -55,12 +54,16 @@ class RankedScores:
         return _ranking_rows(neg, pos)
 
 
-def ood_summary(per: PerImage) -> dict[str, Any]:
-    """Exact OOD metrics per score (entropy, max probability, mutual information where kept)."""
+def ood_summary(per: PerImage, ood_sets: Sequence[tuple[str, str | None]] | None = None) -> dict[str, Any]:
+    """Exact OOD metrics per score (entropy, max probability, mutual information where kept) over
+    all OOD images; with ``ood_sets`` also per set and group (``"per_set"``:
+    :func:`laplace_core.metrics.oodsets.set_summary`)."""
     out: dict[str, Any] = {"positive": "ood", "n_in": per.n, "n_out": per.n_ood}
     for name, (f, sign) in OOD_SCORES.items():
         if f in per.inp and f in per.out:
             out[name] = RankedScores(sign * per.inp[f], sign * per.out[f]).metrics()
+    if ood_sets:
+        out["per_set"] = set_summary(per, ood_sets)
     return out
 
 
@@ -82,7 +85,7 @@ class _Method:
     """One method's per-image vectors, prepared for weighted metrics of many resamples at once
     (``W`` ``[B, n]``: one row of per-image counts per resample)."""
 
-    def __init__(self, per: PerImage, ece_bins: int, ece_mode: str):
+    def __init__(self, per: PerImage, ece_bins: int, ece_mode: str, ood_sets: Any = None):
         d = per.inp
         self.correct, self.nll, self.brier, self.conf = d["correct"], -d["logp"], d["brier"], d["conf"]
         self.gap = self.conf - self.correct
@@ -92,6 +95,7 @@ class _Method:
         values, self.inv = torch.unique(-self.conf, sorted=True, return_inverse=True)  # high confidence first
         self.groups = values.numel()
         self.ood = RankedScores(d["entropy"], per.out["entropy"]) if per.n_ood and "entropy" in d else None
+        self.sets = OODSets(per, ood_sets) if ood_sets and per.n_ood else None
 
     def ece(self, W: torch.Tensor) -> torch.Tensor:
         total = W.sum(1)
@@ -124,6 +128,8 @@ class _Method:
         if self.ood is not None:
             r = self.ood.rows(W, W_out)
             out.update(ood_auroc=r["auroc"], ood_fpr95=r["fpr_at_95_tpr"], ood_aupr=r["aupr"])
+        if self.sets is not None:
+            out.update(self.sets.rows(W, W_out))
         return out
 
 
@@ -140,6 +146,19 @@ def _counts(n: int, rows: int, gen: torch.Generator) -> torch.Tensor:
     """``[rows, n]`` per-image counts of ``rows`` resamples of ``n`` images with replacement."""
     idx = torch.randint(n, (rows, n), generator=gen)
     return torch.zeros(rows, n, dtype=torch.float64).scatter_add_(1, idx, torch.ones(rows, n, dtype=torch.float64))
+
+
+def _ood_counts(n_ood: int, strata: OODSets | None, rows: int, gen: torch.Generator) -> torch.Tensor | None:
+    """``[rows, n_ood]`` OOD counts: one resample of all OOD images, or of each set on its own."""
+    if not n_ood:
+        return None
+    if strata is None:
+        return _counts(n_ood, rows, gen)
+    W = torch.zeros(rows, n_ood, dtype=torch.float64)
+    for idx in strata.index:
+        if idx.numel():
+            W[:, idx] = _counts(idx.numel(), rows, gen)
+    return W
 
 
 def _blocks(resamples: int, width: int) -> list[int]:
@@ -183,6 +202,8 @@ def canonical(per_method: Mapping[str, PerImage]) -> dict[str, PerImage]:
     for side in ("inp", "out"):
         keys = [getattr(per_method[m], side)[f].numpy() for m in reversed(names)
                 for f in ("mi", "entropy", "conf", "logp", "correct") if f in getattr(per_method[m], side)]
+        if side == "out" and keys and "set" in per_method[names[0]].out:  # the set first: contiguous sets
+            keys.append(per_method[names[0]].out["set"].numpy())
         if not keys or not keys[0].size:
             continue
         order = torch.from_numpy(np.lexsort(keys))
@@ -193,10 +214,14 @@ def canonical(per_method: Mapping[str, PerImage]) -> dict[str, PerImage]:
 
 def bootstrap(per_method: Mapping[str, PerImage], resamples: int = 1000, seed: int = 0,
               refs: tuple[str, ...] = ("map", "temperature"), *, ece_bins: int = 15,
-              ece_mode: str = "equal_width", level: float = LEVEL) -> dict[str, dict[str, Any]]:
+              ece_mode: str = "equal_width", level: float = LEVEL,
+              ood_sets: Sequence[tuple[str, str | None]] | None = None) -> dict[str, dict[str, Any]]:
     """Per method: ``{"n", "n_ood", "resamples", "seed", "level", "point", "ci": {metric: [lo, hi]},
     "paired": {ref: {metric: {"diff", "lo", "hi", "significant"}}}}`` for every ``ref`` in ``refs``
-    that is among the methods (not against itself). All methods must hold the same images."""
+    that is among the methods (not against itself). All methods must hold the same images.
+    ``ood_sets``: ``(name, group)`` of the OOD sets (``PerImage.out["set"]`` indices): each set is
+    resampled on its own (its size kept) and every set's and group's metrics of every score get
+    intervals too (keys :func:`laplace_core.metrics.oodsets.metric_key`)."""
     if not isinstance(resamples, int) or isinstance(resamples, bool) or resamples < 2:
         raise ValueError(f"bootstrap resamples must be an int >= 2, got {resamples!r}")
     names = list(per_method)
@@ -209,7 +234,8 @@ def bootstrap(per_method: Mapping[str, PerImage], resamples: int = 1000, seed: i
     if n == 0:
         raise ValueError("bootstrap: no per-image quantities kept")
     per_method = canonical(per_method)
-    prepared = {m: _Method(per_method[m], ece_bins, ece_mode) for m in names}
+    prepared = {m: _Method(per_method[m], ece_bins, ece_mode, ood_sets) for m in names}
+    strata = next(iter(prepared.values())).sets
     ones_out = torch.ones(1, n_ood, dtype=torch.float64) if n_ood else None
     point = {m: {k: float(v[0]) for k, v in p.metrics(torch.ones(1, n, dtype=torch.float64), ones_out).items()}
              for m, p in prepared.items()}
@@ -217,7 +243,7 @@ def bootstrap(per_method: Mapping[str, PerImage], resamples: int = 1000, seed: i
     parts: dict[str, dict[str, list[torch.Tensor]]] = {m: {k: [] for k in point[m]} for m in names}
     for rows in _blocks(resamples, n + n_ood):
         W = _counts(n, rows, gen)
-        W_out = _counts(n_ood, rows, gen) if n_ood else None
+        W_out = _ood_counts(n_ood, strata, rows, gen)
         for m, p in prepared.items():
             for k, v in p.metrics(W, W_out).items():
                 parts[m][k].append(v)

@@ -10,7 +10,8 @@ same image order):
   where the predictor gives them), ``brier``, ``conf`` (max probability), ``entropy``
   (normalised), and for MC / GLM predictives ``mi`` (mutual information in nats,
   ``H(p̄) − E_t H(p_t)``);
-* OOD: ``entropy``, ``conf`` and ``mi``.
+* OOD: ``entropy``, ``conf`` and ``mi``, and ``set`` (the index of the image's OOD set, when several
+  are named: :mod:`laplace_core.metrics.oodsets`).
 
 Memory: 6 numbers per image and method (ImageNet's 50,000 test images: 2.4 MB per method).
 """
@@ -27,7 +28,7 @@ from .base import normalized_entropy
 __all__ = ["IN_FIELDS", "OUT_FIELDS", "per_image_terms", "PerImage"]
 
 IN_FIELDS = ("correct", "logp", "brier", "conf", "entropy", "mi")
-OUT_FIELDS = ("entropy", "conf", "mi")
+OUT_FIELDS = ("entropy", "conf", "mi", "set")
 
 
 def per_image_terms(log_probs: torch.Tensor, labels: torch.Tensor | None = None,

@@ -2,7 +2,8 @@
 ``schedule.alert``; docs/scheduled-audits.md).
 
 A rule is ``[METHOD.]METRIC OP NUMBER`` with ``OP`` one of ``>``, ``<``, ``>=``, ``<=`` and
-``METRIC`` a headline metric of the report (:data:`pipelines.report.verdict.METRICS`). Without a
+``METRIC`` a headline metric of the report (:data:`pipelines.report.verdict.METRICS`), or a per-OOD-set
+one as ``ood_auroc@letters`` / ``ood_fpr95@far`` (a set's name or a group; issue 39). Without a
 method it is checked for every evaluated method that has the metric (and every model of an audit).
 The rules are parsed in preflight (:func:`parse_rules`: a malformed rule or an unknown metric is one
 line, exit 2, naming the valid metrics). After the evaluation, :func:`finish` writes
@@ -17,6 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
+from pipelines.report.oodsets import SET_BASES
 from pipelines.storage import uris as storage
 
 __all__ = ["ALERT_EXIT_CODE", "Rule", "metric_names", "parse_rules", "check_rules", "finish", "alerts_uri"]
@@ -24,7 +26,8 @@ __all__ = ["ALERT_EXIT_CODE", "Rule", "metric_names", "parse_rules", "check_rule
 #: The job's exit code when a rule fired (0: none did; 1: a stage failed; 2: bad input).
 ALERT_EXIT_CODE = 3
 _OPS = {">": operator.gt, "<": operator.lt, ">=": operator.ge, "<=": operator.le}
-_RULE = re.compile(r"^(?:(?P<method>[A-Za-z_]\w*)\.)?(?P<metric>[A-Za-z_]\w*)\s*(?P<op>>=|<=|>|<)\s*"
+_RULE = re.compile(r"^(?:(?P<method>[A-Za-z_]\w*)\.)?(?P<metric>[A-Za-z_]\w*(?:@[A-Za-z0-9][\w-]*)?)\s*"
+                   r"(?P<op>>=|<=|>|<)\s*"
                    r"(?P<num>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)$")
 
 
@@ -65,7 +68,11 @@ def parse_rules(rules: Sequence[str]) -> list[Rule]:
         if m is None:
             raise ValueError(f"{where}: not a rule; write METRIC>NUMBER or METRIC<NUMBER (also >=, <=; "
                              f"METHOD.METRIC for one method), e.g. ece>0.05; metrics: {', '.join(valid)}")
-        if m["metric"] not in valid:
+        base, at, _ = m["metric"].partition("@")
+        if at and base not in SET_BASES:
+            raise ValueError(f"{where}: {base!r} is not a per-OOD-set metric; valid before @SET or @GROUP: "
+                             f"{', '.join(SET_BASES)}")
+        if not at and m["metric"] not in valid:
             raise ValueError(f"{where}: unknown metric {m['metric']!r}; valid: {', '.join(valid)}")
         if m["method"] is not None and m["method"] not in methods:
             raise ValueError(f"{where}: unknown method {m['method']!r}; valid: {', '.join(methods)}")
@@ -77,7 +84,19 @@ def _interval(head: Mapping[str, Any], metric: str) -> tuple[list[float] | None,
     iv = head.get("intervals") if isinstance(head.get("intervals"), Mapping) else {}
     ci = (iv.get("ci") or {}).get(metric)
     n = iv.get("n_ood") if metric.startswith("ood_") and iv.get("n_ood") else iv.get("n")
+    if "@" in metric:  # one OOD set's images, or its group's
+        n = _set_count(head, metric.partition("@")[2]) or n
     return (list(ci) if isinstance(ci, (list, tuple)) and len(ci) == 2 else None), n
+
+
+def _set_count(head: Mapping[str, Any], where: str) -> int | None:
+    from pipelines.report.oodsets import per_set_of
+
+    per = per_set_of(head) or {}
+    sets = per.get("sets") or {}
+    names = (per.get("groups") or {}).get(where, {}).get("sets") or [where]
+    got = [sets[n].get("n_out") for n in names if isinstance(sets.get(n), Mapping)]
+    return sum(got) if got and all(isinstance(x, int) for x in got) else None
 
 
 def check_rules(rules: Sequence[Rule], results: Mapping[str, Any], model: str | None = None) -> Iterator[dict]:

@@ -67,7 +67,9 @@ def get_args_parser(add_help: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--data", help="dataset root (ImageNet/ImageFolder layout or Parquet shards), local or s3://")
     p.add_argument("--relist", action="store_true",
                    help="list the data again instead of reusing the index stored under <output>/index/")
-    p.add_argument("--ood", help="out-of-distribution image folder")
+    p.add_argument("--ood", action="append", metavar="NAME=URI",
+                   help="an OOD image set, local or s3:// (repeatable; a bare folder is named after it; "
+                        "groups: data.ood in the config)")
     p.add_argument("--labels-csv", help="LOC_val_solution.csv-style labels for a flat val/ folder")
     p.add_argument("--model", help="torchvision name (e.g. resnet50) or package.module:callable returning an nn.Module")
     p.add_argument("--weights", help="state-dict file (local or s3://) or torchvision weights enum name")
@@ -103,7 +105,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
     put("output", args.output)
     put("data.root", args.data)
-    put("data.ood", args.ood)
+    if args.ood:
+        flags.append(f"data.ood={json.dumps(list(args.ood))}")
     put("data.labels_csv", args.labels_csv)
     put("storage.endpoint_url", args.endpoint_url)
     put("data.limit", args.limit)

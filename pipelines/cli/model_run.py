@@ -132,7 +132,7 @@ class ModelRun:
         splits = self.splits
         log(f"data: {len(splits.train)} train images in {len(splits.parts)} "
             f"partition{'s' if len(splits.parts) != 1 else ''}, {len(splits.search)} for the search, "
-            f"{len(splits.test)} test, {0 if splits.ood is None else len(splits.ood)} OOD")
+            f"{len(splits.test)} test, " + (", ".join(f"{len(o.index)} OOD ({o.name})" for o in splits.oods) or "0 OOD"))
         for line in ignored_lines(splits.ignored()):
             log(line)
         self.methods = tuple(cfg.posterior.methods)
@@ -335,6 +335,7 @@ class ModelRun:
         splits = self.splits
         fp = {**searched.fingerprint, "evaluate": fingerprint_fields(self.cfg.evaluate),
               "test": splits.test.fingerprint, "ood": None if splits.ood is None else splits.ood.fingerprint,
+              "ood_sets": [[o.name, o.group, o.index.fingerprint] for o in splits.oods],
               "hyper": searched.hyper, "fitted_temperature": searched.temperature}
         return StageResult(fp, self.stages.run("evaluate", fp, lambda: self._do_evaluate(searched)))
 
@@ -344,9 +345,10 @@ class ModelRun:
         from pipelines.ingest.batches import build_dataset
 
         evaluate_spec, splits = self.cfg.evaluate, self.splits
-        eval_cfg = eval_config(self.cfg, expected_rows=(len(splits.test), None if splits.ood is None else len(splits.ood)),
+        n_ood = sum(len(o.index) for o in splits.oods)
+        eval_cfg = eval_config(self.cfg, expected_rows=(len(splits.test), n_ood if splits.oods else None),
                                **actor_resources(evaluate_spec), decode_cpus=float(self.cfg.data.decode_num_cpus))
-        ood_ds = None if splits.ood is None else build_dataset(splits.ood, splits.ood_config)
+        ood_ds = [(o.name, o.group, build_dataset(o.index, o.config)) for o in splits.oods] or None
         res = evaluate(self.spec, self.uris, build_dataset(splits.test, splits.test_config), ood_ds, eval_cfg,
                        store=self.store, hyper=searched.hyper, temperature=searched.temperature)
         out = {"methods": {m: headline(r) for m, r in res.items()}, "device": eval_cfg.resolved_device,
@@ -426,6 +428,9 @@ def headline(r: dict[str, Any]) -> dict[str, Any]:
     if isinstance(ent, dict):  # exact, from the per-image scores
         out.update(ood_auroc=ent["auroc"], ood_fpr95=ent["fpr_at_95_tpr"], ood_aupr=ent["aupr"],
                    ood_scores=r["ood_scores"])
+        from pipelines.report.oodsets import flat_set_metrics
+
+        out.update(flat_set_metrics(r))  # per OOD set and group: ood_auroc@letters, ... (issue 39)
     sel = r.get("selective")
     if isinstance(sel, dict):
         out.update({k: sel[k] for k in ("aurc", "acc_at_90", "acc_at_95")})

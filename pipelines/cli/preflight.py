@@ -295,8 +295,11 @@ def preflight(cfg: RunConfig, *, dry_run: bool = False) -> dict[str, Any]:
         check_uri(root, "data root", opts)
         if not root.rstrip("/").lower().endswith(".parquet"):
             _check_splits(cfg, root, opts)
-        if cfg.data.ood:
-            check_uri(cfg.data.ood, "OOD folder", opts)
+    for o in cfg.data.ood:  # the demo's letters are written by the run; every configured set is checked
+        try:
+            check_uri(o.uri, "OOD folder", opts)
+        except PreflightError as e:
+            raise PreflightError(f"{e} (OOD set {o.name!r})") from None
     check_writable(cfg.output, opts)
     checked["output"] = cfg.output
     check_weights_fit(cfg, opts)

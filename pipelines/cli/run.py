@@ -209,7 +209,7 @@ def absolute_inputs(cfg: RunConfig) -> RunConfig:
             return m
         return dataclasses.replace(m, weights=_absolute(w))
 
-    data = dataclasses.replace(cfg.data, root=_absolute(cfg.data.root), ood=_absolute(cfg.data.ood),
+    data = dataclasses.replace(cfg.data, root=_absolute(cfg.data.root), ood=tuple(dataclasses.replace(o, uri=_absolute(o.uri)) for o in cfg.data.ood),
                                labels_csv=_absolute(cfg.data.labels_csv))
     return dataclasses.replace(cfg, data=data, model=spec(cfg.model), models=tuple(spec(m) for m in cfg.models))
 

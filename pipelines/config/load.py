@@ -51,6 +51,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 errors.append(str(e))
         raise ConfigError(errors[0] if errors else f"{key}: cannot be null")
     if origin is tuple:
+        if value is None and args and hasattr(args[0], "from_text"):  # data.ood: null, as before the list
+            return ()
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
@@ -65,11 +67,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a mapping with string keys, got {value!r}")
         return dict(value)
     if _is_dataclass_type(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return from_dict(tp, value, prefix=f"{key}.")
+        return _section(value, tp, key)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -91,6 +89,21 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     raise ConfigError(f"{key}: unsupported type {tp!r}")  # pragma: no cover
+
+
+def _section(value: Any, tp: type, key: str) -> Any:
+    """A config section from a mapping (or, where the section reads text, e.g. an OOD set written
+    ``NAME=URI``, from a string)."""
+    if isinstance(value, tp):
+        return value
+    if isinstance(value, str) and hasattr(tp, "from_text"):
+        try:
+            return tp.from_text(value)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"{key}: {e}") from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+    return from_dict(tp, value, prefix=f"{key}.")
 
 
 def from_dict(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:

@@ -11,6 +11,7 @@ out of range raise :class:`ConfigError` (a ``ValueError``) with one line naming 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,8 @@ __all__ = [
     "ALGORITHMS",
     "SUBNET_FISHER_TYPES",
     "ModelSpec",
+    "OOD_GROUPS",
+    "OODSetSpec",
     "DataSpec",
     "StorageSpec",
     "CurvatureSpec",
@@ -96,18 +99,55 @@ class ModelSpec(Checked):
     num_classes: int | None = setting(None, "classes of the head (null: those found in the data)", range=COUNT)
 
 
+#: ``data.ood[].group`` values (OpenOOD v1.5's groups; null: a set in no group).
+OOD_GROUPS = ("near", "far")
+_OOD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+
+@dataclass(frozen=True)
+class OODSetSpec(Checked):
+    """One named OOD set (``data.ood`` entry): ``{name, uri, group, limit}``, or the text
+    ``NAME=URI`` / ``URI`` (named after its folder) as ``--ood`` writes it."""
+
+    uri: str = setting(None, "OOD image folder (local or s3://)")
+    name: str | None = setting(None, "the set's name in the report, metrics and history (null: its folder's name)")
+    group: str | None = setting(None, "near, far or null: the group whose mean includes this set",
+                                choices=OOD_GROUPS)
+    limit: int | None = setting(None, "at most this many images of this set (null: data.ood_limit)", range=COUNT)
+
+    @classmethod
+    def from_text(cls, text: str) -> "OODSetSpec":
+        """``NAME=URI`` or a bare ``URI`` (named after its last folder)."""
+        head, sep, tail = str(text).partition("=")
+        if sep and "/" not in head and ":" not in head:  # NAME=URI (a path's '=' comes after a '/')
+            return cls(uri=tail.strip(), name=head.strip())
+        return cls(uri=str(text).strip())
+
+    def _check(self) -> None:
+        if not isinstance(self.uri, str) or not self.uri.strip():
+            raise ValueError(f"uri: an OOD set needs a folder (NAME=URI), got {self.uri!r}")
+        if self.name is None:
+            folder = self.uri.rstrip("/").rsplit("/", 1)[-1]
+            object.__setattr__(self, "name", re.sub(r"[^A-Za-z0-9_-]", "_", folder).lstrip("_-") or "ood")
+        if not _OOD_NAME.match(self.name):
+            raise ValueError(f"name: OOD set name {self.name!r} must be letters, digits, _ or - (NAME=URI)")
+        if self.name in OOD_GROUPS:
+            raise ValueError(f"name: {self.name!r} names an OOD group; call the set something else")
+
+
 @dataclass(frozen=True)
 class DataSpec(Checked):
     """Where the images are. ``root`` holds ``train/``, ``val/`` (folders, or flat files +
-    ``labels_csv``) and optionally ``test/``; ``ood`` is an image folder of
-    out-of-distribution images. ``demo: true`` writes and uses the bundled demo data."""
+    ``labels_csv``) and optionally ``test/``; ``ood`` lists the named OOD sets (:class:`OODSetSpec`;
+    a single folder string is a one-element list). ``demo: true`` writes and uses the bundled demo data."""
 
     root: str | None = setting(None, "dataset root (local or s3://)")
     train_split: str = setting("train", "split folder for the curvature passes")
     val_split: str = setting("val", "split folder for the (N, tau) search")
     test_split: str | None = setting(None, "split folder for the evaluation (null: the val split)")
     labels_csv: str | None = setting(None, "LOC_val_solution.csv-style labels for a flat val folder")
-    ood: str | None = setting(None, "out-of-distribution image folder")
+    ood: tuple[OODSetSpec, ...] = setting((), "OOD sets: [{name, uri, group: near|far|null, limit}], NAME=URI "
+                                          "or a folder (named after it); --ood NAME=URI, repeatable")
     demo: bool = setting(False, "write and use the bundled demo data")
     image_size: int = setting(224, "center crop (pixels)", range=COUNT)
     resize_size: int = setting(256, "shorter-side resize before the crop (pixels)", range=COUNT)
@@ -129,6 +169,10 @@ class DataSpec(Checked):
                                   "(--relist)", fingerprint=False)
 
     def _check(self) -> None:
+        names = [o.name for o in self.ood]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise ValueError(f"ood: the OOD set name {dup!r} is given twice; name each set once (NAME=URI)")
         bad = [e for e in self.extensions if not (isinstance(e, str) and e.startswith(".")
                                                    and e[1:].replace("_", "").isalnum())]
         if bad:

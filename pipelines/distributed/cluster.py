@@ -79,8 +79,7 @@ def _local_paths(cfg) -> list[tuple[str, str]]:
     out = [("--output", cfg.output)]
     if not cfg.data.demo and cfg.data.root:
         out.append(("--data", cfg.data.root))
-    if cfg.data.ood and not cfg.data.demo:
-        out.append(("--ood", cfg.data.ood))
+    out += [("--ood", o.uri) for o in cfg.data.ood]
     for spec in cfg.all_models():
         if spec.weights and ("/" in spec.weights or spec.weights.endswith((".pt", ".pth", ".safetensors"))):
             out.append(("--weights", spec.weights))

@@ -121,16 +121,23 @@ class EvalAccumulator:
                                    per_image=self.per_image.add(terms, ood=False, exact_nll=exact))
 
     def update_ood(self, probs: torch.Tensor, log_probs: torch.Tensor | None = None,
-                   expected_entropy: torch.Tensor | None = None) -> "EvalAccumulator":
+                   expected_entropy: torch.Tensor | None = None, set_index: int | None = None) -> "EvalAccumulator":
+        """``set_index``: the OOD set of these images (kept per image as ``set``), or None."""
         lp = torch.log(probs.to(torch.float64).clamp_min(NLL_EPS)) if log_probs is None else log_probs
+        terms = per_image_terms(lp, None, expected_entropy)
+        if set_index is not None:
+            terms["set"] = torch.full((probs.shape[0],), float(set_index), dtype=torch.float64)
         return EvalAccumulator(self.suite.update_ood(probs), self.ood_entropy.update(probs),
-                               self.per_image.add(per_image_terms(lp, None, expected_entropy), ood=True))
+                               self.per_image.add(terms, ood=True))
 
     def merge(self, other: "EvalAccumulator") -> "EvalAccumulator":
         return EvalAccumulator(self.suite.merge(other.suite), self.ood_entropy.merge(other.ood_entropy),
                                self.per_image.merge(other.per_image))
 
-    def compute(self, ece_mode: str = "equal_width") -> dict[str, Any]:
+    def compute(self, ece_mode: str = "equal_width",
+                ood_sets: Sequence[tuple[str, str | None]] | None = None) -> dict[str, Any]:
+        """The metrics; with ``ood_sets`` (``(name, group)`` per set index) the OOD scores per set
+        and group too (``ood_scores["per_set"]``)."""
         out = self.suite.compute()
         key = f"ece_{ece_mode}_{self.suite.ece.n_bins}"
         out["ece"] = out[key]
@@ -145,7 +152,7 @@ class EvalAccumulator:
         if per.n:
             out["selective"] = selective_summary(per.inp["conf"], per.inp["correct"])
             if per.n_ood:
-                out["ood_scores"] = ood_summary(per)
+                out["ood_scores"] = ood_summary(per, ood_sets)
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -170,11 +177,13 @@ def evaluate_shard(
     cfg: EvalConfig,
     progress: Callable[[int, int], None] | None = None,
     temperature: float | None = None,
+    ood_sets: Sequence[Iterable[Any]] | None = None,
 ) -> tuple[dict[str, EvalAccumulator], dict[str, Any]]:
     """Evaluate ``"map"`` and every posterior on one shard, in this process.
 
     ``in_batches`` / ``ood_batches``: iterables of ``(x, y)`` or dicts with image/label
-    (invalid rows already removed). Returns ``(accumulators, info)``; ``info`` holds
+    (invalid rows already removed). ``ood_sets``: one such iterable per named OOD set (its
+    images keep the set's index, :mod:`laplace_core.metrics.oodsets`), instead of ``ood_batches``. Returns ``(accumulators, info)``; ``info`` holds
     ``seconds`` per method (predictions + metric updates), ``failed`` (method -> reason,
     e.g. non-finite predictions; that method's accumulator is dropped), ``examples``
     and ``ood_examples``. ``progress(split, n)``: called after each chunk, every method
@@ -193,7 +202,7 @@ def evaluate_shard(
     counts = {"examples": 0, "ood_examples": 0}
     dt, dev = cfg.torch_dtype, cfg.resolved_device
 
-    def run(batches: Iterable[Any], ood: bool) -> None:
+    def run(batches: Iterable[Any], ood: bool, set_index: int | None = None) -> None:
         for chunk in iter_chunks(batches, cfg.batch_size, cfg.batches_per_chunk, dtype=dt, device=dev):
             counts["ood_examples" if ood else "examples"] += chunk.count
             for m, pred in predictors.items():
@@ -207,7 +216,7 @@ def evaluate_shard(
                     failed[m] = reason
                     continue
                 if ood:
-                    acc[m] = acc[m].update_ood(p_all, lp, ent)
+                    acc[m] = acc[m].update_ood(p_all, lp, ent, set_index)
                 else:
                     acc[m] = acc[m].update(p_all, torch.cat(chunk.ys), lp, ent, exact)
                 seconds[m] += time.perf_counter() - t0
@@ -218,6 +227,9 @@ def evaluate_shard(
         run(in_batches, ood=False)
         if ood_batches is not None:
             run(ood_batches, ood=True)
+        for k, batches in enumerate(ood_sets or ()):
+            if batches is not None:
+                run(batches, ood=True, set_index=k)
     for m in failed:
         acc.pop(m, None)
     return acc, {"seconds": seconds, "failed": failed, **counts}
@@ -226,8 +238,9 @@ def evaluate_shard(
 # --------------------------------------------------------------------------- Ray actor
 class EvalWorker(ModelActor):
     """Ray actor body of :func:`evaluate` (:class:`pipelines.evaluation.actors.ModelActor`:
-    the model and the posteriors loaded once); ``run(in_shard, ood_shard)`` evaluates one
-    ``streaming_split`` iterator of each dataset and returns JSON-able accumulators;
+    the model and the posteriors loaded once); ``run(in_shard, *ood_shards)`` evaluates one
+    ``streaming_split`` iterator of each dataset (the test split, then each OOD set) and returns
+    JSON-able accumulators;
     ``temperature``: the fitted ``T`` of the ``temperature`` row, or None."""
 
     def __init__(self, model: Mapping[str, Any], posterior_uris: Mapping[str, str],
@@ -236,7 +249,7 @@ class EvalWorker(ModelActor):
         super().__init__(model, posterior_uris, hyper, cfg, store)
         self.temperature = temperature
 
-    def run(self, in_shard: Any, ood_shard: Any = None, actor_index: int = 0) -> dict[str, Any]:
+    def run(self, in_shard: Any, *ood_shards: Any, actor_index: int = 0) -> dict[str, Any]:
         if self.init_error is not None:  # the driver stops the stage on ``started()``
             return {"init_error": self.init_error}
         t0 = time.perf_counter()
@@ -244,11 +257,10 @@ class EvalWorker(ModelActor):
         in_it = self.watched(in_it)
         if self.cfg.fault_marker is not None:
             in_it = inject_fault(in_it, self.cfg.fault_marker)
-        ood_it, ood_skipped = (None, None) if ood_shard is None else valid_batches(ood_shard, self.cfg.batch_size)
-        ood_it = None if ood_it is None else self.watched(ood_it)
-        acc, info = evaluate_shard(self.model, self.posteriors, in_it, ood_it, self.cfg,
+        ood = [valid_batches(s, self.cfg.batch_size) for s in ood_shards if s is not None]
+        acc, info = evaluate_shard(self.model, self.posteriors, in_it, None, self.cfg,
                                    progress=ActorProgress("evaluate", actor_index, self.cfg),
-                                   temperature=self.temperature)
+                                   temperature=self.temperature, ood_sets=[self.watched(it) for it, _ in ood])
         return {
             "accumulators": {m: a.to_json() for m, a in acc.items()},
             "seconds": info["seconds"],
@@ -256,7 +268,7 @@ class EvalWorker(ModelActor):
             "examples": info["examples"],
             "ood_examples": info["ood_examples"],
             "skipped": in_skipped().to_dict(),
-            "ood_skipped": None if ood_skipped is None else ood_skipped().to_dict(),
+            "ood_skipped": _merge_skips([skipped().to_dict() for _, skipped in ood]),
             "load_seconds": self.load_seconds,
             "run_seconds": time.perf_counter() - t0,
         }
@@ -297,21 +309,24 @@ def merge_worker_results(results: Sequence[Mapping[str, Any]], methods: Sequence
     return out
 
 
-def paired_intervals(merged: Mapping[str, Mapping[str, Any]], cfg: EvalConfig) -> dict[str, dict[str, Any]]:
+def paired_intervals(merged: Mapping[str, Mapping[str, Any]], cfg: EvalConfig,
+                     ood_sets: Sequence[tuple[str, str | None]] | None = None) -> dict[str, dict[str, Any]]:
     """The paired bootstrap (:func:`laplace_core.metrics.bootstrap.bootstrap`) over the methods
-    that finished, against MAP and temperature scaling: ``method -> intervals``."""
+    that finished, against MAP and temperature scaling: ``method -> intervals`` (with
+    ``ood_sets``, every OOD set's and group's metrics too)."""
     per = {m: e["accumulator"].per_image for m, e in merged.items() if e["accumulator"] is not None}
     per = {m: p for m, p in per.items() if p.n}
     if not per:
         return {}
-    return bootstrap(per, cfg.bootstrap, cfg.seed, (MAP, TEMPERATURE), ece_bins=cfg.ece_bins, ece_mode=cfg.ece_mode)
+    return bootstrap(per, cfg.bootstrap, cfg.seed, (MAP, TEMPERATURE), ece_bins=cfg.ece_bins, ece_mode=cfg.ece_mode,
+                     ood_sets=ood_sets)
 
 
 def evaluate(
     model_spec: Any,
     posterior_uris: Mapping[str, str],
     in_ds: Any,
-    ood_ds: Any | None,
+    ood_ds: Any | None | Sequence[tuple[str, str | None, Any]],
     cfg: EvalConfig = EvalConfig(),
     *,
     store: RunStore = RunStore(),
@@ -323,7 +338,8 @@ def evaluate(
     ``model_spec``: ``ModelSpec``-like (name, weights URI, num_classes) or a mapping.
     ``posterior_uris``: ``method -> artifact URI`` (``Posterior.save``). ``in_ds``: Ray
     Dataset with columns image/label/path/valid (``pipelines.ingest.batches.build_dataset``; the
-    labelled test split). ``ood_ds``: the same for an OOD set, or None. ``hyper``: optional
+    labelled test split). ``ood_ds``: the same for one OOD set (named ``ood``), a list of
+    ``(name, group, dataset)`` for several named sets, or None. ``hyper``: optional
     ``method -> (N, τ)`` applied with ``with_hyper`` inside the actors (e.g. the search's
     choice). ``temperature``: the fitted ``T`` of the ``temperature`` row (evaluated after
     the posteriors; :mod:`pipelines.evaluation.temperature`). Returns ``method -> metrics`` (``"map"`` always first): the output of
@@ -348,14 +364,16 @@ def evaluate(
         raise ValueError(f"{TEMPERATURE!r} has no posterior: pass its fitted T as temperature=")
     methods = [MAP, *uris, *([TEMPERATURE] if temperature is not None else [])]
     t0 = time.perf_counter()
+    named = _named_sets(ood_ds)
+    sets = [(n, g) for n, g, _ in named] or None
     results = run_actors(EvalWorker, (ref, uris, dict(hyper) if hyper else None, cfg, store, temperature),
-                         [in_ds, ood_ds], cfg)
+                         [in_ds, *[ds for _, _, ds in named]], cfg)
     wall = time.perf_counter() - t0
     merged = merge_worker_results(results, methods, cfg)
     skipped = _merge_skips([r["skipped"] for r in results])
     ood_skipped = _merge_skips([r["ood_skipped"] for r in results])
     hyper_used = _hyper_of(uris, hyper, store)
-    intervals = paired_intervals(merged, cfg)
+    intervals = paired_intervals(merged, cfg, sets)
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
         e = merged[m]
@@ -365,7 +383,7 @@ def evaluate(
             res.update(pred_type=TEMPERATURE, mc_samples=None, temperature=float(temperature), num_stored=1)
         res.update(hyper_used.get(m, {}))
         if e["failed"] is None:
-            res.update(e["accumulator"].compute(cfg.ece_mode))
+            res.update(e["accumulator"].compute(cfg.ece_mode, sets))
             res["status"], res["reason"] = "ok", ""
             if m in intervals:
                 res["intervals"] = intervals[m]
@@ -381,6 +399,15 @@ def evaluate(
             if e["accumulator"] is not None:
                 store.write_json_atomic(storage.join(d, "accumulators.json"), e["accumulator"].to_json())
     return out
+
+
+def _named_sets(ood_ds: Any) -> list[tuple[str, str | None, Any]]:
+    """``[(name, group, dataset)]`` of ``evaluate``'s ``ood_ds`` argument (one dataset: ``ood``)."""
+    if ood_ds is None:
+        return []
+    if isinstance(ood_ds, (list, tuple)):
+        return [(str(n), g, ds) for n, g, ds in ood_ds]
+    return [("ood", None, ood_ds)]
 
 
 def _hyper_of(uris: Mapping[str, str], hyper: Mapping[str, Sequence[float]] | None,

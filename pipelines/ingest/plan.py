@@ -15,7 +15,7 @@ from typing import Any
 
 from pipelines.console import log
 from pipelines.config.load import derive
-from pipelines.config.schema import ModelSpec, RunConfig
+from pipelines.config.schema import ModelSpec, OODSetSpec, RunConfig
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
 
@@ -64,11 +64,12 @@ def custom_preset(model: str | None, weights: str | None, data: str | None) -> t
 
 @dataclass(frozen=True)
 class DataPlan:
-    """Where a run's images are: the data root and OOD folder (the demo's, published to a
-    remote output when there is one, or the config's), the demo's own input statistics."""
+    """Where a run's images are: the data root and OOD sets (the demo's letters, published to a
+    remote output when there is one, before the config's sets; or the config's), the demo's own
+    input statistics."""
 
     root: str
-    ood: str | None
+    ood: Any  # the OOD sets: OODSetSpec-like (name, uri, group, limit), or None / () for none
     mean: tuple[float, float, float] | None
     std: tuple[float, float, float] | None
     demo: dict[str, Any] | None
@@ -113,9 +114,10 @@ def prepare_demo(cfg: RunConfig, output: str) -> DataPlan:
         _publish_demo(cfg, ood, storage.join(remote, "letters"), None)
         root, ood = storage.join(remote, "digits"), storage.join(remote, "letters")
         log(f"demo data written to {remote} (Parquet), read from there by every node")
+    own = tuple(o for o in cfg.data.ood if o.name != "letters")  # a configured 'letters' set replaces the demo's
     return DataPlan(
         root=root,
-        ood=ood,
+        ood=(OODSetSpec(uri=ood, name="letters"), *own),
         mean=NORMALIZE_MEAN,
         std=NORMALIZE_STD,
         demo={"digits": root, "letters": ood, "classes": digits["classes"]},
@@ -217,9 +219,17 @@ class Splits:
     search_config: Any
     test: Any
     test_config: Any
-    ood: Any = None
-    ood_config: Any = None
+    oods: tuple = ()  # OODSplit per OOD set, in the config's order
     scanned: dict = dataclasses.field(default_factory=dict)  # split name -> its full scan (ignored files)
+
+    @property
+    def ood(self) -> Any:
+        """The first OOD set's index (``run:ood``), or None."""
+        return self.oods[0].index if self.oods else None
+
+    @property
+    def ood_config(self) -> Any:
+        return self.oods[0].config if self.oods else None
 
     def ignored(self) -> dict[str, dict[str, Any]]:
         """Per scanned split, the files not indexed as images: ``{"count", "examples"}`` (first three)."""
@@ -232,6 +242,7 @@ class Splits:
             "search": {"split": cfg.data.val_split, "num_files": len(self.search)},
             "test": {"split": cfg.data.test_split or f"{cfg.data.val_split} (other half)", "num_files": len(self.test)},
             "ood": None if self.ood is None else self.ood.summary(),
+            "ood_sets": {o.name: {"group": o.group, **o.index.summary()} for o in self.oods},
             "num_classes": len(self.classes),
             "partitions": len(self.parts),
             "demo": plan.demo,
@@ -266,19 +277,34 @@ def scan_splits(cfg: RunConfig, plan: DataPlan) -> Splits:
         test_cfg = val_cfg
         search = subset(val_full, 0, limit=cfg.data.val_limit)
         test = subset(val_full, 1, limit=cfg.data.test_limit)
-    ood = ood_cfg = None
-    if plan.ood:
-        ood_cfg = data_config(cfg, plan, None, root=plan.ood, unlabeled=True,
-                              extensions=(".jpg",) if plan.demo is not None else None)
-        ood_full = scan(ood_cfg, "ood")
-        if plan.demo is None:  # the demo's letters folder also holds its own infoform-letters.json
-            scanned["ood"] = ood_full
-        ood = limit_index(ood_full, cfg.data.ood_limit)
+    oods = tuple(_scan_ood(cfg, plan, o, k, scan, scanned) for k, o in enumerate(plan.ood or ()))
     parts = partition(train, partition_size=cfg.data.partition_size)
     release_unused()  # the scans' and fingerprints' temporaries: not kept through the stages
     return Splits(train=train, train_config=train_cfg, parts=parts, classes=classes, search=search,
-                  search_config=val_cfg, test=test, test_config=test_cfg, ood=ood, ood_config=ood_cfg,
+                  search_config=val_cfg, test=test, test_config=test_cfg, oods=oods,
                   scanned=scanned)
+
+
+@dataclass(frozen=True)
+class OODSplit:
+    """One scanned OOD set: its name, group, index (at most its limit) and decode settings."""
+
+    name: str
+    group: str | None
+    index: Any
+    config: Any
+
+
+def _scan_ood(cfg: RunConfig, plan: DataPlan, o: Any, k: int, scan: Any, scanned: dict) -> OODSplit:
+    """Scan OOD set ``o`` (the ``k``-th): the first keeps today's listing name ``ood``."""
+    demo_letters = plan.demo is not None and o.uri == plan.demo.get("letters")
+    dc = data_config(cfg, plan, None, root=o.uri, unlabeled=True, extensions=(".jpg",) if demo_letters else None)
+    key = "ood" if k == 0 else f"ood-{o.name}"
+    full = scan(dc, key)
+    if not demo_letters:  # the demo's letters folder also holds its own infoform-letters.json
+        scanned[key] = full
+    limit = o.limit if o.limit is not None else cfg.data.ood_limit
+    return OODSplit(o.name, o.group, limit_index(full, limit), dc)
 
 
 def config_plan(cfg: RunConfig, output: str) -> DataPlan:

@@ -5,7 +5,8 @@ Each run with ``schedule.history`` (``--history ROOT``) writes one row per (mode
 (UTC), the run's output URI, the model, the method, a fingerprint of the evaluation data (test
 split and OOD set: location and listing), the run its fitted stages were read from, and every
 headline metric (:data:`pipelines.report.verdict.METRICS`) with its 95% bootstrap interval
-(``<metric>_lo``, ``<metric>_hi``) and the images behind it (``n``, ``n_ood``).
+(``<metric>_lo``, ``<metric>_hi``) and the images behind it (``n``, ``n_ood``); each named OOD set's and
+group's metrics as columns ``ood_auroc@<set or group>`` (and ``_lo`` / ``_hi``; issue 39).
 
 The history is append-only: each run and model owns one immutable object,
 ``ROOT/history/<model>--<run folder>--<hash>.parquet`` (:func:`run_object_uri`), written once
@@ -30,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 from pipelines.report.methods import method_color, method_label, order_methods
 from pipelines.report.page import Section, Table
-from pipelines.report.verdict import METRICS
+from pipelines.report.verdict import METRICS, metrics_of
 from pipelines.storage import uris as storage
 
 __all__ = ["HISTORY_FILE", "HISTORY_DIR", "history_uri", "history_dir", "run_object_uri", "data_fingerprint",
@@ -81,7 +82,7 @@ def data_fingerprint(splits: Any) -> str:
     """The evaluation data's fingerprint: where the test split and the OOD set are, and their
     listings (relative paths and labels; a listing alone is the same for a copy of the images)."""
     ood = getattr(splits, "ood", None)
-    parts = [splits.test] + ([] if ood is None else [ood])
+    parts = [splits.test] + ([o.index for o in getattr(splits, "oods", ())] or ([] if ood is None else [ood]))
     text = "|".join(f"{getattr(p, 'root', '')}:{p.fingerprint}" for p in parts)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -103,8 +104,9 @@ def run_rows(summary: Mapping[str, Any], splits: Any, when: _dt.datetime) -> lis
                                "model": (summary.get("model") or {}).get("name"), "method": method,
                                "data_fingerprint": data_fingerprint(splits), "reused_from": reused,
                                "n": iv.get("n"), "n_ood": iv.get("n_ood"), "test_images": len(splits.test),
-                               "ood_images": None if ood is None else len(ood)}
-        for m in METRICS:
+                               "ood_images": sum(len(o.index) for o in getattr(splits, "oods", ()))
+                               or (None if ood is None else len(ood))}
+        for m in metrics_of({method: head}):  # the headline metrics, then each OOD set's and group's
             ci = (iv.get("ci") or {}).get(m.key)
             lo, hi = (ci if isinstance(ci, (list, tuple)) and len(ci) == 2 else (None, None))
             row.update({m.key: _number(head.get(m.key)), f"{m.key}_lo": _number(lo), f"{m.key}_hi": _number(hi)})
@@ -126,6 +128,8 @@ def _table_bytes(rows: Sequence[Mapping[str, Any]], extra: Sequence[Any] = ()) -
     import pyarrow.parquet as pq
 
     buf = io.BytesIO()
+    named = sorted({k for r in rows for k in r if "@" in k})  # per OOD set / group (issue 39): float columns
+    extra = [*extra, *(pa.field(k, pa.float64()) for k in named)]
     pq.write_table(pa.Table.from_pylist(list(rows), schema=_merged_schema(extra)), buf)
     return buf.getvalue()
 

@@ -19,6 +19,7 @@ from pipelines.report.inputs import (BYTES_PER_NUMBER, chosen_point, count_with_
                                      posterior_sizes, scored, skipped_images, variant_label)
 from pipelines.report.methods import CORRELATIONS, method_label, order_methods
 from pipelines.report.edges import edge_notes
+from pipelines.report.oodsets import OOD_SETS_NOTE, ood_sets_table
 from pipelines.report.practice import OOD_NOTE, SELECTIVE_NOTE, ood_table, selective_table
 from pipelines.report.verdict import paired_table, sample_line, summary_table, verdict_sentences
 
@@ -222,7 +223,8 @@ def _paired(run_summary: Mapping[str, Any]) -> tuple[Table | None, str]:
 def _practice(mbm: Mapping[str, Mapping[str, Any]]) -> list[Section]:
     """The OOD-per-score and selective-prediction tables (:mod:`pipelines.report.practice`)."""
     out = []
-    for title, fn, note, tid in (("OOD detection per score", ood_table, OOD_NOTE, "ood-table"),
+    for title, fn, note, tid in (("OOD sets and groups", ood_sets_table, OOD_SETS_NOTE, "ood-sets-table"),
+                                 ("OOD detection per score", ood_table, OOD_NOTE, "ood-table"),
                                  ("Selective prediction", selective_table, SELECTIVE_NOTE, "selective-table")):
         got = fn(mbm)
         if got is not None:

@@ -13,7 +13,7 @@ from pipelines.report.methods import method_color, method_label
 __all__ = ["OOD_SCORE_LABELS", "ood_table", "selective_table", "render_risk_coverage"]
 
 OOD_SCORE_LABELS = {"entropy": "entropy", "max_prob": "max probability", "mutual_information": "mutual information"}
-OOD_NOTE = ("OOD detection: the OOD images are the positive class; a score ranks an image as OOD when its "
+OOD_NOTE = ("OOD detection over all OOD sets together: the OOD images are the positive class; a score ranks an image as OOD when its "
             "predictive entropy or mutual information (the epistemic part, MC and GLM predictives only) is high, "
             "or its maximum probability is low. AUROC and AUPR: higher is better; FPR at 95% TPR: the share of "
             "test images flagged when 95% of the OOD images are, lower is better. Exact, ties as scikit-learn.")

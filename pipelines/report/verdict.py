@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from pipelines.report.methods import method_label, order_methods
 
-__all__ = ["METRICS", "Metric", "summary_table", "paired_table", "sample_line", "verdict_sentences"]
+__all__ = ["METRICS", "Metric", "metrics_of", "summary_table", "paired_table", "sample_line", "verdict_sentences"]
 
 MAP, TEMPERATURE = "map", "temperature"
 
@@ -82,6 +82,20 @@ METRICS: tuple[Metric, ...] = (
 )
 
 
+def metrics_of(results: Mapping[str, Any]) -> tuple[Metric, ...]:
+    """:data:`METRICS`, then the per-OOD-set and per-group metrics some method of ``results`` has
+    (``ood_auroc@letters``, ...: :func:`pipelines.report.oodsets.set_metric_label`), in their order."""
+    from pipelines.report.oodsets import set_metric_label
+
+    extra: dict[str, Metric] = {}
+    for r in results.values():
+        for k in (r if isinstance(r, Mapping) else {}):
+            got = set_metric_label(k) if isinstance(k, str) and k not in extra else None
+            if got is not None:
+                extra[k] = Metric(k, got[0], got[1], percent=k.startswith("ood_fpr95@"))
+    return METRICS + tuple(extra.values())
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -129,7 +143,7 @@ def summary_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
     methods = _methods(results)
     header = ["Metric", "Better", *(method_label(m) for m in methods), "Best"]
     rows, marked, keys = [], [], []
-    for m in METRICS:
+    for m in metrics_of(results):
         if all(_value(results, meth, m.key) is None for meth in methods):
             continue
         best = _best(results, methods, m)
@@ -156,7 +170,7 @@ def paired_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]
     95% interval and "better" / "worse" where the interval excludes 0, "n.s." otherwise. None
     when the run has no paired intervals."""
     methods = _methods(results)
-    keys_m = [m for m in METRICS if any(_paired(results, a, b, m.key) for a in methods for b in (MAP, TEMPERATURE))]
+    keys_m = [m for m in metrics_of(results) if any(_paired(results, a, b, m.key) for a in methods for b in (MAP, TEMPERATURE))]
     if not keys_m:
         return None
     header = ["Difference", *(f"{m.label} ({m.direction.split()[0]})" for m in keys_m)]
@@ -185,16 +199,27 @@ def sample_line(results: Mapping[str, Any]) -> str:
     if not iv:
         return "No intervals in this run (re-run the evaluation to get them): differences are not tested."
     ood = f" and {iv['n_ood']:,} OOD images" if iv.get("n_ood") else ""
+    sets = next((_sets_line(results[m]) for m in _methods(results) if _sets_line(results[m])), "")
+    ood += sets
     return (f"n = {iv['n']:,} test images{ood}. Brackets: 95% intervals from {iv['resamples']:,} paired bootstrap "
             f"resamples over the same images (seed {iv['seed']}); a difference is significant only where its "
             f"paired interval excludes 0.")
+
+
+def _sets_line(r: Any) -> str:
+    """`` (letters 60, noise 40)``: each named OOD set's images, or ``""``."""
+    from pipelines.report.oodsets import per_set_of
+
+    per = per_set_of(r) if isinstance(r, Mapping) else None
+    sets = (per or {}).get("sets") or {}
+    return " (" + ", ".join(f"{n} {s.get('n_out', 0):,}" for n, s in sets.items()) + ")" if sets else ""
 
 
 def _against(results: Mapping[str, Any], meth: str, ref: str, n: int) -> str | None:
     """``"vs MAP: better NLL, ECE; worse Accuracy; no significant difference at n = ... in ..."`` (the
     differences with their intervals are :func:`paired_table`'s)."""
     better, worse, same = [], [], []
-    for m in METRICS:
+    for m in metrics_of(results):
         p = _paired(results, meth, ref, m.key)
         if p is None:
             continue

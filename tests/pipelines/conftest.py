@@ -98,10 +98,24 @@ def smoke_shift_run(ray_session, tmp_path_factory):
         f"output={out}", "posterior.methods=[temperature, diag, inf]",
         "evaluate.shift={corruptions: [gaussian_noise, contrast], severities: [1, 5]}",
         "evaluate.mc_samples=4", "search.scheduler=asha", "search.chunk_size=25", "evaluate.batch_size=25",
+        *_second_ood_set(tmp_path_factory.mktemp("smoke_noise") / "noise"),
     ])
     res = run(cfg)
     assert res.summary is not None
     return out
+
+
+def _second_ood_set(folder) -> list[str]:
+    """Issue 39: a second OOD set beside the demo's letters (60 of them): 40 uniform-noise JPEGs
+    (32x32, seeded) named ``noise`` in the group ``far``; 100 OOD images in all, as before."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(39)
+    for i in range(40):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(folder / f"noise{i:02d}.jpg")
+    return ["data.ood_limit=60", f"data.ood=[{{name: noise, uri: {folder}, group: far, limit: 40}}]"]
 
 
 def _saved_posteriors(root, stats, methods, basis=None, inf_rank=None) -> tuple[dict, dict]:

@@ -195,10 +195,12 @@ def test_a_killed_runs_stale_lease_is_taken_over_and_the_run_resumes_from_its_ma
                                                 "host": socket.gethostname(), "pid": killed.pid,
                                                 "heartbeat_at": time.time()}))
     capsys.readouterr()
+    data = json.loads((out / "run.json").read_text())["config"]["data"]  # its two OOD sets (issue 39)
     run(load_config("smoke", [  # the settings of tests/pipelines/conftest.py's smoke_shift_run
         f"output={out}", "posterior.methods=[temperature, diag, inf]",
         "evaluate.shift={corruptions: [gaussian_noise, contrast], severities: [1, 5]}",
-        "evaluate.mc_samples=4", "search.scheduler=asha", "search.chunk_size=25", "evaluate.batch_size=25"]))
+        "evaluate.mc_samples=4", "search.scheduler=asha", "search.chunk_size=25", "evaluate.batch_size=25",
+        f"data.ood_limit={data['ood_limit']}", f"data.ood={json.dumps(data['ood'])}"]))
     log = capsys.readouterr().out
     assert f"lease: taking over {out / 'lease.json'} from {socket.gethostname()}:{killed.pid}:killed" in log, log
     for stage in ("curvature", "posterior", "search", "evaluate", "report"):

@@ -45,7 +45,7 @@ FREE_TEXT = {
     "posterior.layers": "layer names or globs: matched against the model by preflight",
 }
 #: entries a list of sections needs besides the key under test
-REQUIRED = {"search.method_ranges": {"method": "kfac"}}
+REQUIRED = {"search.method_ranges": {"method": "kfac"}, "data.ood": {"uri": "/tmp/ood"}}
 
 
 def _leaf_keys(cls: type = RunConfig, prefix: str = "") -> dict[str, tuple[dataclasses.Field, typing.Any]]:
