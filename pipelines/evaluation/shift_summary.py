@@ -13,6 +13,12 @@ severities ``S``:
   fewer errors than MAP under the group's corruptions. It is *not* ImageNet-C's mCE (normalised
   by AlexNet's published errors) and is not comparable with published mCE figures.
 
+* ``mce_alexnet`` (in ``all`` only, and only when the sweep is complete and the model has 1,000
+  classes, i.e. ImageNet-1K): ImageNet-C's mCE in percent, ``100 · mean_c (1 − mean_s acc_{c,s}) /
+  E^{AlexNet}_c`` with AlexNet's published per-corruption errors (:data:`ALEXNET_ERR`). Comparable
+  with uncertainty-baselines' ImageNet-C table only when the test split is ImageNet-1K's
+  validation set decoded as here (resize 256, centre crop 224) — the run cannot check that.
+
 ``complete`` says whether the group holds every ImageNet-C corruption of the family (for
 ``all``: all 15) at severities 1..5; only then is the mean the one the literature reports. A
 group with a failed cell (for the method or for MAP) has ``None`` for the affected numbers.
@@ -23,9 +29,18 @@ from typing import Any, Mapping, Sequence
 
 from pipelines.config.choices import CORRUPTION_FAMILIES, IMAGENET_C_NAMES, SEVERITIES
 
-__all__ = ["SUMMARY_METRICS", "shift_summary"]
+__all__ = ["SUMMARY_METRICS", "ALEXNET_ERR", "shift_summary"]
 
 SUMMARY_METRICS = ("accuracy", "nll", "ece", "brier")
+
+#: AlexNet's top-1 error on ImageNet-C per corruption, the mean over severities 1..5
+#: (Hendrycks & Dietterich 2019; the values of hendrycks/robustness as used by
+#: google-research/augmix's ``imagenet.py`` ``ALEXNET_ERR`` for its mCE), the mCE's normaliser.
+ALEXNET_ERR: dict[str, float] = dict(zip(IMAGENET_C_NAMES, (
+    0.886428, 0.894468, 0.922640, 0.819880, 0.826268, 0.785948, 0.798360,
+    0.866816, 0.826572, 0.819324, 0.564592, 0.853204, 0.646056, 0.717840,
+    0.606500,
+)))
 
 Metrics = Mapping[str, Mapping[str, Mapping[str, Any]]]
 
@@ -56,10 +71,22 @@ def _group(metrics: Metrics, map_metrics: Metrics, names: list[str], severities:
     return out
 
 
-def shift_summary(metrics: Metrics, map_metrics: Metrics, severities: Sequence[int]) -> dict[str, dict[str, Any]]:
+def _mce_alexnet(metrics: Metrics, severities: Sequence[int]) -> float | None:
+    errs = []
+    for c in IMAGENET_C_NAMES:
+        rows = _cells(metrics, [c], severities)
+        if rows is None:
+            return None
+        errs.append((1.0 - sum(float(r["accuracy"]) for r in rows) / len(rows)) / ALEXNET_ERR[c])
+    return 100.0 * sum(errs) / len(errs)
+
+
+def shift_summary(metrics: Metrics, map_metrics: Metrics, severities: Sequence[int],
+                  imagenet_1k: bool = False) -> dict[str, dict[str, Any]]:
     """``{family: summary, ..., "all": summary}`` (module docstring) of one method's
     ``metrics[corruption][severity]``, against MAP's ``map_metrics``; families the sweep did not
-    touch are left out, and so are corruptions outside ImageNet-C's 15 (gaussian_blur)."""
+    touch are left out, and so are corruptions outside ImageNet-C's 15 (gaussian_blur).
+    ``imagenet_1k``: the model has ImageNet-1K's 1,000 classes (``mce_alexnet`` is given then)."""
     sevs = sorted(int(s) for s in severities)
     full = tuple(sevs) == SEVERITIES
     out: dict[str, dict[str, Any]] = {}
@@ -70,4 +97,6 @@ def shift_summary(metrics: Metrics, map_metrics: Metrics, severities: Sequence[i
     ran = [c for c in IMAGENET_C_NAMES if c in metrics]
     if ran:
         out["all"] = _group(metrics, map_metrics, ran, sevs, full and len(ran) == len(IMAGENET_C_NAMES))
+        if out["all"]["complete"] and imagenet_1k:
+            out["all"]["mce_alexnet"] = _mce_alexnet(metrics, sevs)
     return out

@@ -46,3 +46,17 @@ def test_partial_sweeps_are_marked_incomplete_and_failures_give_none():
     out = shift_summary(mine, _metrics(["gaussian_noise", "contrast"], sevs, 3), sevs)
     assert out["digital"]["accuracy"] is None and out["digital"]["ce_vs_map"] is None
     assert out["noise"]["accuracy"] is not None and out["all"]["nll"] is None
+
+
+def test_mce_is_normalised_by_alexnets_published_errors_only_for_a_complete_imagenet_sweep():
+    from pipelines.evaluation.shift_summary import ALEXNET_ERR
+
+    sevs = [1, 2, 3, 4, 5]
+    mine = _metrics(IMAGENET_C_NAMES, sevs, 4)
+    err = np.array([[1 - mine[c][str(s)]["accuracy"] for s in sevs] for c in IMAGENET_C_NAMES]).mean(1)
+    alexnet = np.array([ALEXNET_ERR[c] for c in IMAGENET_C_NAMES])
+    assert list(ALEXNET_ERR) == list(IMAGENET_C_NAMES) and ALEXNET_ERR["gaussian_noise"] == 0.886428
+    got = shift_summary(mine, mine, sevs, imagenet_1k=True)["all"]["mce_alexnet"]
+    assert got == pytest.approx(100 * (err / alexnet).mean(), rel=0, abs=1e-10)
+    assert "mce_alexnet" not in shift_summary(mine, mine, sevs)["all"]  # not ImageNet-1K
+    assert "mce_alexnet" not in shift_summary(mine, mine, [1, 3, 5], imagenet_1k=True)["all"]  # incomplete
