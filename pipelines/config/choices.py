@@ -12,6 +12,8 @@ from __future__ import annotations
 __all__ = [
     "PRED_TYPES",
     "CORRUPTION_NAMES",
+    "IMAGENET_C_NAMES",
+    "CORRUPTION_FAMILIES",
     "SEVERITIES",
     "check_corruption",
     "RESOURCE_UNITS",
@@ -26,11 +28,20 @@ PRED_TYPES: dict[str, str] = {
            "a last-layer posterior: closed-form logit covariance, MC over the Gaussian logits",
 }
 
-#: The corruptions of the shift sweep, in the report's order (implemented in
-#: :data:`pipelines.ingest.corruptions.CORRUPTIONS`).
-CORRUPTION_NAMES: tuple[str, ...] = (
-    "gaussian_noise", "gaussian_blur", "contrast", "brightness", "jpeg_compression", "pixelate",
-)
+#: ImageNet-C's 15 corruptions by family (Hendrycks & Dietterich 2019; ``imagecorruptions``'
+#: ``get_corruption_names``), in its order.
+CORRUPTION_FAMILIES: dict[str, tuple[str, ...]] = {
+    "noise": ("gaussian_noise", "shot_noise", "impulse_noise"),
+    "blur": ("defocus_blur", "glass_blur", "motion_blur", "zoom_blur"),
+    "weather": ("snow", "frost", "fog", "brightness"),
+    "digital": ("contrast", "elastic_transform", "pixelate", "jpeg_compression"),
+}
+#: The 15: the shift sweep's default.
+IMAGENET_C_NAMES: tuple[str, ...] = tuple(n for names in CORRUPTION_FAMILIES.values() for n in names)
+#: Every corruption the sweep can run, in the report's order (implemented in
+#: :data:`pipelines.ingest.corruptions.CORRUPTIONS`): the 15, then gaussian_blur (one of
+#: ImageNet-C's validation corruptions, kept as an extra).
+CORRUPTION_NAMES: tuple[str, ...] = IMAGENET_C_NAMES + ("gaussian_blur",)
 SEVERITIES = (1, 2, 3, 4, 5)
 
 

@@ -27,7 +27,7 @@ from laplace_core.curvature.subnet_fisher import check_subnet_memory
 from laplace_core.posteriors.subnet import SELECTION_RULES
 from laplace_core.curvature.subnet_fisher import SUBNET_FISHER_TYPES as SUBNET_FISHERS
 from pipelines.config.settings import Checked, setting
-from pipelines.config.choices import CORRUPTION_NAMES, PRED_TYPES, SEVERITIES, check_corruption
+from pipelines.config.choices import CORRUPTION_NAMES, IMAGENET_C_NAMES, PRED_TYPES, SEVERITIES, check_corruption
 
 __all__ = [
     "ConfigError",
@@ -352,7 +352,7 @@ class ShiftSpec(Checked):
     each ImageNet-C-style corruption (:data:`pipelines.ingest.corruptions.CORRUPTIONS`) at each
     severity (1..5), every method evaluated on it."""
 
-    corruptions: tuple[str, ...] = setting(CORRUPTION_NAMES, "corruptions of the test split",
+    corruptions: tuple[str, ...] = setting(IMAGENET_C_NAMES, "corruptions of the test split (default: ImageNet-C's 15)",
                                            choices=CORRUPTION_NAMES, item="corruption")
     severities: tuple[int, ...] = setting(SEVERITIES, "severities, each one of 1..5")
 

@@ -15,12 +15,16 @@ Artifact per method, ``<output>/eval/<method>/shift.json``::
 
     {"method", "corruptions": [...], "severities": [...], "ece_variant", "seed",
      "metrics": {corruption: {severity: {"accuracy", "nll", "ece", "brier", "count"}}},
-     "mean":    {severity: {"accuracy", "nll", "ece", "brier"}}}   # mean over the corruptions
+     "mean":    {severity: {"accuracy", "nll", "ece", "brier"}},   # mean over the corruptions
+     "summary": {family | "all": {"accuracy", "nll", "ece", "brier", "ce_vs_map", "corruptions", "complete"}}}
+     # + "mce_alexnet" in "all" for a complete sweep of a 1,000-class model
 
 (severities as strings, JSON keys). ``"mean"`` is the unweighted mean over the corruptions
 at each severity, as uncertainty-baselines reports ImageNet-C NLL/ECE; a severity where a
 method failed on some corruption has no mean (``null``) and the failure's reason in
-``metrics``.
+``metrics``. ``"summary"``: per ImageNet-C family and over all its corruptions run, the means
+over corruptions and severities and the corruption error relative to MAP
+(:mod:`pipelines.evaluation.shift_summary`).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from pipelines.evaluation.chunks import valid_batches
 from laplace_core.metrics.bootstrap import bootstrap_means
 from pipelines.evaluation.evaluate import EvalWorker, evaluate_shard, merge_worker_results
 from pipelines.evaluation.predictors import MAP, model_ref
+from pipelines.evaluation.shift_summary import shift_summary
 from pipelines.evaluation.runtime import EvalConfig, eval_uri
 from pipelines.storage import uris as storage
 from pipelines.storage.store import RunStore
@@ -127,11 +132,13 @@ def evaluate_shift(
     print(f"[shift] {len(pairs)} corrupted test sets evaluated in {time.perf_counter() - t0:.0f} s", flush=True)
     intervals = bootstrap_means(cells, cfg.bootstrap, cfg.seed, (MAP, TEMPERATURE), ece_bins=cfg.ece_bins,
                                 ece_mode=cfg.ece_mode)
+    imagenet_1k = model_ref(model_spec).get("num_classes") == 1000
     out: dict[str, dict[str, Any]] = {}
     for m, metrics in per.items():
         doc = {"method": m, "corruptions": corruptions, "severities": severities,
                "ece_variant": f"ece_{cfg.ece_mode}_{cfg.ece_bins}", "seed": cfg.seed,
-               "metrics": metrics, "mean": shift_means(metrics, severities), "intervals": intervals.get(m)}
+               "metrics": metrics, "mean": shift_means(metrics, severities),
+               "summary": shift_summary(metrics, per[MAP], severities, imagenet_1k), "intervals": intervals.get(m)}
         out[m] = doc
         if store.output is not None:
             store.write_json_atomic(shift_file(store.output, m), doc)
