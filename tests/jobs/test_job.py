@@ -36,6 +36,19 @@ SMOKE_ROWS = ("temperature", *SMOKE_METHODS)  # every preset evaluates temperatu
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from benchmarks import soak  # noqa: E402  the soak's probe (issue 41)
+
+#: The long-lived cluster of this module: its GCS address, temp dir, state before the first job
+#: and after each (the suite's short soak, issue 41: benchmarks/soak.py runs 20).
+CLUSTER: dict = {}
+#: Ray Data's cluster-wide detached actors (named, ``get_if_exists``), made by the first job that
+#: uses Ray Data (the location tracker by the first that maps with an actor pool) and reused by
+#: later jobs: not an ended job's own, but never more than one of each.
+RAY_DATA_SINGLETONS = {"_StatsActor", "_AutoscalingCoordinatorActor", "ActorLocationTracker",
+                       "_UsageCollectionActor"}
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -116,6 +129,7 @@ def ray_head(tmp_path_factory):
                          f"--metrics-export-port={ports[8]}"], env, log, namespace_hides=hidden)
         procs.append(worker)
         _wait_for(lambda: _alive_nodes(ray_bin, gcs, env) == 2, worker, tmp, "the worker node")
+        CLUSTER.update(gcs=f"127.0.0.1:{gcs}", tmp=tmp, baseline=soak.probe(f"127.0.0.1:{gcs}", tmp), after=[])
         yield address, tmp
     finally:
         for p in reversed(procs):
@@ -192,7 +206,41 @@ def _submit(address: str, args: list[str]):
             break
         time.sleep(3)
     print(f"ray job submit {' '.join(args[:2])}: {time.time() - t0:.0f} s, rc={res.returncode}")
+    if CLUSTER.get("gcs"):
+        CLUSTER["after"].append((" ".join(args[:4]), _settled_state()))
     return res
+
+
+def _settled_state(timeout: float = 30.0) -> dict:
+    """The cluster's state after a job (``benchmarks/soak.py``'s probe), polled until it is back
+    at the baseline or ``timeout`` passed (an ended job's workers take a moment to exit)."""
+    deadline = time.time() + timeout
+    while True:
+        state = soak.probe(CLUSTER["gcs"], CLUSTER["tmp"])
+        if not _leaks(state) or time.time() > deadline:
+            return state
+        time.sleep(2)
+
+
+def _leaks(state: dict) -> list[str]:
+    """What an ended job left held, against the baseline: CPUs, object-store bytes, actors
+    (but Ray Data's two detached cluster-wide singletons), placement groups."""
+    base = CLUSTER["baseline"]
+    if "probe_failed" in state:
+        return [f"the probe failed: {state['probe_stderr'][-300:]}"]
+    out = []
+    if state["cpu_available"] != base["cpu_available"]:
+        out.append(f"CPUs available {state['cpu_available']} of {base['cpu_available']}")
+    if state["object_store_available"] != base["object_store_available"]:
+        out.append(f"object store {base['object_store_available'] - state['object_store_available']:.0f} bytes "
+                   f"held ({state['plasma_objects']} objects)")
+    alive = state["actors_alive"]
+    actors = [a for a in alive if a not in RAY_DATA_SINGLETONS or alive.count(a) > 1]
+    if actors:
+        out.append(f"live actors {actors}")
+    if state["pgs_live"]:
+        out.append(f"live placement groups {state['pgs_live']}")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -365,6 +413,17 @@ def test_a_shared_local_output_runs_on_two_nodes(ray_head):
         assert set(run["results"]) == {"map", "diag", "inf"} and (out / "report.html").is_file()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_long_lived_cluster_holds_nothing_after_each_job(ray_head, submitted):
+    """The suite's short soak (issue 41; ``benchmarks/soak.py`` runs 20 jobs): after every job
+    this module submitted to the one head, successful or refused, the CPUs and object store are
+    back at the baseline and no actor or placement group of an ended job is alive."""
+    if len(CLUSTER.get("after", [])) < 3:
+        pytest.skip(f"{len(CLUSTER.get('after', []))} job(s) ran in this module's selection; the soak needs 3")
+    assert CLUSTER["baseline"].get("cpu_total") == 2.0, CLUSTER["baseline"]
+    held = {job: _leaks(state) for job, state in CLUSTER["after"]}
+    assert not any(held.values()), held
 
 
 def test_no_secret_in_any_log_or_artifact(submitted, ray_head):
