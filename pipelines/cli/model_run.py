@@ -57,10 +57,11 @@ class CurvatureResult(StageResult):
 
 @dataclass(frozen=True)
 class SearchResult(StageResult):
-    """The search stage's result: the chosen ``(N, tau)`` per method and the fitted temperature."""
+    """The search stage's result: the chosen ``(N, tau)`` and predictive per method and the fitted temperature."""
 
     hyper: dict[str, tuple[float, float]] | None = None
     temperature: float | None = None
+    pred_types: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -287,7 +288,9 @@ class ModelRun:
         return SearchResult(fp, summary,
                             hyper={m: (c["n_data"], c["prior_precision"])
                                    for m, c in summary["chosen"].items() if c is not None},
-                            temperature=None if fitted is None else float(with_fallback(fitted)["temperature"]))
+                            temperature=None if fitted is None else float(with_fallback(fitted)["temperature"]),
+                            pred_types={m: c["pred_type"] for m, c in summary["chosen"].items()
+                                        if c is not None and c.get("pred_type")} or None)
 
     def _do_search(self, fp: dict[str, Any]) -> dict[str, Any]:
         from pipelines.evaluation.runtime import search_config
@@ -308,7 +311,7 @@ class ModelRun:
 
             for line in edge_notes(res.chosen, to_dict(self.cfg.search)):
                 log(f"search: {line}")
-            for line in res.marks().values():
+            for line in [*res.predictive_lines().values(), *res.marks().values()]:
                 log(f"search: {line}")
             out.update(chosen=res.chosen, notes=res.notes, map=res.map, against_map=res.against_map,
                        not_better_than_map=res.marks(),
@@ -336,7 +339,8 @@ class ModelRun:
         fp = {**searched.fingerprint, "evaluate": fingerprint_fields(self.cfg.evaluate),
               "test": splits.test.fingerprint, "ood": None if splits.ood is None else splits.ood.fingerprint,
               "ood_sets": [[o.name, o.group, o.index.fingerprint] for o in splits.oods],
-              "hyper": searched.hyper, "fitted_temperature": searched.temperature}
+              "hyper": searched.hyper, "fitted_temperature": searched.temperature,
+              **({"pred_types": searched.pred_types} if searched.pred_types else {})}
         return StageResult(fp, self.stages.run("evaluate", fp, lambda: self._do_evaluate(searched)))
 
     def _do_evaluate(self, searched: SearchResult) -> dict[str, Any]:
@@ -347,7 +351,8 @@ class ModelRun:
         evaluate_spec, splits = self.cfg.evaluate, self.splits
         n_ood = sum(len(o.index) for o in splits.oods)
         eval_cfg = eval_config(self.cfg, expected_rows=(len(splits.test), n_ood if splits.oods else None),
-                               **actor_resources(evaluate_spec), decode_cpus=float(self.cfg.data.decode_num_cpus))
+                               **actor_resources(evaluate_spec), decode_cpus=float(self.cfg.data.decode_num_cpus),
+                               method_pred_types=tuple(sorted((searched.pred_types or {}).items())))
         ood_ds = [(o.name, o.group, build_dataset(o.index, o.config)) for o in splits.oods] or None
         res = evaluate(self.spec, self.uris, build_dataset(splits.test, splits.test_config), ood_ds, eval_cfg,
                        store=self.store, hyper=searched.hyper, temperature=searched.temperature)

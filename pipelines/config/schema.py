@@ -326,8 +326,14 @@ class SearchSpec(Checked):
     map_limit_log10_tau: float | None = setting(
         None, "adds the MAP-limit configuration (log10 N at the top of the method's range, this log10 tau; "
               "8: the predictive is MAP's within MC noise) to every method's search; null: none", range=ANY)
+    pred_types: tuple[str, ...] | None = setting(
+        None, "predictives searched per method (nn: weight sampling, glm: linearised); each method's is chosen "
+              "on the validation objective and evaluated on test; null: evaluate.pred_type alone",
+        choices=PRED_TYPES, item="predictive")
 
     def _check(self) -> None:
+        if self.pred_types is not None and (not self.pred_types or len(set(self.pred_types)) != len(self.pred_types)):
+            raise ValueError(f"pred_types must list each predictive once (or null), got {list(self.pred_types)}")
         for name in ("log10_n", "log10_tau"):
             low, high = getattr(self, name)
             if not low <= high:

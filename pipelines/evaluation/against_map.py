@@ -74,7 +74,8 @@ def _terms(probs: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _predictors(model: nn.Module, posteriors: Mapping[str, Any], chosen: Mapping[str, Mapping[str, Any] | None],
                 cfg: SearchConfig) -> dict[str, Any]:
-    """``method -> predictor`` at each chosen ``(N, τ)`` (the search's predictive and draws)."""
+    """``method -> predictor`` at each chosen ``(N, τ)`` with its chosen predictive (``c["pred_type"]``,
+    else ``cfg.pred_type``) and the search's draws."""
     from laplace_core.posteriors.build import with_hyper
 
     out = {}
@@ -82,7 +83,7 @@ def _predictors(model: nn.Module, posteriors: Mapping[str, Any], chosen: Mapping
         if c is None or m not in posteriors:
             continue
         post = with_hyper(posteriors[m], float(c["n_data"]), float(c["prior_precision"]))
-        out[m] = make_predictor(model, post, cfg.pred_type, cfg.mc_samples, cfg.seed, 0)
+        out[m] = make_predictor(model, post, c.get("pred_type") or cfg.pred_type, cfg.mc_samples, cfg.seed, 0)
     return out
 
 

@@ -193,7 +193,7 @@ def evaluate_shard(
     cache_bytes = int(cfg.sample_cache_mb * 2**20)
     predictors: dict[str, Any] = {MAP: None}
     for m, post in posteriors.items():
-        predictors[m] = make_predictor(model, post, cfg.pred_type, cfg.mc_samples, cfg.seed, cache_bytes)
+        predictors[m] = make_predictor(model, post, cfg.pred_type_of(m), cfg.mc_samples, cfg.seed, cache_bytes)
     if temperature is not None:
         predictors[TEMPERATURE] = TemperaturePredictor(model, temperature)
     acc = {m: EvalAccumulator.create(cfg) for m in predictors}
@@ -377,7 +377,7 @@ def evaluate(
     out: dict[str, dict[str, Any]] = {}
     for m in methods:
         e = merged[m]
-        res: dict[str, Any] = {"method": m, "pred_type": "map" if m == MAP else cfg.pred_type,
+        res: dict[str, Any] = {"method": m, "pred_type": "map" if m == MAP else cfg.pred_type_of(m),
                                "mc_samples": None if m == MAP else cfg.mc_samples, "seed": cfg.seed}
         if m == TEMPERATURE:
             res.update(pred_type=TEMPERATURE, mc_samples=None, temperature=float(temperature), num_stored=1)

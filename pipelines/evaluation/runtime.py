@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pipelines.config.choices import PRED_TYPES
 from pipelines.config.schema import (ALGORITHMS, DTYPES, OBJECTIVES, SCHEDULERS, ActorSpec, EvalSpec, SearchSpec,
                                      method_range_entry)
 from pipelines.storage import layout
@@ -94,7 +95,23 @@ class RuntimeFields(ActorSpec):
 @dataclass(frozen=True)
 class EvalConfig(EvalSpec, RuntimeFields):
     """What to evaluate: the ``evaluate`` section (:class:`EvalSpec`) with the run's fields
-    (:class:`RuntimeFields`)."""
+    (:class:`RuntimeFields`), and ``method_pred_types``: ``(method, pred_type)`` pairs, the
+    predictive the search chose per method (``search.pred_types``); a method not listed uses
+    ``pred_type``."""
+
+    method_pred_types: tuple[tuple[str, str], ...] = ()
+
+    def _check(self) -> None:
+        for m, pt in self.method_pred_types:
+            if pt not in PRED_TYPES:
+                raise ValueError(f"method_pred_types[{m}]: unknown pred_type {pt!r}; valid: {', '.join(PRED_TYPES)}")
+            if pt != "nn" and self.precision != "fp32":
+                raise ValueError(f"precision {self.precision} applies to pred_type nn; {m}'s chosen pred_type {pt} "
+                                 "runs in fp32")
+
+    def pred_type_of(self, method: str) -> str:
+        """The predictive ``method`` is evaluated with (the search's choice, else ``pred_type``)."""
+        return dict(self.method_pred_types).get(method, self.pred_type)
 
 
 def _range(name: str, r: Any) -> tuple[float, float]:
@@ -122,6 +139,9 @@ class SearchConfig(SearchSpec, RuntimeFields):
     def _check(self) -> None:
         if self.algorithm == "tpe" and self.configs is not None:
             raise ValueError("search.algorithm=tpe samples its own configurations; explicit configs need random")
+        if self.precision != "fp32" and any(pt != "nn" for pt in self.searched_pred_types):
+            raise ValueError(f"precision {self.precision} applies to pred_type nn; search.pred_types "
+                             f"{list(self.searched_pred_types)} needs precision fp32")
         object.__setattr__(self, "log10_n", _range("log10_n", self.log10_n))
         object.__setattr__(self, "log10_tau", _range("log10_tau", self.log10_tau))
         object.__setattr__(self, "method_ranges", self._method_ranges())
@@ -141,6 +161,11 @@ class SearchConfig(SearchSpec, RuntimeFields):
                         self.log10_tau if range_tau is None else _range(f"method_ranges[{method}].log10_tau",
                                                                         range_tau)))
         return tuple(out)
+
+    @property
+    def searched_pred_types(self) -> tuple[str, ...]:
+        """The predictives the search covers: ``pred_types``, else ``(pred_type,)``."""
+        return tuple(self.pred_types) if self.pred_types else (self.pred_type,)
 
     def ranges(self, method: str | None = None) -> tuple[tuple[float, float], tuple[float, float]]:
         """``(log10_n, log10_tau)`` searched for ``method`` (the common ranges for ``None``)."""

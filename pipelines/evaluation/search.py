@@ -8,7 +8,11 @@ same uniform draws mapped onto its ranges: configuration ``i`` of every method s
 random numbers), and scores each on a held-out, labelled **validation** split of the in-domain data with
 the MC predictive (``cfg.mc_samples``, default 10; the same ``θ_t`` noise ``(seed, t)``
 for every configuration, i.e. common random numbers, which makes the comparison less
-noisy).
+noisy). ``cfg.pred_types`` (``search.pred_types``, e.g. ``[nn, glm]``) runs the search once per
+predictive (weight sampling ``nn``, the linearised ``glm``; the same configurations and draws)
+and chooses per method over all of them: the chosen row names its ``pred_type``, which the
+evaluation then uses for that method (``EvalConfig.method_pred_types``) and the judgement
+against MAP applies (:mod:`pipelines.evaluation.against_map`); without it, ``cfg.pred_type`` alone.
 
 Settings: :class:`pipelines.evaluation.runtime.SearchConfig` (in a run, the ECE variant and
 bins are the evaluation's, ``evaluate.ece_mode`` / ``evaluate.ece_bins``). Execution:
@@ -39,6 +43,7 @@ the validation split, search settings).
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -66,7 +71,7 @@ __all__ = [
 ]
 
 #: Columns of ``search.parquet`` (:meth:`SearchResult.table`).
-TABLE_COLUMNS = ("config_id", "method", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece",
+TABLE_COLUMNS = ("config_id", "method", "pred_type", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece",
                  "accuracy", "brier", "count", "status", "reason", "seconds", "images")
 
 
@@ -167,6 +172,21 @@ class SearchResult:
         return {m: line for m in self.chosen if m in self.against_map
                 and (line := not_better_line(m, self.against_map[m]))}
 
+    def predictive_lines(self) -> dict[str, str]:
+        """``method -> "<method>: predictive glm chosen (validation nll 0.12; best nn 0.15)"`` when
+        more than one predictive was searched: the best row of each, the chosen one first."""
+        out = {}
+        key = "nll" if self.info.get("objective", "nll") == "nll" else "ece"
+        for m, c in self.chosen.items():
+            ok = [r for r in self.rows if r["method"] == m and r["status"] == "ok"]
+            best = {pt: min(r[key] for r in ok if r["pred_type"] == pt) for pt in {r["pred_type"] for r in ok}}
+            if c is None or len(self.info.get("pred_types", ())) < 2:
+                continue
+            others = "; ".join(f"best {pt} {v:.4f}" for pt, v in sorted(best.items()) if pt != c["pred_type"])
+            out[m] = (f"{m}: predictive {c['pred_type']} chosen (validation {key} {c[key]:.4f}"
+                      f"{'; ' + others if others else ''})")
+        return out
+
     def hyper(self) -> dict[str, tuple[float, float]]:
         """``method -> (N, τ)`` of the chosen configurations (for ``evaluate(hyper=...)``)."""
         return {m: (c["n_data"], c["prior_precision"]) for m, c in self.chosen.items() if c is not None}
@@ -176,7 +196,7 @@ class SearchResult:
         import pyarrow as pa
 
         rows = [r for r in self.rows if method is None or r["method"] == method]
-        types = {"config_id": pa.int64(), "method": pa.string(), "count": pa.int64(), "status": pa.string(),
+        types = {"config_id": pa.int64(), "method": pa.string(), "pred_type": pa.string(), "count": pa.int64(), "status": pa.string(),
                  "reason": pa.string(), "images": pa.int64()}
         cols = {k: pa.array([r[k] for r in rows], type=types.get(k, pa.float64())) for k in TABLE_COLUMNS}
         return pa.table(cols)
@@ -195,7 +215,7 @@ def choose(rows: Sequence[Mapping[str, Any]], objective: str = "nll", accuracy_f
         if not ok:
             return None, f"no configuration reached the accuracy floor {accuracy_floor}"
     key = "nll" if objective == "nll" else "ece"
-    best = min(ok, key=lambda r: (r[key], r["config_id"]))
+    best = min(ok, key=lambda r: (r[key], r["config_id"]))  # equal values: the first listed predictive
     return dict(best), ""
 
 
@@ -207,16 +227,17 @@ def _parquet_bytes(table) -> bytes:
     return buf.getvalue()
 
 
-def _rows(method: str, trials: Sequence[Mapping[str, Any]], images: int, chunks: int) -> list[dict[str, Any]]:
-    """One table row per trial of ``method``, by configuration id (random: the id of
-    :func:`sample_configs`; tpe: the order Optuna proposed them)."""
+def _rows(method: str, pred_type: str, trials: Sequence[Mapping[str, Any]], images: int,
+          chunks: int) -> list[dict[str, Any]]:
+    """One table row per trial of ``method`` under ``pred_type``, by configuration id (random:
+    the id of :func:`sample_configs`; tpe: the order Optuna proposed them)."""
     ids = [t["trial"].split(":")[1] for t in trials]
     if any(i == "tpe" for i in ids):  # Tune lists the trials in the order they were created
         ids = list(range(len(trials)))
     rows = []
     for cid, t in zip(ids, trials):
         c = HyperConfig(int(cid), float(t["log10_n"]), float(t["log10_tau"]))
-        row: dict[str, Any] = {"config_id": c.config_id, "method": method, "log10_n": c.log10_n,
+        row: dict[str, Any] = {"config_id": c.config_id, "method": method, "pred_type": pred_type, "log10_n": c.log10_n,
                                "log10_tau": c.log10_tau, "n_data": c.n_data, "prior_precision": c.prior_precision,
                                "seconds": float(t["seconds"]), "images": int(t["images"])}
         if t["status"] == "failed":
@@ -263,10 +284,8 @@ def search(
         raise StageError("search: the validation split has no valid image")
     root = None if store.output is None else store.tune_uri()
     kw = dict(storage_root=root, key=key, store=store)
-    if cfg.algorithm == "random":  # one experiment: the MAP reference and every method's grid
-        trials = search_tune.run_experiment(ref, uris, chunks, images, cfg, **kw)
-    else:  # one TPE sampler per method
-        trials = [t for m in uris for t in search_tune.run_experiment(ref, {m: uris[m]}, chunks, images, cfg, **kw)]
+    trials = [dict(t, pred_type=pt) for pt in cfg.searched_pred_types  # one search per predictive
+              for t in _trials(ref, uris, chunks, images, dataclasses.replace(cfg, pred_type=pt), kw)]
     maps = [t for t in trials if t["trial"].split(":")[0] == search_tune.MAP_TRIAL]
     map_json = json.loads(maps[0]["acc"]) if maps else search_tune.map_reference(ref, chunks, cfg, store)
     map_acc = SearchAccumulator.from_json(map_json)
@@ -277,6 +296,17 @@ def search(
     if store.output is not None:
         _write_search(store, result)
     return result
+
+
+def _trials(ref: Mapping[str, Any], uris: Mapping[str, str], chunks: Sequence[Any], images: int, cfg: SearchConfig,
+            kw: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The trials of one predictive (``cfg.pred_type``): random: one experiment, the MAP reference
+    and every method's grid; tpe: one TPE sampler per method."""
+    from pipelines.evaluation import tune as search_tune
+
+    if cfg.algorithm == "random":
+        return search_tune.run_experiment(ref, uris, chunks, images, cfg, **kw)
+    return [t for m in uris for t in search_tune.run_experiment(ref, {m: uris[m]}, chunks, images, cfg, **kw)]
 
 
 def _against_map(ref: Mapping[str, Any], uris: Mapping[str, str], chosen: Mapping[str, Any], chunks: Sequence[Any],
@@ -292,15 +322,18 @@ def _against_map(ref: Mapping[str, Any], uris: Mapping[str, str], chosen: Mappin
 
 def _choose_per_method(trials: Sequence[dict[str, Any]], methods: Sequence[str], images: int, n_chunks: int,
                        cfg: SearchConfig) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, str]]:
-    """``(table rows, chosen configuration per method or None, why none was chosen)`` from the trials."""
+    """``(table rows, chosen configuration per method or None, why none was chosen)`` from the
+    trials; a method's choice is over every predictive searched (its ``pred_type`` recorded)."""
     rows: list[dict[str, Any]] = []
     chosen: dict[str, dict[str, Any] | None] = {}
     notes: dict[str, str] = {}
     for m in methods:
-        mrows = _rows(m, [t for t in trials if t["trial"].split(":")[0] == m], images, n_chunks)
+        mrows = [r for pt in cfg.searched_pred_types for r in _rows(
+            m, pt, [t for t in trials if t["trial"].split(":")[0] == m and t["pred_type"] == pt], images, n_chunks)]
         best, why = choose(mrows, cfg.objective, cfg.accuracy_floor)
         chosen[m] = None if best is None else {k: best[k] for k in (
-            "config_id", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece", "accuracy", "brier")}
+            "config_id", "pred_type", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece", "accuracy",
+            "brier")}
         if why:
             notes[m] = why
         rows.extend(mrows)
@@ -327,6 +360,7 @@ def _search_info(cfg: SearchConfig, methods: Sequence[str], rows: Sequence[dict[
         "algorithm": cfg.algorithm,
         "reduction_factor": cfg.reduction_factor,
         "map_limit_log10_tau": cfg.map_limit_log10_tau,
+        "pred_types": list(cfg.searched_pred_types),
         "examples": images,
         "chunks": n_chunks,
         "skipped": skipped["count"],

@@ -324,3 +324,22 @@ def order_stages(stages: Iterable[str]) -> list[str]:
     stages = list(dict.fromkeys(stages))
     return [s for s in STAGE_ORDER if s in stages] + sorted(s for s in stages if s not in STAGE_ORDER)
 
+
+def shows_predictive(summary: Mapping[str, Any], mbm: Mapping[str, Mapping[str, Any]]) -> bool:
+    """A "Predictive" column when the search chose among several (``search.pred_types``) or a row is not ``nn``."""
+    srch = summary.get("search") if isinstance(summary.get("search"), Mapping) else {}
+    info = srch.get("info") if isinstance(srch.get("info"), Mapping) else {}
+    return len(info.get("pred_types") or ()) > 1 or any(d.get("pred_type") == "glm" for d in mbm.values())
+
+
+def timings_and_chosen(summary: Mapping[str, Any]) -> tuple[Mapping[str, Any], list[str], Mapping[str, Any]]:
+    """``(method -> stage -> seconds, the stages in order, method -> chosen (N, τ))`` of a run summary."""
+    mt = opt_mapping(summary, "method_timings")
+    for k, v in mt.items():
+        if not isinstance(v, Mapping):
+            raise ValueError(f"run_summary['method_timings'][{k!r}] must be a mapping stage -> seconds")
+    stages = order_stages({s for v in mt.values() for s in v})
+    chosen = summary.get("chosen") or {}
+    if not isinstance(chosen, Mapping):
+        raise ValueError("run_summary['chosen'] must be a mapping method -> (log10_n, log10_tau)")
+    return mt, stages, chosen

@@ -16,7 +16,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from pipelines.report.inputs import (BYTES_PER_NUMBER, chosen_point, count_with_parts, ece_variants, failed_configs,
                                      is_finite, model_name, ood_entropy_means, opt_mapping, order_stages,
-                                     posterior_sizes, scored, skipped_images, variant_label)
+                                     posterior_sizes, scored, shows_predictive, skipped_images, timings_and_chosen,
+                                     variant_label)
 from pipelines.report.methods import CORRELATIONS, method_label, order_methods
 from pipelines.report.edges import edge_notes
 from pipelines.report.oodsets import OOD_SETS_NOTE, ood_sets_table
@@ -267,14 +268,7 @@ def _method_rows(mbm: Mapping[str, Mapping[str, Any]], summary: Mapping[str, Any
             if (key, strat, nb) not in variants:
                 variants.append((key, strat, nb))
     sizes = posterior_sizes(summary)
-    mt = opt_mapping(summary, "method_timings")
-    for k, v in mt.items():
-        if not isinstance(v, Mapping):
-            raise ValueError(f"run_summary['method_timings'][{k!r}] must be a mapping stage -> seconds")
-    stages = order_stages({s for v in mt.values() for s in v})
-    chosen = summary.get("chosen") or {}
-    if not isinstance(chosen, Mapping):
-        raise ValueError("run_summary['chosen'] must be a mapping method -> (log10_n, log10_tau)")
+    mt, stages, chosen = timings_and_chosen(summary)
     has_ood = any(isinstance(d.get("ood"), Mapping) for d in mbm.values())
     header = ["Method", "Accuracy", "NLL"]
     header += [f"ECE ({variant_label(s, nb)})" for _, s, nb in variants]
@@ -284,6 +278,8 @@ def _method_rows(mbm: Mapping[str, Mapping[str, Any]], summary: Mapping[str, Any
     else:
         header += ["Entropy (mean)"]
     header += ["Numbers stored", "Size (MB)", "Corr", "log10 N", "log10 τ"]
+    show_pred = shows_predictive(summary, mbm)
+    header += ["Predictive"] if show_pred else []
     header += [f"{s} (s)" for s in stages]
     rows = []
     notes = []
@@ -307,6 +303,7 @@ def _method_rows(mbm: Mapping[str, Mapping[str, Any]], summary: Mapping[str, Any
         r += ["—" if corr is None else ("yes" if corr else "no")]
         pt = chosen_point(chosen, name)
         r += [_fmt(pt[0], "2") if pt else "—", _fmt(pt[1], "2") if pt else "—"]
+        r += [str(d.get("pred_type") or "—") if pt else "—"] if show_pred else []
         r += [_fmt(mt.get(name, {}).get(st), "s") for st in stages]
         rows.append(r)
         if s.get("note"):

@@ -261,10 +261,10 @@ def test_runtime_configs_copy_every_field_they_share_with_the_specs():
                "method_ranges": (("kfac", (0.0, 1.0), (2.0, 3.0)),), "dtype": "float64", "torch_threads": 3,
                "log_every_s": 2.0, "entropy_bins": 7, "ood_exact_limit": 11, "scheduler": "asha",
                "algorithm": "tpe", "reduction_factor": 3, "stall_timeout_s": 12.0, "bootstrap": 50,
-               "map_limit_log10_tau": 7.5,
+               "map_limit_log10_tau": 7.5, "pred_types": ("glm", "nn"),
                "shift": ShiftSpec(corruptions=("contrast",), severities=(2,))}
     # precision bf16 needs pred_type nn and dtype float32 (ActorSpec._check): a second set for it
-    autocast = {**changed, "precision": "bf16", "pred_type": "nn", "dtype": "float32"}
+    autocast = {**changed, "precision": "bf16", "pred_type": "nn", "pred_types": ("nn",), "dtype": "float32"}
     for spec_cls, cfg_cls in ((EvalSpec, EvalConfig), (SearchSpec, SearchConfig)):
         shared = {f.name for f in dataclasses.fields(spec_cls)} & {f.name for f in dataclasses.fields(cfg_cls)}
         assert shared <= set(autocast), f"give the test a value for {sorted(shared - set(autocast))}"
@@ -273,5 +273,5 @@ def test_runtime_configs_copy_every_field_they_share_with_the_specs():
             got = cfg_cls.from_spec(spec)
             assert {k: getattr(got, k) for k in shared if k in values} == {k: values[k] for k in shared if k in values}
     run_only = {f.name for f in dataclasses.fields(EvalConfig)} - {f.name for f in dataclasses.fields(EvalSpec)}
-    # from gpus_per_actor; tests; the scanned split; data.decode_num_cpus
-    assert run_only == {"device", "fault_marker", "expected_rows", "decode_cpus"}
+    # from gpus_per_actor; tests; the scanned split; data.decode_num_cpus; the search's chosen predictives
+    assert run_only == {"device", "fault_marker", "expected_rows", "decode_cpus", "method_pred_types"}

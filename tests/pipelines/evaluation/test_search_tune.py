@@ -219,6 +219,34 @@ def test_tpe_proposes_num_configs_in_the_method_s_ranges(ray_session, data):
     assert r["count"] == N_EXAMPLES and r["nll"] == pytest.approx(want["nll"], rel=1e-12)
 
 
+def test_each_predictive_is_searched_and_each_method_chooses_among_them(ray_session, data, reference):
+    """``search.pred_types: [nn, glm]`` (issue #38): every configuration is scored under both
+    predictives on Tune (the ``nn`` rows equal the hand-written loop's, the ``glm`` rows its
+    ``pred_type: glm`` run's), each method's choice is the best row over both and names its
+    predictive, the judgement against MAP scores that (configuration, predictive), and the
+    recorded cost counts both searches."""
+    cfg = _cfg(num_configs=2, chunk_size=128, pred_types=("nn", "glm"))
+    ds = ray_session.data.from_items(data["rows"], override_num_blocks=3)
+    res = search(data["model"], data["uris"], ds, cfg)
+    glm = search_shard(data["net"], data["posts"], data["batches"],
+                       dataclasses.replace(cfg, chunk_size=N_EXAMPLES, pred_type="glm"))
+    want = {"nn": {m: {cid: reference[m][cid]["nll"] for cid in range(2)} for m in METHODS},
+            "glm": {m: {cid: a.compute()["nll"] for cid, a in glm["acc"][m].items()} for m in METHODS}}
+    for m in METHODS:
+        rows = [r for r in res.rows if r["method"] == m]
+        got = sorted((r["pred_type"], r["config_id"]) for r in rows)
+        assert got == [(pt, i) for pt in ("glm", "nn") for i in range(2)]
+        for r in rows:
+            assert r["status"] == "ok" and r["nll"] == pytest.approx(want[r["pred_type"]][m][r["config_id"]], rel=1e-12)
+        best = min(rows, key=lambda r: r["nll"])
+        c = res.chosen[m]
+        assert (c["pred_type"], c["config_id"]) == (best["pred_type"], best["config_id"])
+        assert res.against_map[m]["nll"] == pytest.approx(c["nll"], rel=1e-9)
+        assert res.predictive_lines()[m].startswith(f"{m}: predictive {c['pred_type']} chosen (validation nll ")
+    assert res.info["pred_types"] == ["nn", "glm"]
+    assert res.info["image_samples"] == 2 * len(METHODS) * 2 * N_EXAMPLES * cfg.mc_samples
+
+
 def test_tune_slow_step_warnings_wait_for_ten_seconds():
     """Tune's 0.5 s "performance bottleneck" warnings (busy machines: every step of a search)
     are raised to 10 s by importing the search module, unless TUNE_WARN_THRESHOLD_S is set
