@@ -3,7 +3,9 @@
 :func:`edge_notes` gives one line per method whose chosen ``log10 N`` or ``log10 τ`` lies
 within :data:`EDGE_FRACTION` of the range's width from one of its ends, with a range that would
 include it with room (the range widened by its width on that side). The run's log and the report
-print the same lines.
+print the same lines. A method whose choice is the MAP-limit configuration (``log10 τ`` at the
+search's ``map_limit_log10_tau``, outside the range by design) gets none: its mark against MAP
+says what that choice means.
 """
 from __future__ import annotations
 
@@ -30,9 +32,9 @@ def search_ranges(search_cfg: Mapping[str, Any] | None, method: str) -> dict[str
 
 def edge_notes(chosen: Mapping[str, Any] | None, search_cfg: Mapping[str, Any] | None) -> list[str]:
     """One line per (method, coordinate) whose chosen value is on an edge of its range."""
-    out = []
+    out, limit = [], (search_cfg or {}).get("map_limit_log10_tau")
     for method, c in (chosen or {}).items():
-        if not isinstance(c, Mapping):
+        if not isinstance(c, Mapping) or (limit is not None and c.get("log10_tau") == limit):
             continue
         for key, (lo, hi) in search_ranges(search_cfg, method).items():
             v, width = c.get(key), hi - lo

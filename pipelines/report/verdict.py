@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from pipelines.report.methods import method_label, order_methods
 
-__all__ = ["METRICS", "Metric", "metrics_of", "summary_table", "paired_table", "sample_line", "verdict_sentences"]
+__all__ = ["METRICS", "Metric", "metrics_of", "shown_metrics", "summary_table", "paired_table", "sample_line", "verdict_sentences"]
 
 MAP, TEMPERATURE = "map", "temperature"
 
@@ -96,6 +96,21 @@ def metrics_of(results: Mapping[str, Any]) -> tuple[Metric, ...]:
     return METRICS + tuple(extra.values())
 
 
+def shown_metrics(results: Mapping[str, Any]) -> tuple[Metric, ...]:
+    """:func:`metrics_of` as the report's tables and verdict show them: with a single OOD set its
+    AUROC and AUPR-Out are the pooled OOD AUROC and AUPR (the same images, score and positive
+    class), so only its FPR@95 and AUPR-In (ID positive, OpenOOD's convention) are added."""
+    metrics = metrics_of(results)
+    sets = {m.key.partition("@")[2] for m in metrics if "@" in m.key}
+    if len(sets) != 1:
+        return metrics
+    return tuple(m for m in metrics if "@" not in m.key or m.key.partition("@")[0] not in _POOLED_TWINS)
+
+
+#: Per-set keys equal to a pooled headline metric when there is one OOD set (the same images, score and class).
+_POOLED_TWINS = ("ood_auroc", "ood_aupr_out")
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -143,7 +158,7 @@ def summary_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
     methods = _methods(results)
     header = ["Metric", "Better", *(method_label(m) for m in methods), "Best"]
     rows, marked, keys = [], [], []
-    for m in metrics_of(results):
+    for m in shown_metrics(results):
         if all(_value(results, meth, m.key) is None for meth in methods):
             continue
         best = _best(results, methods, m)
@@ -170,7 +185,7 @@ def paired_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]]
     95% interval and "better" / "worse" where the interval excludes 0, "n.s." otherwise. None
     when the run has no paired intervals."""
     methods = _methods(results)
-    keys_m = [m for m in metrics_of(results) if any(_paired(results, a, b, m.key) for a in methods for b in (MAP, TEMPERATURE))]
+    keys_m = [m for m in shown_metrics(results) if any(_paired(results, a, b, m.key) for a in methods for b in (MAP, TEMPERATURE))]
     if not keys_m:
         return None
     header = ["Difference", *(f"{m.label} ({m.direction.split()[0]})" for m in keys_m)]
@@ -219,7 +234,7 @@ def _against(results: Mapping[str, Any], meth: str, ref: str, n: int) -> str | N
     """``"vs MAP: better NLL, ECE; worse Accuracy; no significant difference at n = ... in ..."`` (the
     differences with their intervals are :func:`paired_table`'s)."""
     better, worse, same = [], [], []
-    for m in metrics_of(results):
+    for m in shown_metrics(results):
         p = _paired(results, meth, ref, m.key)
         if p is None:
             continue
