@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from pipelines.config.schema import RunConfig
 from pipelines.console import log
+from pipelines.errors import PreflightError
 from pipelines.storage.store import RunStore
 
 __all__ = ["log", "fingerprint", "Stages"]
@@ -47,9 +48,9 @@ class Stages:
         if self.store.exists(uri) and stage not in self.cfg.force:
             marker = self.store.read_json(uri)
             if marker.get("fingerprint") != fp:
-                raise ValueError(
+                raise PreflightError(  # one line, exit 2: a user's choice to make, not a traceback
                     f"{self.output} already holds a {stage} result made with other settings; "
-                    f"use a new --output or --force {stage}"
+                    f"use a new --output or --force {stage} (and the stages after it)"
                 )
             log(f"stage {stage}: done earlier, skipped ({uri})")
             self.results[stage] = marker["summary"]
