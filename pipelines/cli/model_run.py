@@ -380,7 +380,7 @@ class ModelRun:
             from pipelines.report.load import load_eval_metrics
             from pipelines.report.write import write_report
 
-            from pipelines.report.shift import load_shift, render_shift
+            from pipelines.report.shift import load_shift, render_shift, shift_summary_section
 
             log("report: the summary table, the figures (matplotlib) and the HTML/Markdown pages")
             metrics = load_eval_metrics(self.store)
@@ -394,8 +394,9 @@ class ModelRun:
 
             trend_figures, trend_sections = trend_parts(self.cfg.schedule.history, self.store.output, self.spec.name,
                                                         self.store.options)  # a scheduled audit's metrics over time
+            families = shift_summary_section(shift) if shift else None  # ImageNet-C's families, all 15
             return {"paths": write_report(self.store, summary, metrics, table, figures={**figures, **trend_figures},
-                                          sections=trend_sections)}
+                                          sections=[*([families] if families else []), *trend_sections])}
 
         fp = {**evaluated.fingerprint, "report": 1}
         return StageResult(fp, self.stages.run("report", fp, do_report))

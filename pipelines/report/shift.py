@@ -14,7 +14,15 @@ from pipelines.report.methods import method_color, method_label, order_methods
 from pipelines.storage.store import RunStore
 from pipelines.storage import uris as storage
 
-__all__ = ["SHIFT_METRICS", "load_shift", "shift_headline", "render_shift"]
+__all__ = ["SHIFT_METRICS", "load_shift", "shift_headline", "render_shift", "shift_summary_section", "SUMMARY_NOTE"]
+
+#: What the family table says under it (pipelines.evaluation.shift_summary computes it).
+SUMMARY_NOTE = ("ImageNet-C's families (noise, blur, weather, digital) and all of its corruptions the sweep ran: "
+                "means over corruptions and severities. CE vs MAP: the method's corruption error over MAP's, "
+                "averaged over the corruptions (below 1: fewer errors than MAP). mCE (AlexNet): ImageNet-C's mCE, "
+                "normalised by AlexNet's published errors, given only for a complete 15 x 5 sweep of a 1,000-class "
+                "model, and comparable with published tables only when the test split is ImageNet-1K's validation "
+                "set decoded as here. 'partial': not every corruption of the family at every severity 1-5.")
 
 #: (key, axis label) of the panels, in order
 SHIFT_METRICS = (("accuracy", "accuracy"), ("nll", "NLL"), ("ece", "ECE"))
@@ -74,3 +82,32 @@ def render_shift(shift_by_method: Mapping[str, Mapping[str, Any]]) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     return buf.getvalue()
+
+
+def shift_summary_section(shift_by_method: Mapping[str, Mapping[str, Any]]):
+    """The report's section of the per-family shift summaries (``shift.json``'s ``summary``): one row
+    per family and method; None when no method has a summary."""
+    from pipelines.report.page import Section, Table
+
+    rows, keys = [], []
+    methods = [m for m in order_methods(shift_by_method) if isinstance(shift_by_method[m].get("summary"), Mapping)]
+    families = list(dict.fromkeys(f for m in methods for f in shift_by_method[m]["summary"]))
+    for family in families:
+        for m in methods:
+            g = shift_by_method[m]["summary"].get(family)
+            if not isinstance(g, Mapping):
+                continue
+            rows.append([family + ("" if g.get("complete") else " (partial)"), method_label(m),
+                         _fmt(g.get("accuracy"), pct=True), _fmt(g.get("nll")), _fmt(g.get("ece"), pct=True),
+                         _fmt(g.get("ce_vs_map"), digits=3), _fmt(g.get("mce_alexnet"), digits=1)])
+            keys.append(f"{family}:{m}")
+    if not rows:
+        return None
+    header = ["Family", "Method", "Accuracy ↑", "NLL ↓", "ECE ↓", "CE vs MAP ↓", "mCE (AlexNet) ↓"]
+    return Section("Shift by corruption family", Table(header, rows, "shift-families-table", keys), SUMMARY_NOTE)
+
+
+def _fmt(v: Any, pct: bool = False, digits: int = 4) -> str:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return "—"
+    return f"{100 * v:.1f}%" if pct else f"{v:.{digits}f}"

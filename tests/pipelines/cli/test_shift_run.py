@@ -125,6 +125,8 @@ def test_the_report_opens_with_the_summary_in_a_browser(shift_run, tmp_path):
     assert (shift_run / "figures" / "shift.png").exists()
     md = (shift_run / "report.md").read_text(encoding="utf-8")
     assert md.index("## Summary") < md.index("## Run") and "Temperature" in md.split("## Run")[0]
+    # the per-family summaries (issue 39): the smoke sweep's two corruptions at severities 1 and 5
+    assert "### Shift by corruption family" in md and "| noise (partial) |" in md and "| digital (partial) |" in md
 
 
 def test_the_smoke_search_runs_under_asha(shift_run):
