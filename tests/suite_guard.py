@@ -10,7 +10,7 @@ What is counted, in the pytest process:
 
 - ``ray_instances``: an in-process ``ray.init`` that starts a local instance (Ray not yet
   initialised, no address, no ``RAY_ADDRESS``); a ``ray start --head``; a ``python -c`` child whose
-  code calls ``ray.init(``.
+  code calls ``ray.init(`` without ``address=`` (one that joins a running cluster starts none).
 - ``jobs``: a run of a job entry point in a child process (``jobs/imagenet_inf.py``,
   ``jobs/core_demo.py``, ``python -m pipelines run`` / ``pipelines.cli.main run``, ``infoform run``,
   ``make demo``; not with ``--dry-run`` or ``--help``) that did not exit 2 (the job's exit for bad
@@ -37,6 +37,7 @@ import functools
 import importlib.abc
 import json
 import os
+import re
 import shlex
 import sys
 import threading
@@ -56,6 +57,10 @@ _state: dict = {"root": None, "item": None, "counts": defaultdict(lambda: dict.f
                 "events": [], "launches": []}
 
 
+#: ``ray.init(address=...)`` in a ``python -c`` child: it joins an existing cluster (e.g. the soak's probe).
+_CONNECTS = re.compile(r"ray\.init\(\s*address\s*=")
+
+
 def classify(argv) -> str | None:
     """The kind of a child process started with ``argv`` (``"ray_instances"``, ``"jobs"``) or None."""
     if isinstance(argv, (str, bytes)):
@@ -70,8 +75,8 @@ def classify(argv) -> str | None:
         return "jobs" if a[1:3] == ["job", "submit"] else None
     if exe == "make":
         return "jobs" if "demo" in a[1:] else None
-    if exe.startswith("python") and "-c" in a[1:2]:
-        return "ray_instances" if len(a) > 2 and "ray.init(" in a[2] else None
+    if exe.startswith("python") and "-c" in a[1:2]:  # a driver that connects to a running cluster starts none
+        return "ray_instances" if len(a) > 2 and "ray.init(" in a[2] and not _CONNECTS.search(a[2]) else None
     if any(x in _NOT_A_RUN for x in a[1:]):
         return None
     if exe.startswith("python") and len(a) > 1 and a[1].replace(os.sep, "/").endswith(JOB_SCRIPTS):

@@ -31,6 +31,7 @@ PY = sys.executable
     (["make", "demo"], "jobs"),
     (["make", "install"], None),
     ([PY, "-c", "import ray; ray.init(num_cpus=1)"], "ray_instances"),
+    ([PY, "-c", "import ray, sys\nray.init(address=sys.argv[1], logging_level='ERROR')", "127.0.0.1:6379"], None),
     ([PY, "-c", "import ray.tune"], None),
     ([PY, "-m", "pytest", "-q", "x.py"], None),
     ("git clone a b", None),
