@@ -76,9 +76,19 @@ class DataPlan:
     train_root: str | None = None  # the demo's local ImageFolder, where the demo CNN is trained
 
 
+#: The machine's cache of the embedded demo (``$INFOFORM_CACHE``, default ``~/.cache/infoform``):
+#: the demo's local files for a remote output, and its trained CNN for every output (trained once
+#: per machine and settings, then copied into the run's own folder).
+CACHE_ENV = "INFOFORM_CACHE"
+
+
+def machine_cache() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "infoform"))
+
+
 def _demo_dir(output: str) -> str:
     if storage.is_remote(output):
-        return os.path.join(os.path.expanduser("~"), ".cache", "infoform", "demo")
+        return str(machine_cache() / "demo")
     return storage.get_fs(output)[1]
 
 
@@ -125,11 +135,31 @@ def prepare_demo(cfg: RunConfig, output: str) -> DataPlan:
     )
 
 
+def _copy_files(src: Path, dst: Path, names: tuple[str, ...]) -> None:
+    """``names`` from ``src`` into ``dst``, each replaced atomically when its bytes differ."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        data = (src / name).read_bytes()
+        if not (dst / name).exists() or (dst / name).read_bytes() != data:
+            tmp = dst / f".{name}.{os.getpid()}.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, dst / name)
+
+
 def demo_model(cfg: RunConfig, plan: DataPlan, output: str) -> tuple[ModelSpec, dict[str, Any]]:
     from pipelines.ingest.demo_data import train_small_cnn
 
     cache = Path(_demo_dir(output)) / "model"
-    _, info = train_small_cnn(plan.train_root, epochs=8, seed=0, cache_path=cache, num_threads=1)
+    shared = machine_cache() / "demo" / "model"
+    try:
+        shared.mkdir(parents=True, exist_ok=True)
+    except OSError:  # an unwritable machine cache: train into the run's folder
+        shared = cache
+    # trained once per machine and settings (deterministic: seeded, one thread), copied into the run
+    _, info = train_small_cnn(plan.train_root, epochs=8, seed=0, cache_path=shared, num_threads=1)
+    if shared != cache:
+        _copy_files(shared, cache, ("small_cnn.safetensors", "small_cnn.json"))
+        info = dataclasses.replace(info, cache_path=str(cache))
     weights = str(cache / "small_cnn.safetensors")
     if storage.is_remote(output):  # the workers and actors load the weights from the output
         remote = layout.demo_model_uri(output, "small_cnn.safetensors")
