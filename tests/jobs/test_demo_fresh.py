@@ -2,7 +2,9 @@
 installs the project with one pip command (the base and `dev`, not `bench`: `make install-demo`,
 run first here to time it apart), runs the job on the embedded demo and writes the report. This
 is what a new user does first; it is slow (an install plus the demo), so it is opt-in locally
-(`INFOFORM_FRESH_DEMO=1`) and on in CI (`.ci/run` sets the variable).
+(`INFOFORM_FRESH_DEMO=1`) and on in CI (`make test` sets the variable). In a run of the suite it
+starts when the suite does and runs beside it (:class:`Background`, issue 43); the test, moved last,
+waits for it and checks what it printed and wrote.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -63,22 +66,30 @@ def _other_ray_instance(env):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.mark.skipif(os.environ.get("INFOFORM_FRESH_DEMO") != "1",
-                    reason="set INFOFORM_FRESH_DEMO=1 to clone, install into a new venv and run `make demo`")
-@pytest.mark.timeout(1800)
-def test_make_demo_from_a_fresh_clone(tmp_path):
+def enabled() -> str | None:
+    """Why the fresh-clone demo cannot run here, or None."""
+    if os.environ.get("INFOFORM_FRESH_DEMO") != "1":
+        return "set INFOFORM_FRESH_DEMO=1 to clone, install into a new venv and run `make demo`"
     if shutil.which("git") is None or shutil.which("make") is None:
-        pytest.skip("git and make are needed")
-    clone = tmp_path / "infoform"
+        return "git and make are needed"
+    return None
+
+
+def fresh_demo(base: Path) -> dict:
+    """Clone, `make install-demo`, `make demo` (with another Ray instance up) under ``base``: what
+    the test asserts on. A new user's machine: no infoform cache (the demo's CNN is trained)."""
+    clone = base / "infoform"
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=300)
     # a new user's shell: not inside this suite's `make test` (MAKELEVEL would add make's
     # "Entering/Leaving directory" lines around the demo's own)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH", "RAY_ADDRESS", "MAKELEVEL", "MAKEFLAGS", "MFLAGS"))}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if "/.venv/" not in p)
+    env["INFOFORM_CACHE"] = str(base / "machine-cache")
     t0 = time.time()
     inst = subprocess.run(["make", "install-demo"], cwd=clone, env=env, capture_output=True, text=True, timeout=1200)
-    assert inst.returncode == 0, (inst.stdout[-4000:], inst.stderr[-4000:])
+    if inst.returncode != 0:
+        return {"clone": clone, "inst": inst, "res": None, "took": time.time() - t0, "install": time.time() - t0}
     t1 = time.time()
     # the demo's own output, both streams in order: what a new user reads; with another local
     # Ray instance up (a user's, or this pytest session's), which must not confuse Ray's clients
@@ -86,8 +97,56 @@ def test_make_demo_from_a_fresh_clone(tmp_path):
         res = subprocess.run(["make", "demo"], cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, timeout=1700)
     res.stderr = ""
-    took = time.time() - t0
-    print(f"make demo from a fresh clone: {took:.0f} s (install {t1 - t0:.0f} s + demo)")
+    return {"clone": clone, "inst": inst, "res": res, "took": time.time() - t0, "install": t1 - t0}
+
+
+class Background:
+    """The fresh-clone demo started beside the rest of the suite (``tests/conftest.py`` starts it
+    when the suite begins and runs this test last): its own clone, venv and Ray instances share
+    nothing with the other tests, and its install and Ray start-up fill the suite's idle CPU."""
+
+    thread: threading.Thread | None = None
+    result: dict = {}
+    base: Path | None = None
+
+    @classmethod
+    def start(cls) -> None:
+        cls.base = Path(tempfile.mkdtemp(prefix="infoform-fresh-demo-"))
+
+        def work():
+            try:
+                cls.result["ok"] = fresh_demo(cls.base)
+            except BaseException as e:  # noqa: BLE001 - the test re-raises it
+                cls.result["error"] = e
+
+        cls.thread = threading.Thread(target=work, name="fresh-demo", daemon=True)
+        cls.thread.start()
+
+
+@pytest.mark.timeout(1800)
+def test_make_demo_from_a_fresh_clone(tmp_path):
+    why = enabled()
+    if why:
+        pytest.skip(why)
+    if Background.thread is None:  # run alone (this file, or a selection the conftest did not start it for)
+        Background.base = tmp_path
+        Background.result["ok"] = fresh_demo(tmp_path)
+    else:
+        Background.thread.join(1750)
+        assert not Background.thread.is_alive(), "the fresh-clone demo did not end in 1,750 s"
+        if "error" in Background.result:
+            raise Background.result["error"]
+    try:
+        _check(Background.result["ok"])
+    finally:
+        if Background.base != tmp_path:
+            shutil.rmtree(Background.base, ignore_errors=True)
+
+
+def _check(r: dict) -> None:
+    inst, res, took, clone = r["inst"], r["res"], r["took"], r["clone"]
+    assert inst.returncode == 0, (inst.stdout[-4000:], inst.stderr[-4000:])
+    print(f"make demo from a fresh clone: {took:.0f} s (install {r['install']:.0f} s + demo)")
     assert res.returncode == 0, (res.stdout[-4000:], res.stderr[-4000:])
     lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
     assert len(lines) <= DEMO_MAX_LINES, "\n".join(lines)
@@ -109,7 +168,7 @@ def test_make_demo_from_a_fresh_clone(tmp_path):
     assert 3 <= len(verdict) <= 6 and lines[-1 - len(verdict):-1] == verdict, lines[-8:]
     run = json.loads((out / "run.json").read_text())
     assert set(run["results"]) >= {"map", "diag", "kfac", "efb", "inf"}
-    for m, r in run["results"].items():
-        assert r["status"] == "ok", (m, r)
+    for m, row in run["results"].items():
+        assert row["status"] == "ok", (m, row)
     html = (out / "report.html").read_text()
     assert 'id="methods-table"' in html and html.count("data:image/png;base64,") >= 3
