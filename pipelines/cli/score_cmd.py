@@ -33,7 +33,8 @@ def add_score_parser(sub: argparse._SubParsersAction, init_ray: Callable[[str | 
     p.add_argument("--output", required=True, help="where the Parquet blocks go (local or s3://)")
     p.add_argument("--method", help="map, a posterior method of the run, or temperature (default: inf, else the "
                                     "run's first posterior)")
-    p.add_argument("--pred-type", choices=("nn", "glm"), help="predictive (default: the run's evaluate.pred_type)")
+    p.add_argument("--pred-type", choices=("nn", "glm"),
+                   help="predictive (default: the one the run's search chose for the method, else evaluate.pred_type)")
     p.add_argument("--model-name", help="the model the run must hold (and which model of an audit)")
     p.add_argument("--n-samples", type=int, help="MC samples K (default: the run's evaluate.mc_samples)")
     p.add_argument("--top-k", type=int, default=5, help="top-k classes and probabilities per image (default 5)")
@@ -66,9 +67,10 @@ def _settings(args: argparse.Namespace, info: Any):
     from pipelines.serve.score import ScoreSettings
 
     ev = info.config.evaluate
-    pred_type = args.pred_type or ev.pred_type
+    method = info.check_method(args.method or info.default_method())
+    pred_type = args.pred_type or info.pred_type_of(method)
     check_pred_type(pred_type)
-    return ScoreSettings(method=info.check_method(args.method or info.default_method()), pred_type=pred_type,
+    return ScoreSettings(method=method, pred_type=pred_type,
                          n_samples=args.n_samples or ev.mc_samples, seed=ev.seed, top_k=args.top_k,
                          block_size=args.block_size, keep_probs=args.keep_probs, pool_size=args.num_actors)
 

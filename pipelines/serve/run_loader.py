@@ -62,6 +62,13 @@ class RunInfo:
     hyper: dict[str, tuple[float, float]]
     temperature: float | None
     store: RunStore = RunStore()
+    #: ``method -> "nn" | "glm"``: the predictive the run's search chose for each method
+    #: (``search.pred_types``); a method not listed uses the run's ``evaluate.pred_type``.
+    pred_types: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def pred_type_of(self, method: str) -> str:
+        """The predictive the run evaluated ``method`` with: its search's choice, else ``evaluate.pred_type``."""
+        return self.pred_types.get(method) or self.config.evaluate.pred_type
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -163,16 +170,18 @@ def read_run(store: RunStore, model_name: str | None = None) -> RunInfo:
     for m, u in uris.items():
         if not store.exists(storage.join(u, MANIFEST_FILE)):
             raise RunError(f"run {uri}: the {m} posterior at {u} is missing")
-    hyper, temperature = {}, None
+    hyper, temperature, pred_types = {}, None, {}
     search_uri = layout.stage_marker_uri(fitted, "search")
     if store.exists(search_uri):
         srch = _read_json(search_uri, store, "")["summary"]
         hyper = {m: (float(c["n_data"]), float(c["prior_precision"]))
                  for m, c in (srch.get("chosen") or {}).items() if c and m in uris}
+        pred_types = {m: c["pred_type"] for m, c in (srch.get("chosen") or {}).items()
+                      if c and m in uris and c.get("pred_type")}
         if srch.get("temperature"):
             temperature = float(srch["temperature"]["temperature"])
     return RunInfo(uri=sub, root=uri, config=cfg, model=model, posterior_uris=uris, hyper=hyper,
-                   temperature=temperature, store=store)
+                   temperature=temperature, store=store, pred_types=pred_types)
 
 
 def make_method_predictor(model: torch.nn.Module, posteriors: Mapping[str, Any], method: str, pred_type: str,
@@ -224,7 +233,7 @@ class LoadedRun:
 
     def predictor(self, method: str | None = None, pred_type: str | None = None, n_samples: int | None = None):
         method = self.info.check_method(method or self.info.default_method())
-        key = (method, pred_type or self.ev.pred_type, n_samples or self.ev.mc_samples)
+        key = (method, pred_type or self.info.pred_type_of(method), n_samples or self.ev.mc_samples)
         if key not in self._predictors:
             self._predictors[key] = make_method_predictor(self.model, self.posteriors, method, key[1], key[2],
                                                           self.ev.seed, int(self.ev.sample_cache_mb * 2**20),
@@ -236,7 +245,8 @@ class LoadedRun:
         """Probabilities (``probs`` ``[B, C]``) and the uncertainty columns of
         :func:`pipelines.serve.uncertainty.predict_columns` for ``x``: a ``[B, 3, H, W]`` tensor
         already transformed, or a list of PIL images / encoded bytes. Defaults: the run's method
-        ``inf`` (else its first), its ``evaluate.pred_type``, ``evaluate.mc_samples`` and seed."""
+        ``inf`` (else its first), the predictive the run chose for it (``search.pred_types``, else
+        ``evaluate.pred_type``), ``evaluate.mc_samples`` and seed."""
         from pipelines.serve.uncertainty import predict_columns
 
         if not isinstance(x, torch.Tensor):

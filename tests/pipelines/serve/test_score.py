@@ -229,3 +229,33 @@ def test_readme_load_run_example_runs(smoke_run, tmp_path, monkeypatch):
     assert out["probs"].shape == (3, 10) and np.allclose(out["probs"].sum(1), 1, atol=1e-5)
     assert (out["mutual_information"] >= 0).all() and out["pred"].shape == (3,)
     assert isinstance(Image.open(paths[0]), Image.Image)
+
+
+def test_scoring_defaults_to_the_predictive_the_search_chose(smoke_run, tmp_path, capsys):
+    """A run whose search chose the linearised predictive for a method (``search.pred_types``)
+    is scored and served with it unless ``--pred-type`` says otherwise; a method the search did
+    not choose one for keeps ``evaluate.pred_type``. (A copy of the session's run with the search
+    marker's choice for ``diag`` set to ``glm``: the plumbing from the marker to the predictor.)"""
+    import json
+    import shutil
+
+    from laplace_core.predictive.monte_carlo import MCPredictor
+    from pipelines.serve.run_loader import LoadedRun, read_run
+
+    run = tmp_path / "run"
+    shutil.copytree(smoke_run, run, ignore=shutil.ignore_patterns("shift", "scores*"))
+    marker = run / "stages" / "search.json"
+    doc = json.loads(marker.read_text())
+    doc["summary"]["chosen"]["diag"]["pred_type"] = "glm"
+    marker.write_text(json.dumps(doc))
+    info = read_run(RunStore.open(str(run)))
+    assert info.pred_type_of("diag") == "glm" and info.pred_type_of("inf") == info.config.evaluate.pred_type == "nn"
+    loaded = LoadedRun(info)
+    assert "GLM" in type(loaded.predictor("diag")).__name__
+    assert isinstance(loaded.predictor("inf"), MCPredictor)
+    assert isinstance(loaded.predictor("diag", pred_type="nn"), MCPredictor)
+    out = tmp_path / "scores"
+    code, _, err = _score(capsys, "--run", str(run), "--data", "run:test", "--output", str(out), "--method", "diag")
+    assert code == 0, err
+    manifest = json.loads((out / "_score.json").read_text())
+    assert manifest["method"] == "diag" and manifest["pred_type"] == "glm", manifest
