@@ -9,7 +9,8 @@ one-hot row for a Jacobian) the per-example gradient of a free parameter ``p`` i
 examples (only the free parameters are differentiated; the rest of the model is a constant). It is
 the same seed the hooks back-propagate for every other layer, so the sums merge per shard alike.
 The forward runs in the model's dtype (no autocast), inside :meth:`Capture.paused` when a capture
-is installed. Cost: one extra forward and backward of the model per batch (the backward to the
+is installed, with attention in plain ops (:func:`~laplace_core.curvature.hooks.reference_attention`:
+``vmap`` has no batching rule for the fused kernels and would loop over the examples). Cost: one extra forward and backward of the model per batch (the backward to the
 free parameters only), chunked over examples so that the gradients stay below ``max_elements``.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 
 from .accumulate import Accumulator
+from .hooks import reference_attention
 from .layers import FreeView, is_free
 
 __all__ = ["free_views", "free_grads", "FreeDiagSums"]
@@ -61,7 +63,8 @@ def free_grads(model: nn.Module, views: Mapping[str, FreeView], x: torch.Tensor,
         return [pull(sk[s])[0] for s in range(S)]
 
     parts: dict[str, list[torch.Tensor]] = {k: [] for k in views}
-    with (cap.paused() if cap is not None else contextlib.nullcontext()), torch.enable_grad():
+    paused = cap.paused() if cap is not None else contextlib.nullcontext()
+    with paused, reference_attention(model), torch.enable_grad():  # attention in plain ops: vmap-able
         for i0 in range(0, B, bs):
             res = vmap(one, in_dims=(0, 1))(x[i0:i0 + bs], seeds[:, i0:i0 + bs])
             for k in views:
