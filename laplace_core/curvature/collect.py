@@ -273,7 +273,9 @@ def collect_statistics(
 
     ``norm_layers="diag"`` adds the normalisation layers (:mod:`laplace_core.curvature.layers`):
     only their exact Fisher diagonal ``Σ_k d_k ∘ d_k`` (``d_k`` from
-    :func:`laplace_core.curvature.hooks.norm_grads`), no ``A``, ``G`` or ``efb``. ``layers``: which
+    :func:`laplace_core.curvature.hooks.norm_grads`), no ``A``, ``G`` or ``efb``; and the free parameters
+    (:class:`~laplace_core.curvature.layers.FreeView`: ``d_k`` from
+    :func:`laplace_core.curvature.free_grads.free_grads`, one more forward and backward per batch). ``layers``: which
     curvature layers to collect (``"all"``, ``"last"``, names / globs;
     :func:`laplace_core.curvature.layer_selection.select_layers`); the others stay at MAP (``excluded``).
     """
