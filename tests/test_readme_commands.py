@@ -287,8 +287,8 @@ def test_sizes_commands_run(capsys):
     assert "diag" in json.dumps(report)
     assert main(["sizes", "--model", "vit_b_16", "--norm-layers", "diag", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert round(100 * report["coverage"]["fraction"], 2) == 99.82  # the figure docs/methods.md quotes
-    assert "vit_b_16 99.82%" in _flat(SIZES_PAGE)
+    assert round(100 * report["coverage"]["fraction"], 2) == 100.0  # the figure docs/methods.md quotes
+    assert report["coverage"]["weights_at_map"] == 0 and "vit_b_16 100.00%" in _flat(SIZES_PAGE)
     assert main(["sizes", "--model", "resnet18", "--layers", "last"]) == 0
     out = capsys.readouterr().out
     for figure in ("513,000", "1,263,169", "4.39%"):  # the figures docs/methods.md quotes for the fc-only posterior

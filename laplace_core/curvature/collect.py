@@ -52,7 +52,8 @@ from torch import nn
 from .accumulate import EFB_ORDERS, Accumulator, GroupedConvSums, LayerSums, sym_blocks
 from .batch_loop import ModelBatch, PassOptions, draw_targets, model_batches, split_batch
 from ..basis.eigenbasis import Eigenbasis, LayerBasis
-from .layers import GroupView, check_norm_layers, find_layers
+from .free_grads import FreeDiagSums, free_grads, free_views
+from .layers import GroupView, check_norm_layers, find_layers, is_free
 from .likelihoods import check_fisher, likelihood_for
 from .statistics import CurvatureStatistics, LayerInfo, LayerStatistics
 
@@ -103,6 +104,8 @@ def _layer_sums(modules, infos, kfac: bool, bases, opts: PassOptions, weight: to
     in_group = {n for ns in groups.values() for n in ns}
     sums = []
     for name, mod in modules.items():
+        if is_free(mod):
+            continue  # FreeDiagSums (free_grads), after these
         if name in first_of:
             names = first_of[name]
             sums.append(GroupedConvSums(names, mod.parent, infos[name], kfac,
@@ -117,6 +120,9 @@ def _layer_sums(modules, infos, kfac: bool, bases, opts: PassOptions, weight: to
                 diag=acc(m, n) if kfac else None, efb=acc(m, n) if U_A is not None else None,
                 U_A=U_A, U_G=U_G, force_order=opts.efb_order,
             ))
+    free = free_views(modules)
+    if free and kfac:
+        sums.append(FreeDiagSums(free, infos, opts.dtype, weight.dtype, weight.device))
     return sums
 
 
@@ -149,9 +155,10 @@ def _flush(sums, batch_index: int, cdtype) -> None:
         )
 
 
-def _output_grads(lik, batch: ModelBatch, modules, draws: int, opts: PassOptions) -> dict[str, list] | None:
-    """Per layer, one captured output gradient per label draw; ``None`` when the outputs,
-    the log-likelihood, the captured inputs or the gradients are not finite (batch skipped)."""
+def _output_grads(lik, batch: ModelBatch, modules, draws: int, opts: PassOptions, free=None) -> dict[str, list] | None:
+    """Per layer, one captured output gradient per label draw (a free parameter: its per-example
+    gradients, ``[(S, B, m, n)]``, from ``free = (model, views)``); ``None`` when the outputs, the
+    log-likelihood, the captured inputs or the gradients are not finite (batch skipped)."""
     cap, logits = batch.capture, batch.logits
     labels = lik.check(logits, batch.labels, opts.fisher)
     if not bool(torch.isfinite(logits).all()):
@@ -159,14 +166,18 @@ def _output_grads(lik, batch: ModelBatch, modules, draws: int, opts: PassOptions
     targets = draw_targets(lik, batch, labels, draws, opts)
     seeds = lik.output_grad(logits, targets).to(batch.outputs.dtype)
     checks = [lik.log_lik(logits, targets).reshape(1)]
-    grads: dict[str, list[torch.Tensor]] = {k: [] for k in modules}
-    for s in range(draws):
+    hooked = [k for k in modules if k in cap.modules]
+    grads: dict[str, list[torch.Tensor]] = {k: [] for k in hooked}
+    for s in range(draws if hooked else 0):
         per_layer = cap.backward(batch.outputs, seeds[s], retain_graph=s < draws - 1)
-        for k in modules:
+        for k in hooked:
             grads[k].append(per_layer[k])
     batch.outputs = None  # free the graph before the products
-    checks += [cap.inputs[k].sum().reshape(1).to(logits.dtype) for k in modules]
-    checks += [g.sum().reshape(1).to(logits.dtype) for k in modules for g in grads[k]]
+    if free is not None:
+        fg = free_grads(free[0], free[1], batch.inputs, seeds.to(batch.inputs.dtype), max_elements=opts.max_chunk_elements, cap=cap)
+        grads.update({k: [g] for k, g in fg.items()})
+    checks += [cap.inputs[k].sum().reshape(1).to(logits.dtype) for k in hooked]
+    checks += [g.sum().reshape(1).to(logits.dtype) for k in grads for g in grads[k]]
     return grads if bool(torch.isfinite(torch.cat(checks)).all()) else None
 
 
@@ -175,6 +186,9 @@ def _add_batch(sums, cap, grads: dict[str, list], cdtype, max_chunk: int) -> Non
     and output gradient); captured half-precision rows are cast to the model's dtype."""
     for layer in sums:
         first = layer.names[0]
+        if isinstance(layer, FreeDiagSums):
+            layer.add({k: grads[k][0] for k in layer.names})
+            continue
         layer.add(cap.inputs[first].to(cdtype), [g.to(cdtype) for g in grads[first]], max_chunk)
         for k in layer.names:
             grads[k] = []
@@ -191,12 +205,13 @@ def _run(model: nn.Module, batches: Iterable, *, kfac: bool, basis, opts: PassOp
     weight = next(iter(modules.values())).weight
     bases = _resolve_basis(basis, infos, weight.dtype, weight.device) if basis is not None else {}
     sums = _layer_sums(modules, infos, kfac, bases, opts, weight)
+    free = (model, free_views(modules)) if any(isinstance(s, FreeDiagSums) for s in sums) else None
     tally = _Tally()
     with contextlib.closing(model_batches(model, batches, modules, opts)) as stream:
         for batch in stream:
             tally.batches += 1
             tally.seen += batch.size
-            grads = _output_grads(lik, batch, modules, draws, opts)
+            grads = _output_grads(lik, batch, modules, draws, opts, free)
             if grads is None:
                 tally.skipped_batches += 1
                 tally.skipped_examples += batch.size
@@ -215,7 +230,7 @@ def _run(model: nn.Module, batches: Iterable, *, kfac: bool, basis, opts: PassOp
     if tally.batches == 0 or tally.seen == 0:
         raise ValueError("no batches: the data iterable was empty")
     totals = {k: t for layer in sums for k, t in layer.totals().items()}
-    return _PassResult({k: totals[k] for k in modules}, infos, excluded, tally, draws)
+    return _PassResult({k: totals[k] for k in modules if k in totals}, infos, excluded, tally, draws)
 
 
 # =========================================================================== public
@@ -258,7 +273,9 @@ def collect_statistics(
 
     ``norm_layers="diag"`` adds the normalisation layers (:mod:`laplace_core.curvature.layers`):
     only their exact Fisher diagonal ``Σ_k d_k ∘ d_k`` (``d_k`` from
-    :func:`laplace_core.curvature.hooks.norm_grads`), no ``A``, ``G`` or ``efb``. ``layers``: which
+    :func:`laplace_core.curvature.hooks.norm_grads`), no ``A``, ``G`` or ``efb``; and the free parameters
+    (:class:`~laplace_core.curvature.layers.FreeView`: ``d_k`` from
+    :func:`laplace_core.curvature.free_grads.free_grads`, one more forward and backward per batch). ``layers``: which
     curvature layers to collect (``"all"``, ``"last"``, names / globs;
     :func:`laplace_core.curvature.layer_selection.select_layers`); the others stay at MAP (``excluded``).
     """

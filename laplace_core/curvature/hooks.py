@@ -51,8 +51,9 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
-from .layers import GroupView, LayerKind, ScaleView, affine_output_child, is_tapped, layer_kind
+from .layers import GroupView, LayerKind, ScaleView, affine_output_child, is_free, is_tapped, layer_kind
 from .norm_rows import norm_grads
+from .sdpa_reference import sdpa_reference
 
 __all__ = [
     "Capture",
@@ -274,6 +275,8 @@ class _Tap(TorchFunctionMode):
         if func is F.multi_head_attention_forward:
             with self:
                 return mha_forward(*args, **kwargs)
+        if func is F.scaled_dot_product_attention and self.cap is None:
+            return sdpa_reference(*args, **kwargs)
         out = func(*args, **kwargs)
         if func is F.linear:
             w = args[1] if len(args) > 1 else kwargs.get("weight")
@@ -285,12 +288,10 @@ class _Tap(TorchFunctionMode):
 
 @contextlib.contextmanager
 def reference_attention(model: nn.Module) -> Iterator[None]:
-    """Inside the block, ``nn.MultiheadAttention`` runs :func:`mha_forward` (plain autograd
-    ops, forward-mode AD included) instead of its fused kernel; a no-op for models without
-    one. ``torch.func.jvp`` needs it: the fused kernel has no forward-mode derivative."""
-    if not any(isinstance(m, nn.MultiheadAttention) for m in model.modules()):
-        yield
-        return
+    """Inside the block, ``nn.MultiheadAttention`` runs :func:`mha_forward` and
+    ``F.scaled_dot_product_attention`` (timm's attention) :func:`~laplace_core.curvature.sdpa_reference.sdpa_reference`
+    (plain autograd ops, forward-mode AD included) instead of their fused kernels.
+    ``torch.func.jvp`` needs it: the fused kernels have no forward-mode derivative."""
     with _Tap(None, {}):
         yield
 
@@ -309,11 +310,14 @@ class Capture:
       output's shape (zeros for a layer that does not influence the output).
 
     :meth:`clear` (called automatically at the start of each forward of the root
-    module) forgets everything, so one capture serves many batches.
+    module) forgets everything, so one capture serves many batches. Free parameters
+    (:class:`~laplace_core.curvature.layers.FreeView`) are not captured; forwards inside
+    :meth:`paused` (their ``torch.func`` gradients) record and clear nothing.
     """
 
     def __init__(self, modules: Mapping[str, nn.Module]):
-        self.modules: dict[str, nn.Module] = dict(modules)
+        self.modules: dict[str, nn.Module] = {k: m for k, m in modules.items() if not is_free(m)}
+        self.off = False
         self.inputs: dict[str, torch.Tensor] = {}
         self.outputs_meta: dict[str, tuple[torch.Size, torch.dtype, torch.device]] = {}
         self.edges: dict[str, object] = {}
@@ -322,6 +326,15 @@ class Capture:
         self._src_grads: dict[str, torch.Tensor] = {}
         self._src_of: dict[str, str] = {}
         self._order: list[str] = []
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forwards inside the block are not recorded (and do not clear the record)."""
+        self.off = True
+        try:
+            yield
+        finally:
+            self.off = False
 
     def clear(self) -> None:
         self.inputs.clear()
@@ -359,6 +372,8 @@ class Capture:
 
     # called by the forward hooks
     def _record(self, name: str, module: nn.Module, args: tuple, out, names: list[str] | None = None) -> None:
+        if self.off:
+            return
         x, B, rows = args[0].detach(), self.batch_size, None
         if isinstance(module, nn.Linear) and B and x.dim() > 2 and x.shape[0] != B and x.shape[0] % B == 0:
             rows = lambda t: t.reshape(B, -1, t.shape[-1])  # noqa: E731 (timm Swin's windows, example-major)
@@ -366,6 +381,8 @@ class Capture:
             self._hook_output(name, out, rows)
 
     def _record_tap(self, name: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        if self.off:
+            return
         B = self.batch_size
         if B is None or x.dim() < 2 or x.shape[0] % B:
             raise ValueError(f"layer {name!r}: F.linear input of shape {tuple(x.shape)} does not split into "
@@ -436,6 +453,8 @@ def capture(model: nn.Module, modules: Mapping[str, nn.Module]) -> Iterator[Capt
     cap = Capture(modules)
 
     def pre(mod, args):
+        if cap.off:
+            return
         cap.clear()
         cap.batch_size = int(args[0].shape[0]) if args and isinstance(args[0], torch.Tensor) and args[0].dim() else None
 
@@ -443,7 +462,7 @@ def capture(model: nn.Module, modules: Mapping[str, nn.Module]) -> Iterator[Capt
     taps: dict[int, str] = {}
     groups: dict[int, tuple[nn.Module, list[str]]] = {}
     block_out: dict[str, torch.Tensor] = {}
-    for name, layer in modules.items():
+    for name, layer in cap.modules.items():
         if isinstance(layer, ScaleView) or affine_output_child(layer) is not None:
             handles.extend(_split_hooks(cap, name, layer, block_out))
         elif is_tapped(layer):

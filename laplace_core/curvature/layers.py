@@ -35,6 +35,14 @@ without a bias). They get only the exact Fisher diagonal, and a **diagonal** pos
 block whatever the method chosen for the other layers (see
 :mod:`laplace_core.posteriors.build`).
 
+**Free parameters** (also under ``norm_layers="diag"``): the trainable parameters of a module
+that is no Linear / Conv / attention / normalisation layer (timm's ViT ``pos_embed`` /
+``cls_token`` / ``dist_token``, ``LayerScale.gamma``, ConvNeXt blocks' ``gamma``, Swin's
+``relative_position_bias_table``, ...): one :class:`FreeView` ``<module>.<parameter>`` each, kind
+``"norm"`` with ``W~`` = the parameter as ``weight.reshape(shape[0], -1)``. They have no layer input
+and output to form a Fisher from: their per-example gradients come from ``torch.func``
+(:mod:`laplace_core.curvature.free_grads`), for the exact diagonal and its diagonal block.
+
 ``W~`` has shape ``m x n``: ``m`` = output channels/features, ``n`` = fan-in
 (``c_in * kh * kw`` for a conv, in ``weight.reshape(m, -1)`` order, which is also
 ``F.unfold``'s patch order) plus one column when there is a bias.
@@ -62,7 +70,9 @@ __all__ = [
     "NORM_LAYER_MODES",
     "NORM_TYPES",
     "ScaleView",
+    "FreeView",
     "affine_output_child",
+    "is_free",
     "check_norm_layers",
     "is_tapped",
     "layer_kind",
@@ -201,6 +211,28 @@ class ScaleView(LayerView):
         super().__init__(parent, parent_name, "layer_scale", None, slice(None))
 
 
+class FreeView(LayerView):
+    """A trainable parameter ``parent.<param_name>`` of a module that is no curvature layer, as a
+    ``W~`` of kind ``"norm"`` (``weight`` is the whole parameter, ``W~ = weight.reshape(shape[0], -1)``,
+    no bias): not captured by hooks, its per-example gradients come from ``torch.func``."""
+
+    kind = LayerKind.NORM
+
+    def __init__(self, parent: nn.Module, parent_name: str, param_name: str):
+        super().__init__(parent, parent_name, param_name, None, slice(None))
+
+
+def is_free(layer) -> bool:
+    """Whether ``layer`` is a :class:`FreeView` (no module hooks: gradients by ``torch.func``)."""
+    return isinstance(layer, FreeView)
+
+
+def _free_views(mod: nn.Module, name: str) -> list[tuple[str, FreeView]]:
+    """``(layer name, view)`` for each trainable parameter of at least one dimension ``mod`` owns."""
+    return [(f"{name}.{k}" if name else k, FreeView(mod, name, k))
+            for k, p in mod.named_parameters(recurse=False) if p.requires_grad and p.dim() >= 1]
+
+
 def check_norm_layers(norm_layers: str) -> str:
     """``norm_layers`` if valid, else a one-line ``ValueError`` naming the valid values."""
     if norm_layers not in NORM_LAYER_MODES:
@@ -285,7 +317,8 @@ def find_layers(model: nn.Module, norm_layers: str = "map",
     ``<block>.layer_scale``); ``excluded`` maps names of other modules that directly own
     trainable parameters to a reason. Modules whose parameters are frozen
     (``requires_grad=False``) are excluded too. ``norm_layers="diag"`` adds the
-    normalisation layers (kind ``"norm"``, module docstring); ``"map"`` excludes them.
+    normalisation layers (kind ``"norm"``, module docstring) and the free parameters
+    (:class:`FreeView` ``<module>.<parameter>``); ``"map"`` excludes them.
     ``layers``: ``"all"``, ``"last"`` or names / globs (:func:`laplace_core.curvature.layer_selection.select_layers`,
     resolved over the curvature layers above); the layers it leaves out are point estimates,
     in ``excluded`` under their owning module's name (under the view's name when only some
@@ -323,8 +356,12 @@ def find_layers(model: nn.Module, norm_layers: str = "map",
             _register(modules, infos, lname, ScaleView(mod, name) if scale else mod, LayerKind.NORM)
             continue
         entry = LAYER_REGISTRY.get(type(mod))
-        if entry is None:
+        free = _free_views(mod, name) if entry is None and norm_layers == "diag" else []
+        for lname, view in free:
+            _register(modules, infos, lname, view, LayerKind.NORM)
+        if entry is None and not free:
             excluded[name] = f"{type(mod).__name__} is not in the layer registry (point estimate)"
+        if entry is None:
             continue
         kind, check = entry
         reason = check(mod)

@@ -23,6 +23,7 @@ from torch import nn
 
 from .batch_loop import ModelBatch, PassOptions, draw_targets, model_batches
 from .hooks import layer_inputs, layer_output_grads, norm_grads
+from .free_grads import free_grads, free_views
 from .layers import LayerKind, find_layers, layer_kind
 from .likelihoods import check_fisher, likelihood_for
 
@@ -145,14 +146,21 @@ def _subnet_output_grads(batch: ModelBatch, opts: PassOptions) -> tuple[torch.Te
     return seeds, 1.0 / seeds.shape[0]
 
 
-def _add_subnet_batch(fisher_sum: torch.Tensor, batch: ModelBatch, modules, selected, opts: PassOptions) -> None:
-    """``fisher_sum += w Σ_s d_s^T d_s`` with ``d_s`` (B, S) the selected per-example gradients."""
+def _add_subnet_batch(fisher_sum: torch.Tensor, batch: ModelBatch, modules, selected, opts: PassOptions,
+                      model: nn.Module) -> None:
+    """``fisher_sum += w Σ_s d_s^T d_s`` with ``d_s`` (B, S) the selected per-example gradients
+    (free parameters': :func:`laplace_core.curvature.free_grads.free_grads`)."""
     seeds, weight = _subnet_output_grads(batch, opts)
     seeds = seeds.to(batch.outputs.dtype)
     cap = batch.capture
+    free = free_views({k: modules[k] for k in selected})
+    fg = free_grads(model, free, batch.inputs, seeds.to(batch.inputs.dtype), max_elements=opts.max_chunk_elements,
+                    cap=cap) if free else {}
+    hooked = len(free) < len(selected)
     for s in range(seeds.shape[0]):
-        grads = cap.backward(batch.outputs, seeds[s], retain_graph=s < seeds.shape[0] - 1)
+        grads = cap.backward(batch.outputs, seeds[s], retain_graph=s < seeds.shape[0] - 1) if hooked else {}
         parts = [
+            fg[k][s][:, rows, cols] if k in fg else
             _layer_selected_grads(modules[k], cap.inputs[k].to(modules[k].weight.dtype),
                                   grads[k].to(modules[k].weight.dtype), rows, cols, int(opts.max_chunk_elements))
             for k, (rows, cols) in selected.items()
@@ -217,7 +225,7 @@ def collect_subnet_fisher(
     # them (a last-layer subnetwork back-propagates to the last layer only)
     with contextlib.closing(model_batches(model, batches, {k: modules[k] for k in selected}, opts)) as stream:
         for batch in stream:
-            _add_subnet_batch(fisher_sum, batch, modules, selected, opts)
+            _add_subnet_batch(fisher_sum, batch, modules, selected, opts, model)
             count += batch.size
             batch.capture.clear()
     if count == 0:

@@ -375,7 +375,10 @@ def _why(mod: nn.Module, reason: str) -> str:
         return reason
     if isinstance(mod, NORM_TYPES):
         return "normalisation layer at MAP (--norm-layers diag puts it under a diagonal posterior)"
-    return "parameters of no Linear, Conv or normalisation module: no layer input and output to form their Fisher from"
+    if any(p.dim() == 0 for p in mod.parameters(recurse=False)):
+        return "scalar parameters of no Linear, Conv or normalisation module: point estimates"
+    return ("parameters of no Linear, Conv or normalisation module: at MAP (--norm-layers diag puts them under "
+            "their exact Fisher diagonal, like the norm layers)")
 
 
 def at_map_reasons(model: nn.Module, excluded: Mapping[str, str]) -> dict[str, str]:

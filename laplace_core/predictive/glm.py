@@ -46,6 +46,7 @@ from torch import nn
 from torch.func import functional_call, jvp, vmap
 
 from ..curvature.hooks import capture, layer_inputs, layer_output_grads, norm_grads, reference_attention
+from ..curvature.free_grads import free_grads, free_views
 from ..curvature.layers import LayerKind, find_layers, get_matrix, layer_kind, owner_params, perturbed
 from .monte_carlo import SampleCache, check_layers, draw_stats, eval_mode, sample_seed
 from ..posteriors.structures.base import LayerPosterior, Posterior
@@ -180,9 +181,7 @@ def glm_fd(
     modules: Mapping[str, nn.Module] | None = None,
     base: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Finite-difference ``J δ ≈ (f(x, θ* + ε δ) − f(x, θ*)) / ε`` (Banerjee Alg. 4), ``[B, C]``.
-
-    ``δ`` unbatched ``(m, n)`` per layer. ``base``: ``f(x, θ*)`` if already computed.
+    """Finite-difference ``J δ ≈ (f(x, θ* + ε δ) − f(x, θ*)) / ε`` (Banerjee Alg. 4), ``[B, C]``. ``δ`` unbatched ``(m, n)`` per layer. ``base``: ``f(x, θ*)`` if already computed.
     Error ``O(ε)`` for smooth networks (plus round-off ``O(u/ε)``).
     """
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
@@ -201,16 +200,16 @@ def glm_fd(
 def output_jacobian_pieces(
     model: nn.Module, x: torch.Tensor, modules: Mapping[str, nn.Module] | None = None
 ) -> tuple[torch.Tensor, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """``(f(x, θ*) [B, C], {name: (a [B, T, n], g [C, B, T, m])})``.
-
-    ``a``: layer input rows (``W~`` layout, bias column included); ``g[c]``: gradient of
+    """``(f(x, θ*) [B, C], {name: (a [B, T, n], g [C, B, T, m])})``. ``a``: layer input rows (``W~`` layout, bias column included); ``g[c]``: gradient of
     ``Σ_k f_c(x_k)`` w.r.t. the layer output, i.e. per example ``∂f_c(x_k)/∂z_{k,t}``
     (examples are independent in eval mode). ``J_l[k, c] = Σ_t g[c, k, t] a[k, t]^T``.
     One forward and ``C`` backward passes. A normalisation layer (kind ``"norm"``) has no
     ``(a, g)`` factorisation: its entry is ``(None, J [C, B, m, n])``, the per-example
-    Jacobian rows from :func:`laplace_core.curvature.hooks.norm_grads`.
+    Jacobian rows from :func:`laplace_core.curvature.hooks.norm_grads`; a free parameter's
+    (:func:`laplace_core.curvature.free_grads.free_grads`, one-hot seeds) likewise.
     """
     modules = _modules(model, modules)
+    free = free_views(modules)
     with eval_mode(model), capture(model, modules) as cap, torch.enable_grad():
         out = model(x)
         if out.dim() != 2:
@@ -219,19 +218,23 @@ def output_jacobian_pieces(
         if missing:
             raise ValueError(f"layers not called in the forward pass: {missing[:5]}")
         B, C = out.shape
-        gs: dict[str, list[torch.Tensor]] = {k: [] for k in modules}
-        for c in range(C):
+        hooked = {k: mod for k, mod in modules.items() if k not in free}
+        gs: dict[str, list[torch.Tensor]] = {k: [] for k in hooked}
+        for c in range(C if hooked else 0):
             e = torch.zeros_like(out)
             e[:, c] = 1
             grads = cap.backward(out, e, retain_graph=c < C - 1)
-            for k, mod in modules.items():
+            for k, mod in hooked.items():
                 if layer_kind(mod) is LayerKind.NORM:
                     gs[k].append(norm_grads(mod, cap.inputs[k], grads[k]).detach())
                 else:
                     gs[k].append(layer_output_grads(mod, grads[k]).detach())
         pieces = {k: (None if layer_kind(mod) is LayerKind.NORM else layer_inputs(mod, cap.inputs[k]).detach(),
-                      torch.stack(gs[k])) for k, mod in modules.items()}
-    return out.detach(), pieces
+                      torch.stack(gs[k])) for k, mod in hooked.items()}
+        if free:
+            eye = torch.eye(C, dtype=out.dtype, device=out.device)[:, None, :].expand(C, B, C)
+            pieces.update({k: (None, J) for k, J in free_grads(model, free, x, eye, cap=cap).items()})
+    return out.detach(), {k: pieces[k] for k in modules}
 
 
 def covariance_matvec(posterior: Posterior, v: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -258,10 +261,6 @@ def _closed_form(lp: LayerPosterior, a: torch.Tensor, g: torch.Tensor) -> torch.
         w = (a * a) @ (1.0 / lp.precision.to(dt)).T  # (B, m)
         return torch.einsum("cbi,bi,dbi->bcd", g, w, g)
     return None
-
-
-def _chunk(B: int, per_example: int, max_elements: int) -> int:
-    return max(1, min(B, max_elements // max(1, per_example)))
 
 
 def glm_covariance(
@@ -302,7 +301,7 @@ def glm_covariance(
         generic.append(k)
     if generic:
         per = C * sum(math.prod(posterior.layers[k].shape) for k in generic)
-        bs = _chunk(B, per, max_elements)
+        bs = max(1, min(B, max_elements // max(1, per)))
         for i0 in range(0, B, bs):
             Jl = {}
             for k in generic:

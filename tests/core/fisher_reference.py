@@ -130,10 +130,11 @@ def dense_jacobian(model, x, names, norm_layers="map"):
     blocks = []
     for name in names:
         _, owner, wa, ba, rows = owner_params(modules[name], name)
-        B, C = x.shape[0], jac[f"{owner}.{wa}"].shape[1]
-        w = jac[f"{owner}.{wa}"][:, :, rows].reshape(B, C, modules[name].weight.shape[0], -1)
+        wk, bk = (f"{owner}.{a}" if owner else a for a in (wa, ba))  # a parameter of the root: no prefix
+        B, C = x.shape[0], jac[wk].shape[1]
+        w = jac[wk][:, :, rows].reshape(B, C, modules[name].weight.shape[0], -1)
         if ba is not None:
-            w = torch.cat([w, jac[f"{owner}.{ba}"][:, :, rows].reshape(B, C, -1, 1)], dim=3)
+            w = torch.cat([w, jac[bk][:, :, rows].reshape(B, C, -1, 1)], dim=3)
         blocks.append(vec(w))
     return torch.cat(blocks, dim=2)
 
