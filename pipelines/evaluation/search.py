@@ -271,6 +271,7 @@ def search(
     (a repeated call resumes them; ``key`` names the data, e.g. the split's fingerprint)
     and writes ``<output>/eval/<method>/search.parquet`` and ``search.json``."""
     from pipelines.evaluation import tune as search_tune
+    from pipelines.evaluation.search_progress import total_line
 
     if not isinstance(cfg, SearchConfig):
         raise ValueError(f"cfg must be a SearchConfig, got {type(cfg).__name__}")
@@ -283,9 +284,12 @@ def search(
     if not chunks:
         raise StageError("search: the validation split has no valid image")
     root = None if store.output is None else store.tune_uri()
-    kw = dict(storage_root=root, key=key, store=store)
+    runs = len(cfg.searched_pred_types) * (1 if cfg.algorithm == "random" else len(uris))  # Tune experiments
+    kw = dict(storage_root=root, key=key, store=store, progress_end=runs == 1)
     trials = [dict(t, pred_type=pt) for pt in cfg.searched_pred_types  # one search per predictive
               for t in _trials(ref, uris, chunks, images, dataclasses.replace(cfg, pred_type=pt), kw)]
+    if runs > 1:  # one line for them all, not one per experiment
+        total_line(len(trials), len(trials), sum(int(t["images"]) for t in trials), time.perf_counter() - t0, runs)
     maps = [t for t in trials if t["trial"].split(":")[0] == search_tune.MAP_TRIAL]
     map_json = json.loads(maps[0]["acc"]) if maps else search_tune.map_reference(ref, chunks, cfg, store)
     map_acc = SearchAccumulator.from_json(map_json)
