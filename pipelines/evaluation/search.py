@@ -13,6 +13,9 @@ predictive (weight sampling ``nn``, the linearised ``glm``; the same configurati
 and chooses per method over all of them: the chosen row names its ``pred_type``, which the
 evaluation then uses for that method (``EvalConfig.method_pred_types``) and the judgement
 against MAP applies (:mod:`pipelines.evaluation.against_map`); without it, ``cfg.pred_type`` alone.
+With the ``nll`` objective a later-listed predictive is chosen only when its best is lower than
+the first-listed one's by more than :data:`PRED_TIE_NATS` (at the MAP limit both are MAP's within
+MC noise, and the GLM costs several times more in the evaluation).
 
 Settings: :class:`pipelines.evaluation.runtime.SearchConfig` (in a run, the ECE variant and
 bins are the evaluation's, ``evaluate.ece_mode`` / ``evaluate.ece_bins``). Execution:
@@ -55,6 +58,7 @@ import torch
 from torch import nn
 
 from pipelines.errors import StageError
+from pipelines.evaluation.against_map import MIN_GAIN
 from pipelines.evaluation.chunks import iter_chunks
 from pipelines.evaluation.trials import HyperConfig, SearchAccumulator, sample_configs
 from pipelines.evaluation.predictors import MAP, finite_or_reason, make_predictor, model_ref, predict_chunk
@@ -68,7 +72,12 @@ __all__ = [
     "search_shard",
     "search",
     "choose",
+    "PRED_TIE_NATS",
 ]
+
+#: Nats per image: a predictive listed after the first in ``search.pred_types`` is chosen only when
+#: its best validation NLL is lower by more than this (the MAP-limit tolerance of the judgement).
+PRED_TIE_NATS = MIN_GAIN
 
 #: Columns of ``search.parquet`` (:meth:`SearchResult.table`).
 TABLE_COLUMNS = ("config_id", "method", "pred_type", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece",
@@ -216,6 +225,10 @@ def choose(rows: Sequence[Mapping[str, Any]], objective: str = "nll", accuracy_f
             return None, f"no configuration reached the accuracy floor {accuracy_floor}"
     key = "nll" if objective == "nll" else "ece"
     best = min(ok, key=lambda r: (r[key], r["config_id"]))  # equal values: the first listed predictive
+    own = [r for r in ok if r.get("pred_type") == ok[0].get("pred_type")]  # the first-listed predictive's rows
+    if key == "nll" and best.get("pred_type") != own[0].get("pred_type"):
+        first = min(own, key=lambda r: (r[key], r["config_id"]))
+        best = first if first[key] - best[key] <= PRED_TIE_NATS else best
     return dict(best), ""
 
 
