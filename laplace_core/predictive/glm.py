@@ -48,7 +48,7 @@ from torch.func import functional_call, jvp, vmap
 from ..curvature.hooks import capture, layer_inputs, layer_output_grads, norm_grads, reference_attention
 from ..curvature.free_grads import free_grads, free_views
 from ..curvature.layers import LayerKind, find_layers, get_matrix, layer_kind, owner_params, perturbed
-from .monte_carlo import SampleCache, check_layers, draw_stats, eval_mode, sample_seed
+from .monte_carlo import SampleCache, check_layers, draw_stats, eval_mode, quiet_jit_deprecation, sample_seed
 from ..posteriors.structures.base import LayerPosterior, Posterior
 from ..posteriors.structures.diag import DiagLayer
 from ..posteriors.structures.efb import EigenDiagLayer
@@ -163,7 +163,7 @@ def glm_jvp(
     def f(p):
         return functional_call(model, p, (x,))
 
-    with torch.no_grad(), eval_mode(model), reference_attention(model):
+    with torch.no_grad(), eval_mode(model), reference_attention(model), quiet_jit_deprecation():
         if k is None:
             out, jv = jvp(f, (primals,), (tangents,))
         else:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import warnings
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -53,6 +54,7 @@ __all__ = [
     "mc_predict",
     "MCPredictor",
     "eval_mode",
+    "quiet_jit_deprecation",
     "DrawStats",
     "draw_stats",
 ]
@@ -149,6 +151,17 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for m, f in flags:
             m.training = f
+
+
+@contextlib.contextmanager
+def quiet_jit_deprecation() -> Iterator[None]:
+    """Silences torch's own FutureWarning that ``torch.jit.script`` is deprecated, which the first
+    ``torch.func.jvp`` of a process raises (registering its decompositions): nothing a user can act
+    on, and a warning line in the log of every job that searches the GLM predictive. Only that
+    message, only inside."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
+        yield
 
 
 def map_predict(model: nn.Module, x: torch.Tensor, likelihood: str = "classification") -> torch.Tensor:

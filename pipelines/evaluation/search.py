@@ -13,6 +13,9 @@ predictive (weight sampling ``nn``, the linearised ``glm``; the same configurati
 and chooses per method over all of them: the chosen row names its ``pred_type``, which the
 evaluation then uses for that method (``EvalConfig.method_pred_types``) and the judgement
 against MAP applies (:mod:`pipelines.evaluation.against_map`); without it, ``cfg.pred_type`` alone.
+With the ``nll`` objective a later-listed predictive is chosen only when its best is lower than
+the first-listed one's by more than :data:`PRED_TIE_NATS` (at the MAP limit both are MAP's within
+MC noise, and the GLM costs several times more in the evaluation).
 
 Settings: :class:`pipelines.evaluation.runtime.SearchConfig` (in a run, the ECE variant and
 bins are the evaluation's, ``evaluate.ece_mode`` / ``evaluate.ece_bins``). Execution:
@@ -55,6 +58,7 @@ import torch
 from torch import nn
 
 from pipelines.errors import StageError
+from pipelines.evaluation.against_map import MIN_GAIN
 from pipelines.evaluation.chunks import iter_chunks
 from pipelines.evaluation.trials import HyperConfig, SearchAccumulator, sample_configs
 from pipelines.evaluation.predictors import MAP, finite_or_reason, make_predictor, model_ref, predict_chunk
@@ -68,7 +72,12 @@ __all__ = [
     "search_shard",
     "search",
     "choose",
+    "PRED_TIE_NATS",
 ]
+
+#: Nats per image: a predictive listed after the first in ``search.pred_types`` is chosen only when
+#: its best validation NLL is lower by more than this (the MAP-limit tolerance of the judgement).
+PRED_TIE_NATS = MIN_GAIN
 
 #: Columns of ``search.parquet`` (:meth:`SearchResult.table`).
 TABLE_COLUMNS = ("config_id", "method", "pred_type", "log10_n", "log10_tau", "n_data", "prior_precision", "nll", "ece",
@@ -216,6 +225,10 @@ def choose(rows: Sequence[Mapping[str, Any]], objective: str = "nll", accuracy_f
             return None, f"no configuration reached the accuracy floor {accuracy_floor}"
     key = "nll" if objective == "nll" else "ece"
     best = min(ok, key=lambda r: (r[key], r["config_id"]))  # equal values: the first listed predictive
+    own = [r for r in ok if r.get("pred_type") == ok[0].get("pred_type")]  # the first-listed predictive's rows
+    if key == "nll" and best.get("pred_type") != own[0].get("pred_type"):
+        first = min(own, key=lambda r: (r[key], r["config_id"]))
+        best = first if first[key] - best[key] <= PRED_TIE_NATS else best
     return dict(best), ""
 
 
@@ -271,6 +284,7 @@ def search(
     (a repeated call resumes them; ``key`` names the data, e.g. the split's fingerprint)
     and writes ``<output>/eval/<method>/search.parquet`` and ``search.json``."""
     from pipelines.evaluation import tune as search_tune
+    from pipelines.evaluation.search_progress import total_line
 
     if not isinstance(cfg, SearchConfig):
         raise ValueError(f"cfg must be a SearchConfig, got {type(cfg).__name__}")
@@ -283,9 +297,12 @@ def search(
     if not chunks:
         raise StageError("search: the validation split has no valid image")
     root = None if store.output is None else store.tune_uri()
-    kw = dict(storage_root=root, key=key, store=store)
+    runs = len(cfg.searched_pred_types) * (1 if cfg.algorithm == "random" else len(uris))  # Tune experiments
+    kw = dict(storage_root=root, key=key, store=store, progress_end=runs == 1)
     trials = [dict(t, pred_type=pt) for pt in cfg.searched_pred_types  # one search per predictive
               for t in _trials(ref, uris, chunks, images, dataclasses.replace(cfg, pred_type=pt), kw)]
+    if runs > 1:  # one line for them all, not one per experiment
+        total_line(len(trials), len(trials), sum(int(t["images"]) for t in trials), time.perf_counter() - t0, runs)
     maps = [t for t in trials if t["trial"].split(":")[0] == search_tune.MAP_TRIAL]
     map_json = json.loads(maps[0]["acc"]) if maps else search_tune.map_reference(ref, chunks, cfg, store)
     map_acc = SearchAccumulator.from_json(map_json)

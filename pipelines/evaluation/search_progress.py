@@ -9,14 +9,15 @@ from typing import Any
 
 from ray import tune
 
-__all__ = ["SearchProgress"]
+__all__ = ["SearchProgress", "total_line"]
 
 
 class SearchProgress(tune.Callback):
     """``[search] trials a/b done, images scored x/y, r images/s, ETA s``."""
 
-    def __init__(self, num_trials: int, images: int, every_s: float):
+    def __init__(self, num_trials: int, images: int, every_s: float, end_line: bool = True):
         self.num_trials, self.images, self.every_s = int(num_trials), int(images), float(every_s)
+        self.end_line = end_line  # False: one of several experiments, whose caller writes the total (total_line)
         self.scored: dict[str, int] = {}
         self.done: set[str] = set()
         self.t0 = self.last = time.perf_counter()
@@ -49,7 +50,12 @@ class SearchProgress(tune.Callback):
         self._maybe()  # the controller's loop: a line also while no trial reports (a long chunk)
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
-        now = time.perf_counter()
-        n = sum(self.scored.values())
-        print(f"[search] {len(self.done)}/{self.num_trials} trials done, {n} images scored in {now - self.t0:.1f} s, "
-              f"{n / max(now - self.t0, 1e-9):.2f} images/s", flush=True)
+        if self.end_line:
+            total_line(len(self.done), self.num_trials, sum(self.scored.values()), time.perf_counter() - self.t0)
+
+
+def total_line(done: int, num_trials: int, images: int, seconds: float, experiments: int = 1) -> None:
+    """``[search] a/b trials done, x images scored in s s, r images/s`` (``in e experiments`` when several)."""
+    where = f" in {experiments} experiments" if experiments > 1 else ""
+    print(f"[search] {done}/{num_trials} trials done{where}, {images} images scored in {seconds:.1f} s, "
+          f"{images / max(seconds, 1e-9):.2f} images/s", flush=True)

@@ -263,7 +263,8 @@ def _filesystem(uri: str, store: RunStore):
 
 def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
     """``(param_space, search_alg, num_samples, scheduler, max_concurrent_trials)`` of one
-    experiment: random runs the MAP reference and every method's configurations as one grid;
+    experiment: random runs the MAP reference (in the first of ``cfg.searched_pred_types``'
+    experiments only) and every method's configurations as one grid;
     tpe one method. With ASHA the searcher is wrapped in a :class:`RunningLimiter` (a paused
     trial frees its slot) instead of Tune's concurrency limit."""
     sched = None
@@ -272,7 +273,9 @@ def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
     if cfg.algorithm == "random":
         from pipelines.evaluation.trials import sample_configs
 
-        names = [f"{MAP_TRIAL}:0"] + [f"{m}:{c.config_id}" for m in methods for c in sample_configs(cfg, m)]
+        # the MAP reference is the same for every predictive: scored in the first predictive's grid only
+        first = cfg.pred_type == cfg.searched_pred_types[0]
+        names = [f"{MAP_TRIAL}:0"] * first + [f"{m}:{c.config_id}" for m in methods for c in sample_configs(cfg, m)]
         if sched is None:
             return {"trial": tune.grid_search(names)}, None, 1, None, cfg.num_actors
         alg = RunningLimiter(GridSearcher([{"trial": n} for n in names]), cfg.num_actors, sched)
@@ -282,6 +285,7 @@ def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
         import optuna
     except ImportError:
         raise StageError("search.algorithm=tpe needs optuna (pip install optuna)") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "A new study created" per method in the job's log
     (method,) = methods
     space, first = tpe_space(cfg, method)
     alg = OptunaSearch(sampler=optuna.samplers.TPESampler(seed=cfg.seed), metric="objective", mode="min",
@@ -327,14 +331,15 @@ def _fit_from(tuner: Any, where: str) -> Any:
 
 def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Sequence[Any], images: int,
                    cfg: SearchConfig, *, storage_root: str | None = None, key: str = "",
-                   store: RunStore = RunStore()) -> list[dict[str, Any]]:
+                   store: RunStore = RunStore(), progress_end: bool = True) -> list[dict[str, Any]]:
     """Run (or restore) one Tune experiment over the methods of ``uris`` (random: all of them
     and the MAP reference; tpe: exactly one method); returns one dict per trial: ``trial``
     (``"<method>:<i>"``, or ``"<method>:tpe"``), ``trial_id``, ``timestamp`` (of its last
     result) and the last reported result's fields. A trial that still fails after
     ``cfg.max_failures`` retries ends the call with a :class:`pipelines.errors.StageError`;
     the experiment state keeps the finished trials, and the next call with the same settings
-    runs only the rest."""
+    runs only the rest. ``progress_end``: False when the caller runs several experiments and writes
+    their total line itself."""
     methods = list(uris)
     tmp = None
     if storage_root is None:
@@ -367,7 +372,7 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
                                           stop=StopOnError(),
                                           failure_config=tune.FailureConfig(max_failures=cfg.max_failures),
                                           callbacks=[SearchProgress(num_samples * _grid_size(space), images,
-                                                                    cfg.log_every_s)]))
+                                                                    cfg.log_every_s, progress_end)]))
         grid = _fit_from(tuner, tempfile.gettempdir())
         errors = [(r.config, r.metrics["error"]) for r in grid if r.metrics and r.metrics.get("error")]
         if errors:  # deterministic: not retried, and no experiment is left to resume into the same error

@@ -324,3 +324,23 @@ def test_bad_arguments():
         GLMPredictor(other, post)
     with pytest.raises(ValueError, match="posterior layers not found"):
         glm_covariance(nn.Sequential(nn.Linear(3, 4)).to(F64), post, x)
+
+
+def test_the_first_jvp_of_a_process_writes_no_torch_warning():
+    """A job that searches the GLM predictive logs no torch FutureWarning (``torch.jit.script`` is
+    deprecated, raised by the first ``torch.func.jvp`` of a process): a fresh interpreter, warnings
+    as errors. The same call without the guard does warn there, so the check can fail."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from torch import nn; from laplace_core.predictive.glm import glm_jvp; "
+            "net = nn.Sequential(nn.Flatten(), nn.Linear(12, 3)); "
+            "print(tuple(glm_jvp(net, torch.randn(2, 3, 2, 2), {'1': torch.randn(3, 13)}).shape))")
+    res = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "(2, 3)", res.stderr[-2000:]
+    bare = code.replace("glm_jvp(net, torch.randn(2, 3, 2, 2), {'1': torch.randn(3, 13)})",
+                        "torch.func.jvp(lambda x: net(x), (torch.randn(2, 3, 2, 2),), (torch.randn(2, 3, 2, 2),))[1]")
+    res = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", bare], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode != 0 and "torch.jit.script" in res.stderr, (res.stdout, res.stderr[-1000:])

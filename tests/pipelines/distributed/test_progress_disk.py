@@ -52,6 +52,22 @@ def test_search_progress_counts_trials_and_images(capsys, monkeypatch):
                    "[search] 1/3 trials done, 150 images scored in 40.0 s, 3.75 images/s"], out
 
 
+def test_search_progress_of_one_of_several_experiments_leaves_the_total_to_its_caller(capsys, monkeypatch):
+    """TPE runs one Tune experiment per method and predictive (the demo: 8): each writes no end line
+    of its own, and the search writes one total line for them all."""
+    from pipelines.evaluation import search_progress as sp
+
+    clock = iter([0.0, 1.0, 2.0])
+    monkeypatch.setattr(sp.time, "perf_counter", lambda: next(clock))
+    cb = sp.SearchProgress(num_trials=5, images=100, every_s=15.0, end_line=False)
+    cb.on_trial_result(1, [], SimpleNamespace(trial_id="a"), {"images": 100, "done": True})
+    cb.on_experiment_end([])
+    assert capsys.readouterr().out == ""
+    sp.total_line(40, 40, 10_760, 200.0, experiments=8)
+    assert capsys.readouterr().out.strip() == ("[search] 40/40 trials done in 8 experiments, 10760 images scored in "
+                                               "200.0 s, 53.80 images/s")
+
+
 def test_expected_bytes_of_resnet18_match_what_a_run_wrote():
     """resnet18 (10 classes), float64 statistics: the pass-1 checkpoint a 60-image run wrote was
     444.0 MiB and its eigenbasis 718 MiB (benchmarks/RESULTS.md); kfac keeps only eigenvalues."""

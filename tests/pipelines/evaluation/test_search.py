@@ -136,6 +136,26 @@ def test_choose_rules():
     assert choose(rows[2:3], "nll")[0] is None
 
 
+def test_a_later_predictive_is_chosen_only_when_better_by_more_than_the_tie():
+    """``pred_types: [nn, glm]`` on the demo: both predictives at the MAP limit score 0.04748 (nn) and
+    0.04746 (glm), a tie within MC noise, and the GLM costs ~3x in the evaluation: nn is chosen. A
+    GLM better by more than ``PRED_TIE_NATS`` (1e-4 nats) is chosen; ECE keeps the plain minimum."""
+    from pipelines.evaluation.search import PRED_TIE_NATS
+
+    def row(pt, cid, nll, ece=0.02):
+        return {"pred_type": pt, "config_id": cid, "status": "ok", "nll": nll, "ece": ece, "accuracy": 0.97}
+
+    tie = [row("nn", 0, 0.04748), row("nn", 1, 0.0484), row("glm", 0, 0.04746), row("glm", 1, 0.0483)]
+    assert (choose(tie, "nll")[0]["pred_type"], choose(tie, "nll")[0]["config_id"]) == ("nn", 0)
+    better = [row("nn", 0, 0.1876), row("glm", 0, 0.1876 - 2 * PRED_TIE_NATS)]
+    assert choose(better, "nll")[0]["pred_type"] == "glm"
+    edge = [row("nn", 0, 0.2), row("glm", 0, 0.2 - PRED_TIE_NATS / 2)]
+    assert choose(edge, "nll")[0]["pred_type"] == "nn"
+    assert choose([row("nn", 0, 0.2, ece=0.03), row("glm", 0, 0.2, ece=0.029)], "ece")[0]["pred_type"] == "glm"
+    first_failed = [dict(row("nn", 0, math.nan), status="failed"), row("glm", 0, 0.3)]
+    assert choose(first_failed, "nll")[0]["pred_type"] == "glm"
+
+
 # --------------------------------------------------------------------------- Ray
 @pytest.fixture(scope="module")
 def tiny(tiny_cnn_posteriors):

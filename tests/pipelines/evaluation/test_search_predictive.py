@@ -85,3 +85,17 @@ def test_the_evaluation_uses_each_method_s_chosen_predictive(data):
         assert mixed[m].compute()["nll"] == pytest.approx(acc.compute()["nll"], rel=1e-12), m
     assert not math.isclose(plain["glm"]["diag"].compute()["nll"], plain["nn"]["diag"].compute()["nll"], rel_tol=1e-6)
     assert dataclasses.replace(base, method_pred_types=(("diag", "glm"),)).pred_type_of("kfac") == "nn"
+
+
+def test_the_map_reference_is_scored_once_over_the_predictives():
+    """``algorithm: random`` with ``pred_types: [nn, glm]``: the MAP reference trial is in the first
+    predictive's grid only (MAP has no posterior: the second would score the same predictions again);
+    every method's configurations are in both."""
+    from pipelines.evaluation.tune import MAP_TRIAL, _space_and_search
+
+    cfg = SearchConfig(num_configs=3, log10_n=(1.0, 3.0), log10_tau=(0.0, 2.0), map_limit_log10_tau=8.0,
+                       pred_types=("nn", "glm"), algorithm="random")
+    grids = {pt: _space_and_search(dataclasses.replace(cfg, pred_type=pt), METHODS, 1)[0]["trial"]["grid_search"]
+             for pt in cfg.searched_pred_types}
+    assert grids["nn"][0] == f"{MAP_TRIAL}:0" and grids["glm"] == grids["nn"][1:]
+    assert grids["glm"] == [f"{m}:{i}" for m in METHODS for i in range(4)]  # 3 draws + the MAP limit, id 3
