@@ -161,5 +161,8 @@ def quiet_env(address: str | None = None) -> dict[str, str]:
 
 
 def train_log_level() -> str:
-    """Ray Train's own log level: its controller's INFO lines only with ``--verbose``."""
-    return "INFO" if verbose() else "WARNING"
+    """Ray Train's own log level: its controller's INFO and WARNING lines only with ``--verbose``
+    (on a loaded machine its controller warns, with a traceback, that a resource request to Ray
+    Data's autoscaling coordinator timed out, "safe to ignore": a wall of lines the job's own
+    progress and errors do not need)."""
+    return "INFO" if verbose() else "ERROR"
