@@ -163,9 +163,8 @@ def preset_line(args: argparse.Namespace, cfg: RunConfig) -> str:
         line = f"preset demo (no --preset and no --data/--model/--weights): {cfg.description}"
     else:
         line = f"preset {cfg.preset} (--preset {args.preset})" + (f": {cfg.description}" if cfg.description else "")
-    if cfg.preset == "custom" and f"at {cfg.data.image_size} px (resize {cfg.data.resize_size})" not in line:
-        line += (f"; data.image_size={cfg.data.image_size} as set: images at {cfg.data.image_size} px "
-                 f"(resize {cfg.data.resize_size}) instead")
+    if cfg.preset == "custom" and (px := f"at {cfg.data.image_size} px (resize {cfg.data.resize_size})") not in line:
+        line += f"; data.image_size={cfg.data.image_size} as set: images {px} instead"
     if cfg.model.weights == "random" and "--weights random" not in line:
         line += "; --weights random: a test run with randomly initialised weights, not a trained model"
     return line

@@ -13,10 +13,12 @@ __all__ = ["SearchProgress", "total_line"]
 
 
 class SearchProgress(tune.Callback):
-    """``[search] trials a/b done, images scored x/y, r images/s, ETA s``."""
+    """``[search] trials a/b done, images scored x/y, r images/s, ETA s``; with a ``label`` (one
+    of several experiments, e.g. ``kfac, glm``) ``[search] kfac, glm: trials ...``."""
 
-    def __init__(self, num_trials: int, images: int, every_s: float, end_line: bool = True):
+    def __init__(self, num_trials: int, images: int, every_s: float, end_line: bool = True, label: str = ""):
         self.num_trials, self.images, self.every_s = int(num_trials), int(images), float(every_s)
+        self.label = f"{label}: " if label else ""
         self.end_line = end_line  # False: one of several experiments, whose caller writes the total (total_line)
         self.scored: dict[str, int] = {}
         self.done: set[str] = set()
@@ -27,7 +29,7 @@ class SearchProgress(tune.Callback):
         n = sum(self.scored.values())
         rate = n / max(now - self.t0, 1e-9)
         eta = "?" if not n else f"<= {max(total - n, 0) / max(rate, 1e-9):.0f} s"
-        return (f"[search] trials {len(self.done)}/{self.num_trials} done, images scored {n}/{total}, "
+        return (f"[search] {self.label}trials {len(self.done)}/{self.num_trials} done, images scored {n}/{total}, "
                 f"{rate:.2f} images/s, ETA {eta}")
 
     def _maybe(self, force: bool = False) -> None:

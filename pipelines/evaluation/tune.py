@@ -352,6 +352,7 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
         {"cpu": cfg.cpus_per_actor, "gpu": cfg.gpus_per_actor})
     space, alg, num_samples, scheduler, concurrent = _space_and_search(cfg, methods, max(1, len(chunks)))
     exp = f"{path.rstrip('/')}/{name}"
+    label = "" if progress_end else f"{'+'.join(methods)}, {cfg.pred_type}"  # one of several experiments
     done_uri = None if tmp is not None else storage.join(storage_root, name, DONE_FILE)
     if done_uri is not None and store.exists(done_uri):  # finished before: nothing runs
         print(f"[search] the Tune experiment at {storage.join(storage_root, name)} is finished; its results are reused",
@@ -372,7 +373,7 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
                                           stop=StopOnError(),
                                           failure_config=tune.FailureConfig(max_failures=cfg.max_failures),
                                           callbacks=[SearchProgress(num_samples * _grid_size(space), images,
-                                                                    cfg.log_every_s, progress_end)]))
+                                                                    cfg.log_every_s, progress_end, label)]))
         grid = _fit_from(tuner, tempfile.gettempdir())
         errors = [(r.config, r.metrics["error"]) for r in grid if r.metrics and r.metrics.get("error")]
         if errors:  # deterministic: not retried, and no experiment is left to resume into the same error

@@ -82,3 +82,19 @@ def test_expected_bytes_of_resnet18_match_what_a_run_wrote():
     assert est["posteriors"]["diag"] == est["posteriors"]["efb"] == 8 * rep.num_weights
     assert est["posteriors"]["kfac"] == 8 * sum(ls.m + ls.n for ls in rep.layers)
     assert human(444 * MiB) == "444 MiB" and human(3 * 2**30) == "3.00 GiB"
+
+
+def test_progress_of_one_of_several_experiments_names_it(capsys, monkeypatch):
+    """With several experiments running beside each other their lines interleave: each names its
+    method(s) and predictive, a single experiment's line stays as it was."""
+    from pipelines.evaluation import search_progress as sp
+
+    clock = iter([0.0, 20.0, 0.0, 20.0])
+    monkeypatch.setattr(sp.time, "perf_counter", lambda: next(clock))
+    cb = sp.SearchProgress(num_trials=5, images=100, every_s=15.0, end_line=False, label="kfac, glm")
+    cb.on_trial_result(1, [], SimpleNamespace(trial_id="a"), {"images": 100, "done": True})
+    assert capsys.readouterr().out.strip() == ("[search] kfac, glm: trials 1/5 done, images scored 100/500, "
+                                               "5.00 images/s, ETA <= 80 s")
+    one = sp.SearchProgress(num_trials=5, images=100, every_s=15.0)
+    one.on_trial_result(1, [], SimpleNamespace(trial_id="a"), {"images": 100, "done": True})
+    assert capsys.readouterr().out.startswith("[search] trials 1/5 done")
