@@ -311,7 +311,9 @@ class ModelRun:
 
             for line in edge_notes(res.chosen, to_dict(self.cfg.search)):
                 log(f"search: {line}")
-            for line in [*res.predictive_lines().values(), *res.marks().values()]:
+            if preds := list(res.predictive_lines().values()):  # one line for all methods
+                log("search: " + " | ".join(preds))
+            for line in res.marks().values():
                 log(f"search: {line}")
             out.update(chosen=res.chosen, notes=res.notes, map=res.map, against_map=res.against_map,
                        not_better_than_map=res.marks(),

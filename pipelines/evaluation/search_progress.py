@@ -34,6 +34,8 @@ class SearchProgress(tune.Callback):
 
     def _maybe(self, force: bool = False) -> None:
         now = time.perf_counter()
+        if not force and not self.done and not any(self.scored.values()):
+            return  # nothing to say yet (beside other experiments: a line of zeros and "ETA ?" each)
         if force or now - self.last >= self.every_s:
             self.last = now
             print(self.line(now), flush=True)

@@ -86,12 +86,15 @@ def test_expected_bytes_of_resnet18_match_what_a_run_wrote():
 
 def test_progress_of_one_of_several_experiments_names_it(capsys, monkeypatch):
     """With several experiments running beside each other their lines interleave: each names its
-    method(s) and predictive, a single experiment's line stays as it was."""
+    method(s) and predictive and says nothing before its first scored image; a single
+    experiment's line stays as it was."""
     from pipelines.evaluation import search_progress as sp
 
-    clock = iter([0.0, 20.0, 0.0, 20.0])
+    clock = iter([0.0, 16.0, 20.0, 0.0, 20.0])
     monkeypatch.setattr(sp.time, "perf_counter", lambda: next(clock))
     cb = sp.SearchProgress(num_trials=5, images=100, every_s=15.0, end_line=False, label="kfac, glm")
+    cb.on_step_end(1, [])  # nothing scored yet: no line of zeros
+    assert capsys.readouterr().out == ""
     cb.on_trial_result(1, [], SimpleNamespace(trial_id="a"), {"images": 100, "done": True})
     assert capsys.readouterr().out.strip() == ("[search] kfac, glm: trials 1/5 done, images scored 100/500, "
                                                "5.00 images/s, ETA <= 80 s")
