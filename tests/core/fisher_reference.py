@@ -173,3 +173,10 @@ def hand_patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
                 r = torch.cat([r, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1)
             rows.append(r)
     return torch.stack(rows, 1)
+
+
+def tiny_images(n: int = 4, num_classes: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` float64 ``3 x 8 x 8`` inputs and labels, seeded: the tiny timm models' data."""
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(n, 3, 8, 8, generator=g, dtype=torch.float64),
+            torch.randint(0, num_classes, (n,), generator=g))

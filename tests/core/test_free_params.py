@@ -28,7 +28,7 @@ from laplace_core.predictive.glm import GLMPredictor, glm_covariance
 from laplace_core.predictive.monte_carlo import MCPredictor, draw_sample
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fisher_reference import dense_covariance, dense_jacobian, vec  # noqa: E402
+from fisher_reference import dense_covariance, dense_jacobian, tiny_images as _data, vec  # noqa: E402
 
 timm = pytest.importorskip("timm")
 F64 = torch.float64
@@ -59,11 +59,6 @@ def _model(arch: str):
             p = model.get_parameter(name)
             p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("gamma") else 0.0))
     return model
-
-
-def _data(n=4):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 3, 8, 8, generator=g, dtype=F64), torch.randint(0, 3, (n,), generator=g)
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,7 @@ from laplace_core.predictive.glm import glm_covariance
 from laplace_core.predictive.monte_carlo import MCPredictor, draw_sample
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fisher_reference import dense_covariance, dense_jacobian, exact_fisher_diag  # noqa: E402
+from fisher_reference import dense_covariance, dense_jacobian, exact_fisher_diag, tiny_images as _data  # noqa: E402
 
 timm = pytest.importorskip("timm")
 F64 = torch.float64
@@ -68,11 +68,6 @@ def _model(arch: str) -> nn.Module:
     else:
         model = _norm_act_net()
     return model.to(F64).eval()
-
-
-def _data(n=4):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 3, 8, 8, generator=g, dtype=F64), torch.randint(0, 3, (n,), generator=g)
 
 
 @pytest.fixture(autouse=True)
