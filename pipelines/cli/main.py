@@ -366,8 +366,8 @@ def add_sizes_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stats", default=None, metavar="URI", help="statistics with EFB sums (CurvatureStatistics.save)")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for an s3:// --stats")
     p.add_argument("--norm-layers", choices=("map", "diag"), default="map",
-                   help="normalisation layers (BatchNorm/LayerNorm/GroupNorm, layer scales): at MAP (default, "
-                        "Table 3) or under a diagonal posterior")
+                   help="normalisation layers (BatchNorm/LayerNorm/GroupNorm, layer scales) and free parameters: at "
+                        "MAP (default, Table 3) or under a diagonal posterior (what the custom preset runs)")
     p.add_argument("--layers", default="all", metavar="all|last|NAMES",
                    help="layers under the posterior: all (default), last (the last curvature layer, e.g. fc) or "
                         "comma-separated layer names / globs (e.g. 'layer4,fc'); the others stay at MAP")
