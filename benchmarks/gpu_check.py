@@ -217,6 +217,9 @@ def main(argv=None) -> int:
     if basis is not None:
         run.phase("passes", lambda: {"configs": parts.time_passes(model, x, y, basis, configs, a.batches, a.warmup,
                                                                   run.deadline - 200)})
+    else:  # the passes and the MC forward start from the check's statistics and basis: say so, not vanish
+        for name in ("passes", "mc_forward"):
+            run.doc["phases"][name] = {"status": "skipped", "reason": "needs the check's statistics and basis (the check was skipped or ended in an error)"}
     run.phase("kronfluence", lambda: parts.time_kronfluence(model, x, y, a.batches, a.warmup, run.deadline - 120),
               need_pkg="kronfluence")
     if stats is not None:
