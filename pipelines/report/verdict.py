@@ -173,10 +173,17 @@ def summary_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
             have = [meth for meth in methods if _value(results, meth, m.key) is not None]
             cells.append("all tied" if len(best) == len(have) else " = ".join(method_label(b) for b in best) + " (tie)")
         else:
-            cells.append(method_label(best[0]) if best else "—")
+            cells.append(_best_cell(results, best[0], m) if best else "—")
         rows.append(cells)
         keys.append(m.key)
     return header, rows, marked, keys
+
+
+def _best_cell(results: Mapping[str, Any], meth: str, m: Metric) -> str:
+    """The best method as shown; "(n.s. vs MAP)" after it where its paired difference against MAP
+    does not exclude 0: the highest point value alone is no claim that it is better."""
+    p = None if meth == MAP else _paired(results, meth, MAP, m.key)
+    return method_label(meth) + ("" if p is None or m.better(p) else " (n.s. vs MAP)")
 
 
 def paired_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]], list[str]] | None:

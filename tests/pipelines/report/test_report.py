@@ -548,10 +548,11 @@ def test_the_report_opens_with_the_verdict(tmp_path):
     nb = "\u00a0"  # no-break space inside an interval
     assert ece == {"Metric": "ECE", "Better": "↓ lower", "MAP": f"3.4% [2.4,{nb}4.4]", "Diag": f"2.0% [1.0,{nb}3.0]",
                    "INF": f"1.1% [0.1,{nb}2.1]", t_label: f"1.3% [0.3,{nb}2.3]", "Best": "INF"}
-    auroc = dict(zip(header, rows[4]))
-    assert auroc["Best"] == "INF" and auroc[t_label] == "—"
+    auroc = dict(zip(header, rows[4]))  # INF's paired difference against MAP does not exclude 0 here
+    assert auroc["Best"] == "INF (n.s. vs MAP)" and auroc[t_label] == "—"
     acc = dict(zip(header, rows[0]))
-    assert acc["Best"] == "INF"
+    assert acc["Best"] == "INF (n.s. vs MAP)"
+    assert dict(zip(header, rows[1]))["Best"] == "INF"  # NLL: better than MAP, the interval excludes 0
     inf = header.index("INF")
     assert (2, inf) in marked and (0, inf) in marked and (4, inf) in marked and len(marked) == 5
     said = verdict_sentences(results, sizes)
