@@ -147,7 +147,7 @@ def _copy_files(src: Path, dst: Path, names: tuple[str, ...]) -> None:
 
 
 def demo_model(cfg: RunConfig, plan: DataPlan, output: str) -> tuple[ModelSpec, dict[str, Any]]:
-    from pipelines.ingest.demo_data import train_small_cnn
+    from pipelines.ingest.demo_data import DEMO_EPOCHS, train_small_cnn
 
     cache = Path(_demo_dir(output)) / "model"
     shared = machine_cache() / "demo" / "model"
@@ -156,7 +156,7 @@ def demo_model(cfg: RunConfig, plan: DataPlan, output: str) -> tuple[ModelSpec, 
     except OSError:  # an unwritable machine cache: train into the run's folder
         shared = cache
     # trained once per machine and settings (deterministic: seeded, one thread), copied into the run
-    _, info = train_small_cnn(plan.train_root, epochs=8, seed=0, cache_path=shared, num_threads=1)
+    _, info = train_small_cnn(plan.train_root, epochs=DEMO_EPOCHS, seed=0, cache_path=shared, num_threads=1)
     if shared != cache:
         _copy_files(shared, cache, ("small_cnn.safetensors", "small_cnn.json"))
         info = dataclasses.replace(info, cache_path=str(cache))
