@@ -94,4 +94,6 @@ def set_metric_label(key: str, groups: tuple[str, ...] = ("near", "far")) -> tup
     if not at or base not in SET_BASES or not where:
         return None
     label, up = SET_BASES[base]
-    return f"{label} ({where}{'-OOD mean' if where in groups else ''})", up
+    # FPR@95 counts OOD images accepted (ID positive, OpenOOD), the pooled one test images flagged: said
+    positive = "; ID positive" if base == "ood_fpr95" else ""
+    return f"{label} ({where}{'-OOD mean' if where in groups else ''}{positive})", up

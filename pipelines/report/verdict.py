@@ -74,7 +74,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("brier", "Brier", False, digits=4),
     Metric("aurc", "AURC", False, digits=4),
     Metric("ood_auroc", "OOD AUROC", True),
-    Metric("ood_fpr95", "OOD FPR at 95% TPR", False, percent=True),
+    Metric("ood_fpr95", "OOD FPR at 95% TPR (OOD positive)", False, percent=True),  # ID flagged; per set: OpenOOD's
     Metric("ood_aupr", "OOD AUPR", True),
     Metric("shift_accuracy", "Accuracy under shift (mean)", True, percent=True),
     Metric("shift_nll", "NLL under shift (mean)", False),

@@ -86,7 +86,7 @@ def test_report_shows_intervals_paired_differences_and_the_practitioners_metrics
         lo, hi = res["diag"]["intervals"]["ci"][key]
         assert lo <= res["diag"]["intervals"]["point"][key] <= hi, key
     summary = re.search(r'<table id="summary-table">(.*?)</table>', html, re.S).group(1)
-    for label in ("Accuracy", "NLL", "ECE", "Brier", "AURC", "OOD AUROC", "OOD FPR at 95% TPR", "OOD AUPR"):
+    for label in ("Accuracy", "NLL", "ECE", "Brier", "AURC", "OOD AUROC", "OOD FPR at 95% TPR (OOD positive)", "OOD AUPR"):
         assert f"<td>{label}</td>" in summary, label
     assert summary.count(" [") >= 8 * len(SCALES)  # every value with its interval
     assert "n = 600 test images and 300 OOD images" in html and "n = 600 test images" in md
