@@ -21,12 +21,17 @@ _NAMES = {"log10_n": "log10 N", "log10_tau": "log10 τ"}
 
 def search_ranges(search_cfg: Mapping[str, Any] | None, method: str) -> dict[str, tuple[float, float]]:
     """``{"log10_n": (lo, hi), "log10_tau": (lo, hi)}`` searched for ``method``, from the run
-    config's ``search`` section (its ``method_ranges`` entry over the common ranges)."""
+    config's ``search`` section (its ``method_ranges`` entry over the common ranges; under TPE the
+    τ range reaches ``map_limit_log10_tau``, as the search draws it)."""
     cfg = search_cfg or {}
     out = {k: tuple(float(v) for v in cfg[k]) for k in _NAMES if isinstance(cfg.get(k), (list, tuple))}
     for r in cfg.get("method_ranges") or ():
         if isinstance(r, Mapping) and r.get("method") == method:
             out.update({k: tuple(float(v) for v in r[k]) for k in _NAMES if r.get(k) is not None})
+    limit = cfg.get("map_limit_log10_tau")
+    if cfg.get("algorithm") == "tpe" and isinstance(limit, (int, float)) and "log10_tau" in out:
+        lo, hi = out["log10_tau"]  # TPE's τ range reaches the MAP limit (pipelines.evaluation.tune.tpe_space)
+        out["log10_tau"] = (lo, max(hi, float(limit)))
     return out  # type: ignore[return-value]
 
 

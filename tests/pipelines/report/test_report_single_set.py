@@ -31,3 +31,14 @@ def test_the_map_limit_choice_gets_no_edge_note():
     assert notes == ["KFAC: the chosen log10 τ = 3.99 is on the upper edge of its search range [0.00, 4.00]; "
                      "the optimum may lie outside: search log10_tau: [0.00, 8.00] to include it"], notes
     assert len(edge_notes(chosen, {k: v for k, v in cfg.items() if k != "map_limit_log10_tau"})) == 3
+
+
+def test_tpe_draws_tau_up_to_the_map_limit_so_its_edge_is_there():
+    """The demo's TPE chose log10 τ = 5.17 inside the τ range it draws from ([0, 8]: up to the MAP
+    limit), and the log said it was on the upper edge of [0, 4] and to search [0, 8]."""
+    cfg = {"algorithm": "tpe", "log10_n": [2.0, 5.0], "log10_tau": [0.0, 4.0], "map_limit_log10_tau": 8.0}
+    assert edge_notes({"diag": {"log10_n": 3.27, "log10_tau": 5.17}}, cfg) == []
+    notes = edge_notes({"inf": {"log10_n": 3.27, "log10_tau": 0.1}}, cfg)
+    assert notes == ["INF: the chosen log10 τ = 0.10 is on the lower edge of its search range [0.00, 8.00]; "
+                     "the optimum may lie outside: search log10_tau: [-8.00, 8.00] to include it"], notes
+    assert len(edge_notes({"diag": {"log10_n": 3.27, "log10_tau": 5.17}}, {**cfg, "algorithm": "random"})) == 1
