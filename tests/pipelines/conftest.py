@@ -4,7 +4,7 @@
 Fixtures (all session-scoped unless said otherwise):
 
 - ``ray_session``: ``ray.init(num_cpus=2, include_dashboard=False, _temp_dir=<short /tmp dir>,
-  object_store_memory=1 GiB)``, reused by every test that asks for it (if Ray is already
+  object_store_memory=1 GiB, log_to_driver=False)``, reused by every test that asks for it (if Ray is already
   initialised in this process, that instance is reused and left running). Yields the
   ``ray`` module. Ray Data progress bars are off. Ray Train here needs
   ``ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.5})`` so
@@ -74,6 +74,10 @@ def ray_session():
         _temp_dir=tmp,
         object_store_memory=1 << 30,
         logging_level=logging.WARNING,
+        # the cluster's own log lines (e.g. '(pid=gcs_server) ... Failed to kill actor') are not
+        # streamed into this process: they would land in whichever test's captured stderr is open
+        # (CI: a dry run's one-line error read 4 lines); a test reads its job's output, not Ray's
+        log_to_driver=False,
     )
     import ray.data
 
