@@ -25,9 +25,17 @@ def root_error(error: BaseException) -> BaseException:
     return inner if isinstance(inner, BaseException) else error
 
 
+#: torch's messages for a tensor shape that does not fit the model (raised as RuntimeError or, by
+#: torchvision's ViT, AssertionError): the same input fails the same way on every retry.
+_SHAPE_MISMATCH = re.compile(r"shapes cannot be multiplied|size mismatch|must match the size of tensor|"
+                             r"Given groups=\d+, weight of size|Wrong image (height|width)")
+
+
 def is_deterministic(error: BaseException) -> bool:
-    """Whether a retry would fail the same way (:data:`DETERMINISTIC`)."""
-    return isinstance(root_error(error), DETERMINISTIC)
+    """Whether a retry would fail the same way (:data:`DETERMINISTIC`, or torch's shape mismatch)."""
+    e = root_error(error)
+    return isinstance(e, DETERMINISTIC) or (isinstance(e, (RuntimeError, AssertionError))
+                                            and bool(_SHAPE_MISMATCH.search(str(e))))
 
 
 def error_line(error: BaseException) -> str:

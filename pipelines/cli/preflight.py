@@ -1,7 +1,8 @@
 """Preflight: everything the job can check before any cluster work, each failure one line.
 
 Run by the job (``pipelines.cli.main.main``) before Ray starts: the configuration's model names
-and weights, the data, OOD and weights URIs, that the output prefix is writable, and the weights
+and weights, that each model takes the run's image size (a forward on the meta device), the data,
+OOD and weights URIs, that the output prefix is writable, and the weights
 themselves (read and matched against the model's state dict and the data's classes), all
 with the run's own store settings (:class:`pipelines.storage.uris.StorageOptions`) and the
 credentials of the AWS chain. A wrong endpoint, a missing bucket, denied access or a
@@ -21,7 +22,7 @@ from pipelines.storage import uris as storage
 from pipelines.config.schema import ModelSpec, RunConfig
 from pipelines.errors import PreflightError
 
-__all__ = ["PreflightError", "preflight", "check_uri", "check_writable"]
+__all__ = ["PreflightError", "preflight", "check_uri", "check_writable", "check_forward"]
 
 #: Seconds to connect to / read from the store while probing it.
 CONNECT_TIMEOUT_S = 3
@@ -268,6 +269,61 @@ def check_weights_fit(cfg: RunConfig, opts: storage.StorageOptions) -> None:
                 "(the class folders, sorted by name, are the label order) or point --data at the classes it was trained on")
 
 
+def check_forward(cfg: RunConfig) -> None:
+    """Each model takes the run's images: a batch of two zero images at ``data.image_size`` through
+    the model built on the ``meta`` device (shapes only: no memory, no arithmetic). A model whose
+    layers are sized for another input (a Linear after a flatten, a ViT's fixed patch grid) or whose
+    output is not ``(batch, classes)`` is one :class:`PreflightError` line naming the setting, before
+    a Ray Train worker hits it. An error on the meta device is confirmed by the same forward on CPU
+    with random weights before it is reported (an op the meta device lacks is no error of the
+    model's); a model that cannot be built without its weights is checked at run time."""
+    size = cfg.data.image_size
+    for spec in cfg.all_models():
+        why = _forward_error(spec.name, spec.num_classes, size)
+        if why:
+            raise PreflightError(why)
+
+
+def _forward_error(name: str, num_classes: int | None, size: int) -> str | None:
+    import torch
+
+    from pipelines.ingest.models import RANDOM_WEIGHTS, build_meta, is_factory, load_model
+
+    try:
+        if is_factory(name):  # a user's callable: built under the meta device where it allows
+            with torch.device("meta"):
+                model = build_meta(name, num_classes)
+        else:
+            model = build_meta(name, num_classes)
+    except Exception:  # noqa: BLE001 -- built, and its errors reported, at run time
+        return None
+    out, err = _zero_forward(model.to("meta"), size, "meta")
+    if err is not None:
+        try:
+            model = load_model(name, RANDOM_WEIGHTS, num_classes)
+        except Exception:  # noqa: BLE001
+            return None
+        out, err = _zero_forward(model, size, "cpu")
+    if err is not None:
+        return (f"model {name} does not take {size}x{size} images (data.image_size={size}): {err}; set "
+                f"--set data.image_size=N --set data.resize_size=N to the size it was trained at")
+    if isinstance(out, torch.Tensor) and (out.ndim != 2 or out.shape[0] != 2):
+        return (f"model {name} returns a tensor of shape {tuple(out.shape)} for 2 images of {size}x{size}: "
+                "a classifier returns (batch, classes) logits")
+    return None
+
+
+def _zero_forward(model, size: int, device: str):
+    """``(output, None)`` or ``(None, "Type: message")`` for two zero images through ``model``."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            return model.eval()(torch.zeros(2, 3, size, size, device=device)), None
+    except Exception as e:  # noqa: BLE001 -- the model's own error, reported in one line
+        return None, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
 def _check_splits(cfg: RunConfig, root: str, opts: storage.StorageOptions) -> None:
     """The split folders the run reads exist: train (the curvature passes), val (scanned by every
     run: the search's images, and the evaluation's when there is no test split), test if set."""
@@ -288,6 +344,7 @@ def preflight(cfg: RunConfig, *, dry_run: bool = False) -> dict[str, Any]:
     opts = cfg.storage_options()
     checked: dict[str, Any] = {"endpoint": opts.endpoint}
     _check_models(cfg, opts, world=not dry_run)
+    check_forward(cfg)
     if dry_run:
         return checked
     if not cfg.data.demo:

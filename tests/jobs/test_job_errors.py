@@ -232,3 +232,60 @@ def test_a_second_job_on_a_running_jobs_output_is_refused_before_ray(tmp_path):
         sleeper.kill()
         sleeper.wait()
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["lease.json"]  # no config.json
+
+
+# --------------------------------------------------------------------------- the model and the image size
+NETS = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):  # sized for 28x28 images, as a user's digit classifier is
+    def __init__(self, num_classes=4):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8 * 14 * 14, num_classes)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(nn.functional.max_pool2d(torch.relu(self.conv(x)), 2), 1))
+
+
+def seg(num_classes=4):  # per-pixel scores, not a classifier
+    return nn.Conv2d(3, num_classes, 1)
+'''
+
+
+@pytest.fixture(scope="module")
+def nets_pkg(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pkg")
+    (root / "user_nets_28.py").write_text(NETS)
+    for split in ("train", "val"):
+        for c in ("a", "b", "c", "d"):
+            (root / "data" / split / c).mkdir(parents=True)
+    sys.path.insert(0, str(root))
+    yield root
+    sys.path.remove(str(root))
+    sys.modules.pop("user_nets_28", None)
+
+
+def test_a_model_sized_for_other_images_is_one_line_naming_data_image_size(nets_pkg):
+    """A user's run of a 28 px model at the custom preset's 224 px: one line and exit 2 from preflight
+    (it was a Ray Train traceback, retried twice); at the model's size the dry run passes."""
+    env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=str(nets_pkg))
+    base = [sys.executable, str(JOB), "--data", str(nets_pkg / "data"), "--model", "user_nets_28:Net",
+            "--weights", "random", "--output", str(nets_pkg / "out")]
+    res = subprocess.run(base, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    _one_line_error(res, "model user_nets_28:Net does not take 224x224 images (data.image_size=224)",
+                    "mat1 and mat2 shapes cannot be multiplied", "--set data.image_size=N")
+    res = subprocess.run([*base, "--set", "data.image_size=28", "--set", "data.resize_size=28", "--dry-run"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+
+
+def test_a_model_whose_output_is_not_batch_by_classes_is_refused(nets_pkg):
+    from pipelines.cli.preflight import check_forward
+    from pipelines.config.load import load_config
+    from pipelines.errors import PreflightError
+
+    check_forward(load_config("smoke", ["model.name=user_nets_28:Net", "data.image_size=28"]))
+    with pytest.raises(PreflightError, match=r"returns a tensor of shape \(2, 4, 8, 8\) for 2 images of 8x8"):
+        check_forward(load_config("smoke", ["model.name=user_nets_28:seg", "data.image_size=8"]))

@@ -48,6 +48,12 @@ def test_the_policy_tells_errors_of_the_input_from_lost_workers():
 
     assert is_deterministic(KeyError("x")) and is_deterministic(ValueError("x"))
     assert not is_deterministic(RuntimeError("gloo: connection closed")) and not is_deterministic(OSError("net"))
+    import torch  # torch's own shape errors are RuntimeErrors that a retry raises again
+    for bad in (lambda: torch.nn.Linear(1568, 4)(torch.zeros(2, 100352)),
+                lambda: torch.nn.Conv2d(3, 8, 3)(torch.zeros(2, 1, 8, 8))):
+        with pytest.raises(RuntimeError) as got:
+            bad()
+        assert is_deterministic(got.value), got.value
     from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
 
     def user(e):  # how Ray Train hands over an exception raised by the worker's code
