@@ -152,7 +152,7 @@ def chosen_preset(args: argparse.Namespace) -> tuple[str, list[str]]:
                           "name or package.module:callable) and --weights FILE (or --preset demo / smoke)")
     from pipelines.ingest.plan import custom_preset
 
-    return "custom", custom_preset(args.model, args.weights, args.data)[0]
+    return "custom", custom_preset(args.model, args.weights, args.data, getattr(args, "overrides", None) or ())[0]
 
 
 def preset_line(args: argparse.Namespace, cfg: RunConfig) -> str:

@@ -177,6 +177,15 @@ class DataSpec(Checked):
                                                    and e[1:].replace("_", "").isalnum())]
         if bad:
             raise ValueError(f"extensions must be file suffixes such as .jpe, got {bad[0]!r}")
+        whole, tv = self.image_size, round(self.image_size / 0.875)
+        if self.resize_size < self.image_size:
+            raise ValueError(f"resize_size {self.resize_size} is smaller than image_size {self.image_size}: the center "
+                             f"crop would pad every image with black; set data.resize_size to {whole} (the whole image) "
+                             f"or {tv} (torchvision's 0.875 crop)")
+        if self.image_size < self.resize_size / 2:  # ImageNet's eval crop is 0.875; under a half is a slip
+            raise ValueError(f"image_size {self.image_size} with resize_size {self.resize_size} keeps the central "
+                             f"{self.image_size / self.resize_size:.0%} of each side; set data.resize_size too: "
+                             f"{whole} (the whole image) or {tv} (torchvision's 0.875 crop)")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ ResNet/DenseNet names (and pointing at the full list).
 A user's own model is a factory string ``"package.module:callable"``: any importable
 callable returning an ``nn.Module``, called as ``callable()`` or, when ``num_classes`` is
 given, ``callable(num_classes=num_classes)`` (:func:`resolve_factory`). The module must be
-importable where the job runs (the job's working directory is on the path). A missing
+importable where the job runs (a top-level module not found on the path is looked for in the
+working directory). A missing
 module or attribute, a factory that raises or one that returns something other than an
 ``nn.Module`` give a one-line ``ValueError``. ``"timm:NAME"`` is timm's architecture NAME
 (:mod:`pipelines.ingest.timm_models`; optional, never downloads), with the state-dict weights below.
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
@@ -167,7 +169,7 @@ def resolve_factory(name: str) -> Callable[..., nn.Module]:
     if not mod_name or not attr or ":" in attr:
         raise ValueError(f"model factory {name!r} must look like package.module:callable")
     try:
-        obj = importlib.import_module(mod_name)
+        obj = _import_here_too(mod_name)
     except Exception as e:  # ImportError, or the module's own error at import time
         raise ValueError(f"model factory {name!r}: cannot import module {mod_name!r} "
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
@@ -178,6 +180,22 @@ def resolve_factory(name: str) -> Callable[..., nn.Module]:
     if not callable(obj):
         raise ValueError(f"model factory {name!r}: {attr!r} is not callable")
     return obj
+
+
+def _import_here_too(mod_name: str):
+    """``import mod_name``; a top-level module that is not found is looked for in the working
+    directory too (``--model mynet:Net`` beside ``mynet.py``, as ``uvicorn main:app`` does)."""
+    import importlib
+    import os
+
+    try:
+        return importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        here = os.getcwd()
+        if e.name != mod_name.split(".")[0] or here in sys.path:
+            raise
+        sys.path.append(here)
+        return importlib.import_module(mod_name)
 
 
 def _build_factory(name: str, num_classes: int | None) -> nn.Module:

@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from pipelines.console import log
 from pipelines.config.load import derive
@@ -29,12 +29,21 @@ def _folder_name(uri: str) -> str:
     return name.split("://", 1)[-1] or "data"
 
 
-def custom_preset(model: str | None, weights: str | None, data: str | None) -> tuple[list[str], str]:
+def _given_int(overrides: Sequence[str], key: str) -> int | None:
+    """The integer a ``--set key=value`` gives (the last one), None when none or not an integer."""
+    got = [o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == key]
+    return int(got[-1]) if got and got[-1].isdigit() else None
+
+
+def custom_preset(model: str | None, weights: str | None, data: str | None,
+                  overrides: Sequence[str] = ()) -> tuple[list[str], str]:
     """What the ``custom`` preset (no ``--preset``, your own model and data) derives from the
     model: ``key=value`` settings (image size and normalisation of the torchvision weights' own
     eval transforms where known, else 224 and ImageNet's statistics; output
     ``runs/<model>-<data folder name>``) and the line that says so. Flags and ``--set`` given
-    by the user come after these and win."""
+    by the user (``overrides``) come after these and win; a ``data.image_size`` given without a
+    ``data.resize_size`` takes the resize at the same crop ratio (28 px: resize 32, not a 28 px
+    crop out of 256)."""
     from pipelines.ingest.models import RANDOM_WEIGHTS
     from pipelines.ingest.transforms import default_transforms
 
@@ -49,6 +58,10 @@ def custom_preset(model: str | None, weights: str | None, data: str | None) -> t
     else:
         how = (f"images at {t['image_size']} px (resize {t['resize_size']}) and the normalisation of "
                f"{t['source']}'s transforms")
+    size = _given_int(overrides, "data.image_size")
+    if size is not None and _given_int(overrides, "data.resize_size") is None:
+        t = dict(t, resize_size=max(size, round(size * t["resize_size"] / t["image_size"])))
+        how += f"; data.image_size={size} given, so resize {t['resize_size']} (the same crop ratio)"
     short = name.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
     sets = [f"data.image_size={t['image_size']}", f"data.resize_size={t['resize_size']}",
             f"data.mean=[{', '.join(map(str, t['mean']))}]", f"data.std=[{', '.join(map(str, t['std']))}]"]

@@ -222,6 +222,11 @@ def test_quick_start_dry_run_is_the_custom_preset(quick_start):
     # a flag given by the user wins over what the preset derived, and the line says so
     res = _quick(quick_start, "--set", "data.image_size=32", "--dry-run")
     assert res.returncode == 0 and "image_size: 32" in res.stdout and "data.image_size=32 as set" in res.stdout
+    # ... and the resize the preset derived follows it at the weights' crop ratio (256/224): a 32 px crop
+    # of the image resized to 37, not of one resized to 256 (the central 12.5% of each side)
+    assert "resize_size: 37" in res.stdout and "data.image_size=32 given, so resize 37" in res.stdout
+    res = _quick(quick_start, "--set", "data.image_size=32", "--set", "data.resize_size=256", "--dry-run")
+    assert res.returncode == 2 and "keeps the central 12% of each side" in res.stderr, res.stderr
 
 
 def test_no_preset_model_without_weights_torchvision_defaults_and_random():

@@ -288,4 +288,5 @@ def test_a_model_whose_output_is_not_batch_by_classes_is_refused(nets_pkg):
 
     check_forward(load_config("smoke", ["model.name=user_nets_28:Net", "data.image_size=28"]))
     with pytest.raises(PreflightError, match=r"returns a tensor of shape \(2, 4, 8, 8\) for 2 images of 8x8"):
-        check_forward(load_config("smoke", ["model.name=user_nets_28:seg", "data.image_size=8"]))
+        check_forward(load_config("smoke", ["model.name=user_nets_28:seg", "data.image_size=8",
+                                                   "data.resize_size=8"]))

@@ -133,3 +133,18 @@ def test_set_data_mean_changes_what_the_model_sees(tmp_path):
     want_default = (pix[:, None] - np.array([0.485, 0.456, 0.406], np.float32)) / np.array([0.229, 0.224, 0.225], np.float32)
     assert np.allclose(seen["default"][:, :, 0, 0], want_default, atol=1e-5)
     assert np.allclose(seen["set"][:, :, 0, 0], ((pix - 0.5) / 0.25)[:, None].repeat(3, 1), atol=1e-5)
+
+
+def test_a_module_beside_the_user_is_found_in_the_working_directory(tmp_path, monkeypatch):
+    """``--model mynet_cwd:Net`` run from the folder holding ``mynet_cwd.py`` (the docs' promise; a
+    user's first try said "cannot import module 'mynet'"); a name found nowhere still says so."""
+    (tmp_path / "mynet_cwd.py").write_text("from torch import nn\n\ndef Net(num_classes=2):\n"
+                                           "    return nn.Linear(3, num_classes)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    try:
+        assert load_model("mynet_cwd:Net", num_classes=5).out_features == 5
+        with pytest.raises(ValueError, match="cannot import module 'nowhere_cwd'"):
+            load_model("nowhere_cwd:Net")
+    finally:
+        sys.modules.pop("mynet_cwd", None)
