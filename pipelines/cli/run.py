@@ -159,7 +159,7 @@ def verdict_lines(summary: dict[str, Any]) -> list[str]:
     if not isinstance(results.get("map"), dict):
         return []
     m = results["map"]
-    shown = [f"{x.label} {x.fmt(m[x.key])}" for x in METRICS[:5] if isinstance(m.get(x.key), (int, float))]
+    shown = [f"{x.label} {x.shown_for([m[x.key]]).fmt(m[x.key])}" for x in METRICS[:5] if isinstance(m.get(x.key), (int, float))]
     n = ((summary.get("data") or {}).get("test") or {}).get("num_files")
     lines = [f"verdict: MAP on {n if n is not None else 'the'} test images: {', '.join(shown)}"]
     marks = (summary.get("search") or {}).get("not_better_than_map") or {}

@@ -15,7 +15,7 @@ bootstrap difference over the same test images excludes 0. Otherwise the sentenc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from pipelines.report.methods import method_label, order_methods
@@ -23,6 +23,8 @@ from pipelines.report.methods import method_label, order_methods
 __all__ = ["METRICS", "Metric", "metrics_of", "shown_metrics", "summary_table", "paired_table", "sample_line", "verdict_sentences"]
 
 MAP, TEMPERATURE = "map", "temperature"
+#: The most decimals a value of the report gets (:meth:`Metric.shown_for`).
+MAX_DECIMALS = 5
 
 
 @dataclass(frozen=True)
@@ -31,31 +33,46 @@ class Metric:
     label: str
     higher_is_better: bool
     percent: bool = False  # shown as a percentage
-    digits: int = 3
+    digits: int = 3  # decimals (of the percentage when ``percent``)
 
     @property
     def direction(self) -> str:
         return "↑ higher" if self.higher_is_better else "↓ lower"
 
+    def shown_for(self, values: Any) -> "Metric":
+        """This metric with enough decimals that the smallest non-zero of ``values`` shows two
+        significant figures (at most :data:`MAX_DECIMALS`): a converged model's NLLs of 0.0047 and
+        0.0054 read "0.005" and "0.005" at three, and a difference of +0.0007 that excludes 0 read
+        "+0.001 ... worse" or "+0.000 ... worse"; a tie is then judged at the precision shown. A row
+        of the summary passes its point values, a paired difference the largest end of its interval."""
+        scale = 100.0 if self.percent else 1.0
+        small = min((abs(scale * v) for v in values if _finite(v) and v != 0), default=None)
+        if small is None:
+            return self
+        need = min(MAX_DECIMALS, 1 - math.floor(math.log10(small)))
+        return self if need <= self.digits else replace(self, digits=need)
+
     def fmt(self, v: float) -> str:
-        return f"{100 * v:.1f}%" if self.percent else f"{v:.{self.digits}f}"
+        return f"{100 * v:.{self.digits}f}%" if self.percent else f"{v:.{self.digits}f}"
 
     def fmt_ci(self, v: float, ci: Any) -> str:
         if not (isinstance(ci, (list, tuple)) and len(ci) == 2 and all(_finite(x) for x in ci)):
             return self.fmt(v)
         # no-break spaces inside the bracket: a narrow cell breaks only between value and interval
+        d = self.digits
         if self.percent:
-            return f"{100 * v:.1f}% [{100 * ci[0]:.1f},\u00a0{100 * ci[1]:.1f}]"
-        return f"{v:.{self.digits}f} [{ci[0]:.{self.digits}f},\u00a0{ci[1]:.{self.digits}f}]"
+            return f"{100 * v:.{d}f}% [{100 * ci[0]:.{d}f},\u00a0{100 * ci[1]:.{d}f}]"
+        return f"{v:.{d}f} [{ci[0]:.{d}f},\u00a0{ci[1]:.{d}f}]"
 
     def delta(self, v: float, ref: float) -> str:
         d = v - ref
-        return f"{100 * d:+.1f} pts" if self.percent else f"{d:+.{self.digits}f}"
+        return f"{100 * d:+.{self.digits}f} pts" if self.percent else f"{d:+.{self.digits}f}"
 
     def fmt_diff(self, p: Mapping[str, Any]) -> str:
-        """A paired difference with its interval, e.g. ``-2.3 pts [-3.1, -1.5]``."""
-        s = 100.0 if self.percent else 1.0
-        d = self.digits if not self.percent else 1
+        """A paired difference with its interval, e.g. ``-2.3 pts [-3.1, -1.5]``, with the decimals
+        its own numbers need (:meth:`shown_for`)."""
+        m = self.shown_for([max(abs(p["diff"]), abs(p["lo"]), abs(p["hi"]))])  # the interval's scale
+        s, d = (100.0 if self.percent else 1.0), m.digits
         unit = " pts" if self.percent else ""
         return f"{s * p['diff']:+.{d}f}{unit} [{s * p['lo']:+.{d}f}, {s * p['hi']:+.{d}f}]"
 
@@ -68,17 +85,17 @@ class Metric:
 
 #: The headline metrics, in the order the summary shows them.
 METRICS: tuple[Metric, ...] = (
-    Metric("accuracy", "Accuracy", True, percent=True),
+    Metric("accuracy", "Accuracy", True, percent=True, digits=1),
     Metric("nll", "NLL", False),
-    Metric("ece", "ECE", False, percent=True),
+    Metric("ece", "ECE", False, percent=True, digits=1),
     Metric("brier", "Brier", False, digits=4),
     Metric("aurc", "AURC", False, digits=4),
     Metric("ood_auroc", "OOD AUROC", True),
-    Metric("ood_fpr95", "OOD FPR at 95% TPR (OOD positive)", False, percent=True),  # ID flagged; per set: OpenOOD's
+    Metric("ood_fpr95", "OOD FPR at 95% TPR (OOD positive)", False, percent=True, digits=1),  # ID flagged; per set: OpenOOD's
     Metric("ood_aupr", "OOD AUPR", True),
-    Metric("shift_accuracy", "Accuracy under shift (mean)", True, percent=True),
+    Metric("shift_accuracy", "Accuracy under shift (mean)", True, percent=True, digits=1),
     Metric("shift_nll", "NLL under shift (mean)", False),
-    Metric("shift_ece", "ECE under shift (mean)", False, percent=True),
+    Metric("shift_ece", "ECE under shift (mean)", False, percent=True, digits=1),
 )
 
 
@@ -92,7 +109,8 @@ def metrics_of(results: Mapping[str, Any]) -> tuple[Metric, ...]:
         for k in (r if isinstance(r, Mapping) else {}):
             got = set_metric_label(k) if isinstance(k, str) and k not in extra else None
             if got is not None:
-                extra[k] = Metric(k, got[0], got[1], percent=k.startswith("ood_fpr95@"))
+                pct = k.startswith("ood_fpr95@")
+                extra[k] = Metric(k, got[0], got[1], percent=pct, digits=1 if pct else 3)
     return METRICS + tuple(extra.values())
 
 
@@ -161,6 +179,7 @@ def summary_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
     for m in shown_metrics(results):
         if all(_value(results, meth, m.key) is None for meth in methods):
             continue
+        m = m.shown_for(_row_numbers(results, methods, m.key))
         best = _best(results, methods, m)
         cells = [m.label, m.direction]
         for j, meth in enumerate(methods):
@@ -177,6 +196,11 @@ def summary_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
         rows.append(cells)
         keys.append(m.key)
     return header, rows, marked, keys
+
+
+def _row_numbers(results: Mapping[str, Any], methods: list[str], key: str) -> list[float]:
+    """The point values of metric ``key`` over ``methods`` (a row of the summary)."""
+    return [v for meth in methods if (v := _value(results, meth, key)) is not None]
 
 
 def _best_cell(results: Mapping[str, Any], meth: str, m: Metric) -> str:

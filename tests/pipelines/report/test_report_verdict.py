@@ -149,3 +149,28 @@ def test_first_screen_holds_the_summary_n_and_the_verdict(report, tmp_path):
     shot = browser.screenshot(report["paths"]["html"], tmp_path / "first.png", window=SCREEN)
     assert Path(shot).stat().st_size > 0
     print(f"first-screen check: {time.perf_counter() - t0:.1f} s; boxes {info['table']} {info['verdict']}")
+
+
+def test_a_converged_models_small_numbers_show_their_differences():
+    """A user's 100%-accurate model (NLL 0.0047 for MAP, 0.0054 for temperature, paired +0.00069
+    [+0.00059, +0.00081]): at three decimals both read 0.005, the Best column said "all tied" and the
+    paired cell "+0.001 [+0.001, +0.001] worse"; with two significant figures the row shows the
+    difference the interval proves, and a tie is one at the precision shown."""
+    from pipelines.report.verdict import paired_table, summary_table
+
+    def res(nll, paired=None):
+        iv = {"n": 198, "ci": {"nll": [nll * 0.7, nll * 1.5]}, "paired": paired or {}}
+        return {"accuracy": 1.0, "nll": nll, "intervals": iv}
+
+    sig = {"nll": {"diff": 0.00069, "lo": 0.00059, "hi": 0.00081, "significant": True}}
+    zero = {"nll": {"diff": -3e-7, "lo": -6e-7, "hi": 2e-7, "significant": False}}
+    results = {"map": res(0.00471), "temperature": res(0.00540, {"map": sig}), "kfac": res(0.00472, {"map": zero})}
+    header, rows, _, keys = summary_table(results)
+    nll = rows[keys.index("nll")]
+    assert nll[2:5] == ["0.0047 [0.0033,\u00a00.0071]", "0.0054 [0.0038,\u00a00.0081]", "0.0047 [0.0033,\u00a00.0071]"]
+    assert nll[-1] == "MAP = KFAC (tie)"
+    assert rows[keys.index("accuracy")][-1] == "all tied"
+    pheader, prow, pkeys = paired_table(results)
+    col = pheader.index("NLL (↓)")
+    assert prow[pkeys.index("temperature-map")][col] == "+0.00069 [+0.00059, +0.00081] worse"
+    assert prow[pkeys.index("kfac-map")][col] == "-0.00000 [-0.00000, +0.00000] n.s."
