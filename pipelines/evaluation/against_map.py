@@ -49,7 +49,12 @@ def not_better_line(method: str, verdict: Mapping[str, Any] | None) -> str:
     if verdict.get("improved"):
         return ""
     d, lo, hi = (float(verdict[k]) for k in ("diff", "lo", "hi"))
-    return f"no configuration of {method} improved validation NLL over MAP (best Δ = {d:+.4f} [{lo:+.4f}, {hi:+.4f}])"
+    # 4 decimals, or up to 6 so that the interval's larger end shows two significant figures: a
+    # converged model's validation NLL of 0.0083 read "-0.0000 [-0.0001, +0.0000]" at 4
+    top = max(abs(d), abs(lo), abs(hi))
+    k = 4 if top == 0 or not math.isfinite(top) else min(6, max(4, 1 - math.floor(math.log10(top))))
+    return (f"no configuration of {method} improved validation NLL over MAP "
+            f"(best Δ = {d:+.{k}f} [{lo:+.{k}f}, {hi:+.{k}f}])")
 
 
 def judge_terms(map_per: PerImage, per: PerImage, method: str, resamples: int = RESAMPLES,

@@ -121,6 +121,9 @@ def test_identical_predictions_are_never_an_improvement():
     assert (v["diff"], v["lo"], v["hi"], v["improved"]) == (0.0, 0.0, 0.0, False)
     assert v["mark"] == "no configuration of kfac improved validation NLL over MAP (best Δ = +0.0000 [+0.0000, +0.0000])"
     assert not_better_line("kfac", None).startswith("no configuration of kfac improved validation NLL over MAP")
+    # the converged demo CNN's Δ (validation NLL 0.0083): two significant figures of the interval
+    tiny = {"improved": False, "diff": -8.64e-6, "lo": -7.953e-5, "hi": 4.522e-5}
+    assert not_better_line("diag", tiny).endswith("(best Δ = -0.000009 [-0.000080, +0.000045])")
 
 
 def test_the_map_limit_configuration_joins_every_method_s_search():
