@@ -62,6 +62,9 @@ def custom_preset(model: str | None, weights: str | None, data: str | None,
     if size is not None and _given_int(overrides, "data.resize_size") is None:
         t = dict(t, resize_size=max(size, round(size * t["resize_size"] / t["image_size"])))
         how += f"; data.image_size={size} given, so resize {t['resize_size']} (the same crop ratio)"
+    norm = [k for k in ("data.mean", "data.std") if any(o.partition("=")[0].strip() == k for o in overrides)]
+    if norm:
+        how += f"; {' and '.join(norm)} as given"
     short = name.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
     sets = [f"data.image_size={t['image_size']}", f"data.resize_size={t['resize_size']}",
             f"data.mean=[{', '.join(map(str, t['mean']))}]", f"data.std=[{', '.join(map(str, t['std']))}]"]

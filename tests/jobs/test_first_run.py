@@ -238,6 +238,10 @@ def test_no_preset_model_without_weights_torchvision_defaults_and_random():
     assert "no torchvision weights" in why and "ImageNet's mean/std" in why and "--weights random" in why
     sets, why = custom_preset("efficientnet_b3", "w.pt", "/data/birds")
     assert "data.image_size=300" in sets and "data.resize_size=320" in sets and "EfficientNet_B3_Weights" in why
+    # what the user gives is said: a 28 px model's resize follows at 256/224, its own normalisation
+    sets, why = custom_preset("tiny_cnn", "w.pt", "d", ["data.image_size=28", "data.mean=[0.5, 0.5, 0.5]"])
+    assert "data.resize_size=32" in sets and "data.image_size=28 given, so resize 32" in why, why
+    assert why.endswith("; data.mean as given"), why
 
 
 @pytest.mark.slow
