@@ -332,9 +332,18 @@ def _check_splits(cfg: RunConfig, root: str, opts: storage.StorageOptions) -> No
               (d.val_split, "val split (data.val_split: held-out images for the (N, tau) search and, without "
                             "data.test_split, the evaluation; e.g. <root>/val/<class>/)"),
               (d.test_split, "test split (data.test_split)")]
+    last = root.rstrip("/").rsplit("/", 1)[-1]
     for split, what in wanted:
-        if split:
+        if not split:
+            continue
+        try:
             check_uri(storage.join(root, split), what, opts)
+        except PreflightError as e:
+            if last not in (d.train_split, d.val_split, d.test_split):
+                raise
+            parent = root.rstrip("/").rsplit("/", 1)[0] if "/" in root.rstrip("/") else "."
+            raise PreflightError(f"{e}; --data is the root that holds {d.train_split}/ and {d.val_split}/, "
+                                 f"not a split: did you mean --data {parent}?") from None
 
 
 def preflight(cfg: RunConfig, *, dry_run: bool = False) -> dict[str, Any]:

@@ -93,6 +93,14 @@ def test_missing_data_path(weights):
                          str(weights)), "data root not found", "/nonexistent/imagenet")
 
 
+def test_data_pointing_at_a_split_suggests_its_parent(tmp_path, weights):
+    for split in ("train", "val"):
+        (tmp_path / "mine" / split / "n01").mkdir(parents=True)
+    _one_line_error(_run("--preset", "imagenet-resnet50", "--data", str(tmp_path / "mine" / "train"), "--weights",
+                         str(weights)), "train split (data.train_split) not found",
+                    f"not a split: did you mean --data {tmp_path / 'mine'}?")
+
+
 def test_missing_weights_file(tmp_path):
     _one_line_error(_run("--preset", "imagenet-resnet50", "--data", str(tmp_path), "--weights",
                          str(tmp_path / "missing.pt")), "weights file not found")
