@@ -41,12 +41,12 @@ from __future__ import annotations
 
 import io
 import re
-import sys
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 from torch import nn
 
+from pipelines.ingest.factory import build_factory, is_factory, resolve_factory
 from pipelines.ingest.timm_models import build_timm, is_timm
 
 if TYPE_CHECKING:
@@ -152,62 +152,6 @@ def _torchvision_names() -> list[str]:
 def model_names() -> list[str]:
     """Every valid ``name``: torchvision classification models plus :data:`EXTRA_MODELS`."""
     return sorted(set(_torchvision_names()) | set(EXTRA_MODELS))
-
-
-def is_factory(name: str) -> bool:
-    """``"package.module:callable"`` (a user's model factory) rather than a registry name."""
-    return ":" in name and not is_timm(name)
-
-
-def resolve_factory(name: str) -> Callable[..., nn.Module]:
-    """The callable of ``"package.module:callable"`` (attribute paths ``a.b`` allowed after
-    the colon); one-line ``ValueError`` for a malformed string, a module that does not
-    import or a missing attribute."""
-    import importlib
-
-    mod_name, _, attr = name.partition(":")
-    if not mod_name or not attr or ":" in attr:
-        raise ValueError(f"model factory {name!r} must look like package.module:callable")
-    try:
-        obj = _import_here_too(mod_name)
-    except Exception as e:  # ImportError, or the module's own error at import time
-        raise ValueError(f"model factory {name!r}: cannot import module {mod_name!r} "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"model factory {name!r}: {mod_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"model factory {name!r}: {attr!r} is not callable")
-    return obj
-
-
-def _import_here_too(mod_name: str):
-    """``import mod_name``; a top-level module that is not found is looked for in the working
-    directory too (``--model mynet:Net`` beside ``mynet.py``, as ``uvicorn main:app`` does)."""
-    import importlib
-    import os
-
-    try:
-        return importlib.import_module(mod_name)
-    except ModuleNotFoundError as e:
-        here = os.getcwd()
-        if e.name != mod_name.split(".")[0] or here in sys.path:
-            raise
-        sys.path.append(here)
-        return importlib.import_module(mod_name)
-
-
-def _build_factory(name: str, num_classes: int | None) -> nn.Module:
-    fn = resolve_factory(name)
-    try:
-        model = fn() if num_classes is None else fn(num_classes=int(num_classes))
-    except Exception as e:
-        msg = str(e).splitlines()[0] if str(e) else ""
-        raise ValueError(f"model factory {name!r} raised {type(e).__name__}: {msg}") from None
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model factory {name!r} returned {type(model).__name__}, not a torch.nn.Module")
-    return model
 
 
 def _unknown_model(name: str) -> ValueError:
@@ -425,7 +369,7 @@ def load_model(
     if is_factory(name):
         if weights is not None and is_enum_name(weights):
             raise ValueError(f"model {name!r} is a factory; give a state-dict file, not torchvision weights {weights!r}")
-        model = _build_factory(name, num_classes)
+        model = build_factory(name, num_classes)
         if weights is not None:
             sd = read_state_dict(weights, options=options)
             check_state_dict(model, sd, name)
@@ -452,7 +396,7 @@ def load_model(
 def build_meta(name: str, num_classes: int | None) -> nn.Module:
     """The model's shapes without memory: built on the ``meta`` device where its constructor allows."""
     if is_factory(name):
-        return _build_factory(name, num_classes)
+        return build_factory(name, num_classes)
     try:
         with torch.device("meta"):
             return _build(name, num_classes)
