@@ -53,8 +53,10 @@ def not_better_line(method: str, verdict: Mapping[str, Any] | None) -> str:
     # converged model's validation NLL of 0.0083 read "-0.0000 [-0.0001, +0.0000]" at 4
     top = max(abs(d), abs(lo), abs(hi))
     k = 4 if top == 0 or not math.isfinite(top) else min(6, max(4, 1 - math.floor(math.log10(top))))
+    # an interval wholly below 0 but above -MIN_GAIN reads like a gain: say why it is not one
+    limit = f"; a gain under {MIN_GAIN:g} nats per image is the MAP limit" if -MIN_GAIN <= hi < 0 else ""
     return (f"no configuration of {method} improved validation NLL over MAP "
-            f"(best Δ = {d:+.{k}f} [{lo:+.{k}f}, {hi:+.{k}f}])")
+            f"(best Δ = {d:+.{k}f} [{lo:+.{k}f}, {hi:+.{k}f}]{limit})")
 
 
 def judge_terms(map_per: PerImage, per: PerImage, method: str, resamples: int = RESAMPLES,

@@ -124,6 +124,11 @@ def test_identical_predictions_are_never_an_improvement():
     # the converged demo CNN's Δ (validation NLL 0.0083): two significant figures of the interval
     tiny = {"improved": False, "diff": -8.64e-6, "lo": -7.953e-5, "hi": 4.522e-5}
     assert not_better_line("diag", tiny).endswith("(best Δ = -0.000009 [-0.000080, +0.000045])")
+    # an interval wholly below 0 inside the MAP-limit band (the dirty-data job's diag: -0.000048
+    # [-0.000065, -0.000032]) says why it is not a gain
+    band = {"improved": False, "diff": -4.8e-5, "lo": -6.5e-5, "hi": -3.2e-5}
+    assert not_better_line("diag", band).endswith(
+        "(best Δ = -0.000048 [-0.000065, -0.000032]; a gain under 0.0001 nats per image is the MAP limit)")
 
 
 def test_the_map_limit_configuration_joins_every_method_s_search():
