@@ -46,6 +46,9 @@ TIMEOUT_BACKSTOP_S = float(os.environ.get("INFOFORM_TIMEOUT_BACKSTOP_S", "120"))
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+# the suite's helpers shared as one module each (``import background`` in a test module)
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")
@@ -97,15 +100,41 @@ FRESH_DEMO = "tests/jobs/test_demo_fresh.py::test_make_demo_from_a_fresh_clone"
 
 
 def pytest_collection_finish(session):
-    """The fresh-clone demo (install + `make demo`, minutes, nothing shared with the other tests)
-    starts now, beside the suite, and its test runs last to wait for it and check it (issue 43)."""
+    """Beside the suite (issue 43): the whole jobs of ``tests/background.py`` are prepared and queued
+    now, and the modules that read them move to the end; the fresh-clone demo (install + `make
+    demo`, minutes, nothing shared with the other tests) starts now too, and its test runs last to
+    wait for it and check it."""
     items = session.items
+    if session.config.option.collectonly:
+        return
+    _queue_background_jobs(session)
     fresh = [it for it in items if it.nodeid.endswith(FRESH_DEMO)]
     if not fresh or len(items) == 1 or fresh[0].module.enabled() is not None:
         return
     items.remove(fresh[0])
     items.append(fresh[0])
     fresh[0].module.Background.start()
+
+
+def _queue_background_jobs(session) -> None:
+    """Queue the selected modules' background jobs (``tests/background.py``), in collection order,
+    and move those modules' tests after the others (each module's own order kept)."""
+    if not (Path(__file__).parent / "background.py").exists():  # a copy of this file elsewhere
+        return
+    import background
+
+    modules, jobs = [], []
+    for it in session.items:
+        mine = background.jobs_for(set(getattr(it, "fixturenames", ())))
+        if mine:
+            jobs.extend(j for j in mine if j not in jobs)
+            if it.module not in modules:
+                modules.append(it.module)
+    if not jobs:
+        return
+    late = [it for it in session.items if getattr(it, "module", None) in modules]
+    session.items[:] = [it for it in session.items if getattr(it, "module", None) not in modules] + late
+    background.start(jobs, getattr(session.config, "_tmp_path_factory", None))
 
 
 # ---- The suite's clock and count guard (issue 43): tests/suite_guard.py, budget in tests/budget.toml ----

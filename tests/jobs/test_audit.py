@@ -30,9 +30,9 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import background  # tests/background.py: whole jobs beside the suite
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,17 +110,21 @@ def _job_args(inputs: dict[str, Path], out: Path) -> list[str]:
     return args
 
 
-@pytest.fixture(scope="module")
-def audit_run(tmp_path_factory):
-    base = tmp_path_factory.mktemp("audit")
+@background.job("audit_run")
+def _audit_job(base: Path):
+    """The two-model audit, run beside the suite (``tests/background.py``)."""
     inputs = _write_inputs(base)
     out = base / "out"
     cmd = [sys.executable, str(JOB), *_job_args(inputs, out)]
-    t0 = time.time()
+    yield
     res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
-    print(f"audit job: {time.time() - t0:.0f} s, rc={res.returncode}")
     assert res.returncode == 0, (res.stdout[-5000:], res.stderr[-5000:])
     return out, res.stdout, inputs
+
+
+@pytest.fixture(scope="module")
+def audit_run(tmp_path_factory):
+    return background.result(_audit_job, tmp_path_factory)
 
 
 # --------------------------------------------------------------------------- HTML parsing

@@ -18,9 +18,9 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import background  # tests/background.py: whole jobs beside the suite
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,13 +48,13 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def dirty_run(tmp_path_factory):
+@background.job("dirty_run")
+def _dirty_job(base: Path):
+    """The dirty folder's job, run beside the suite (``tests/background.py``)."""
     import torch
 
     from pipelines.ingest.models import tiny_cnn
 
-    base = tmp_path_factory.mktemp("dirty")
     tree = imagegen.make_imagenet_tree(base / "data", per_class=4, n_val=12, size=(24, 20), bad=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -69,13 +69,17 @@ def dirty_run(tmp_path_factory):
            str(base / "tiny.pt"), "--data", str(base / "data"), "--methods", "diag,efb", "--output", str(out)]
     for s in sets:
         cmd += ["--set", s]
-    t0 = time.time()
+    yield
     res = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900,
                          cwd=ROOT)
-    print(f"dirty-data job: {time.time() - t0:.0f} s, rc={res.returncode}")
     (base / "job.log").write_text(res.stdout)
     assert res.returncode == 0, res.stdout[-6000:]
     return tree, out, res.stdout
+
+
+@pytest.fixture(scope="module")
+def dirty_run(tmp_path_factory):
+    return background.result(_dirty_job, tmp_path_factory)
 
 
 def test_counts_are_the_same_in_run_json_the_report_and_the_log(dirty_run):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import background  # tests/background.py: whole jobs beside the suite
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,6 +48,12 @@ def _index_file(digits: Path, out: Path) -> Path:
     return out
 
 
+def torch_rng():
+    import torch
+
+    return torch.random.fork_rng(devices=[])
+
+
 def _weights(path: Path) -> str:
     import torch
     from safetensors.torch import save_file
@@ -59,24 +66,37 @@ def _weights(path: Path) -> str:
     return str(path)
 
 
-def test_index_parquet_runs_the_smoke_job_with_the_same_sums(tmp_path):
-    from safetensors.torch import load_file
-
+@background.job("index_runs")
+def _index_jobs(base: Path):
+    """The three runs, beside the suite (``tests/background.py``)."""
     from pipelines.ingest.demo_data import write_digits_imagefolder
 
-    digits = tmp_path / "digits"
+    digits = base / "digits"
     write_digits_imagefolder(digits, size=32, seed=0)
-    idx = _index_file(digits, tmp_path / "index.parquet")
-    a, b = tmp_path / "out-folder", tmp_path / "out-index"
-    weights = _weights(tmp_path / "demo_cnn.safetensors")  # both runs must use the same model
-
+    idx = _index_file(digits, base / "index.parquet")
+    a, b = base / "out-folder", base / "out-index"
+    with torch_rng():
+        weights = _weights(base / "demo_cnn.safetensors")  # both runs must use the same model
+    yield
     first = _run("--data", str(digits), "--weights", weights, "--output", str(a))
-    assert "index train: listed" in first.stdout and (a / "index" / "train.parquet").exists()
     again = _run("--data", str(digits), "--weights", weights, "--output", str(a))
+    _run("--data", str(idx), "--weights", weights, "--output", str(b))
+    return a, b, first, again
+
+
+@pytest.fixture(scope="module")
+def index_runs(tmp_path_factory):
+    return background.result(_index_jobs, tmp_path_factory)
+
+
+def test_index_parquet_runs_the_smoke_job_with_the_same_sums(index_runs):
+    from safetensors.torch import load_file
+
+    a, b, first, again = index_runs
+    assert "index train: listed" in first.stdout and (a / "index" / "train.parquet").exists()
     assert "index train: reused" in again.stdout and "index train: listed" not in again.stdout
     assert "stage curvature: done earlier" in again.stdout
 
-    _run("--data", str(idx), "--weights", weights, "--output", str(b))
     ta = load_file(str(a / "stats" / "reduced" / "tensors.safetensors"))
     tb = load_file(str(b / "stats" / "reduced" / "tensors.safetensors"))
     assert sorted(ta) == sorted(tb) and len(ta) > 0

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import background  # tests/background.py: whole jobs beside the suite
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,12 +34,19 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
 
 
-@pytest.fixture(scope="module")
-def glm_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("subnet_job") / "out"
+@background.job("glm_run")
+def _glm_job(base: Path):
+    """``--pred-type glm``, run beside the suite (``tests/background.py``)."""
+    out = base / "out"
+    yield
     res = _run("--pred-type", "glm", "--output", str(out))
     assert res.returncode == 0, (res.stdout[-4000:], res.stderr[-3000:])
     return out, res.stdout
+
+
+@pytest.fixture(scope="module")
+def glm_run(tmp_path_factory):
+    return background.result(_glm_job, tmp_path_factory)
 
 
 def test_subnet_glm_job_reports_subnet(glm_run):

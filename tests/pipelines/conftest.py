@@ -40,6 +40,7 @@ import shutil
 import sys
 import tempfile
 
+import background  # tests/background.py: whole jobs beside the suite
 import pytest
 import torch
 
@@ -89,24 +90,39 @@ def ray_session():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def smoke_shift_run(ray_session, tmp_path_factory):
-    """One smoke run (temperature, diag and INF; a shift sweep of two corruptions at severities 1
-    and 5; ASHA) that the scoring tests and the shift tests both read: fitted once per session.
-    Its output is read only: a test writes under its own folders."""
-    from pipelines.cli.run import run
-    from pipelines.config.load import load_config
+@background.job("smoke_shift_run")
+def _smoke_shift_job(base):
+    """The job behind ``smoke_shift_run``, in a child process beside the suite (``tests/background.py``)."""
+    import subprocess
+    from pathlib import Path
 
-    out = tmp_path_factory.mktemp("smoke_shift") / "out"
-    cfg = load_config("smoke", [
-        f"output={out}", "posterior.methods=[temperature, diag, inf]",
+    base = Path(base)
+    out = base / "smoke_shift" / "out"
+    sets = [
+        "posterior.methods=[temperature, diag, inf]",
         "evaluate.shift={corruptions: [gaussian_noise, contrast], severities: [1, 5]}",
         "evaluate.mc_samples=4", "search.scheduler=asha", "search.chunk_size=25", "evaluate.batch_size=25",
-        *_second_ood_set(tmp_path_factory.mktemp("smoke_noise") / "noise"),
-    ])
-    res = run(cfg)
-    assert res.summary is not None
+        *_second_ood_set(base / "smoke_noise" / "noise"),
+    ]
+    cmd = [sys.executable, os.path.join(_REPO, "jobs", "imagenet_inf.py"), "--preset", "smoke", "--output", str(out)]
+    for x in sets:
+        cmd += ["--set", x]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONUNBUFFERED"] = "1"
+    yield
+    res = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
+                         cwd=_REPO)
+    assert res.returncode == 0, res.stdout[-6000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def smoke_shift_run(ray_session, tmp_path_factory):
+    """One smoke job (temperature, diag and INF; a shift sweep of two corruptions at severities 1
+    and 5; ASHA) that the scoring tests and the shift tests both read: run once per session, beside
+    the suite. Its output is read only: a test writes under its own folders. (``ray_session`` is
+    started for the tests that read it in this process.)"""
+    return background.result(_smoke_shift_job, tmp_path_factory)
 
 
 def _second_ood_set(folder) -> list[str]:

@@ -1,7 +1,7 @@
 """The smoke job end to end on a ``vit_b_16``-shaped and a ``convnext_tiny``-shaped model
 (``vit_tiny_test``, ``convnext_tiny_test``: torchvision's own VisionTransformer / ConvNeXt
 classes cut to 32x32 images and a few channels), in one job through the audit's ``models:``
-list, with ``posterior.norm_layers: diag``, on the session's local Ray instance.
+list, with ``posterior.norm_layers: diag``, as a child process beside the suite (``tests/background.py``).
 
 Checked: every stage finishes for both models; every parameter of the attention
 projections, depthwise convolutions, LayerNorms and layer scales is under the posterior, and
@@ -13,26 +13,29 @@ summary and the report list the coverage.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import background  # tests/background.py: whole jobs beside the suite
 import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+JOB = ROOT / "jobs" / "imagenet_inf.py"
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 MODELS = ("vit_tiny_test", "convnext_tiny_test")
 
 
-def test_smoke_job_on_vit_and_convnext_shaped_models(ray_session, tmp_path):
-    from laplace_core.io import load_tensors
-    from laplace_core.curvature.layers import find_layers
-    from laplace_core.posteriors.structures.base import Posterior
-    from pipelines.config.load import load_config
-    from pipelines.ingest.models import load_model
-    from pipelines.cli.run import run
-
-    out = tmp_path / "out"
-    cfg = load_config("smoke", [
-        f"output={out}",
-        "models=[{name: vit_tiny_test}, {name: convnext_tiny_test}]",
+@background.job("coverage_run")
+def _coverage_job(base: Path):
+    """The job of both models in a child process, beside the suite (``tests/background.py``)."""
+    out = base / "out"
+    sets = [
+        "model.name=resnet50",  # the smoke preset's single model back to the default: the job takes models: alone
+        "models=[{name: vit_tiny_test, weights: random}, {name: convnext_tiny_test, weights: random}]",
         "posterior.norm_layers=diag",
         "posterior.methods=[kfac, inf]",  # a factored method, and the EFB pass INF needs
         "data.limit=60", "data.per_class=6", "data.partition_size=60",
@@ -40,9 +43,31 @@ def test_smoke_job_on_vit_and_convnext_shaped_models(ray_session, tmp_path):
         "curvature.num_workers=1", "curvature.batch_size=30",
         "search.num_configs=1", "search.mc_samples=2",
         "evaluate.mc_samples=2", "evaluate.num_actors=1", "evaluate.batch_size=40",
-    ])
-    res = run(cfg)
-    assert res.summary is not None
+    ]
+    cmd = [sys.executable, str(JOB), "--preset", "smoke", "--output", str(out)]
+    for x in sets:
+        cmd += ["--set", x]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    yield
+    res = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
+                         cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-6000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def coverage_run(tmp_path_factory):
+    return background.result(_coverage_job, tmp_path_factory)
+
+
+def test_smoke_job_on_vit_and_convnext_shaped_models(coverage_run):
+    from laplace_core.io import load_tensors
+    from laplace_core.curvature.layers import find_layers
+    from laplace_core.posteriors.structures.base import Posterior
+    from pipelines.ingest.models import load_model
+
+    out = coverage_run
     for name in MODELS:
         mdir = out / "models" / name
         for stage in ("curvature", "posterior", "search", "evaluate", "report"):

@@ -23,10 +23,17 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import background  # tests/background.py: whole jobs beside the suite
 import numpy as np
 import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+JOB = ROOT / "jobs" / "imagenet_inf.py"
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -72,14 +79,31 @@ def _week(inputs: dict[str, Path], root: Path, name: str, split: str, *extra: st
                  *extra)
 
 
-@pytest.fixture(scope="module")
-def weeks(ray_session, tmp_path_factory):
-    base = tmp_path_factory.mktemp("scheduled")
+def _week_job(inputs: dict[str, Path], root: Path, name: str, split: str) -> tuple[int, str, str]:
+    """:func:`_week` as a user's scheduled job runs it: a child process (its own local Ray)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, str(JOB), "--preset", "smoke", "--data", str(inputs["data"]), "--ood", str(inputs["ood"]),
+           "--model", "demo_cnn", "--weights", str(inputs["weights"]), "--output", str(root / name),
+           "--history", str(root), "--alert", RULE, "--set", f"data.test_split={split}", *DEMO_NORM, *SMALL]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    return res.returncode, res.stdout, res.stderr
+
+
+@background.job("weeks")
+def _weeks_job(base: Path):
+    """Weeks 1 and 2, run beside the suite (``tests/background.py``)."""
     inputs = _write_inputs(base)
     root = base / "audits"
-    first = _week(inputs, root, "w1", "test")
-    second = _week(inputs, root, "w2", "drops/w2")
+    yield
+    first = _week_job(inputs, root, "w1", "test")
+    second = _week_job(inputs, root, "w2", "drops/w2")
     return {"inputs": inputs, "root": root, "w1": root / "w1", "w2": root / "w2", "first": first, "second": second}
+
+
+@pytest.fixture(scope="module")
+def weeks(ray_session, tmp_path_factory):  # the session's Ray: the refusals run in this process
+    return background.result(_weeks_job, tmp_path_factory)
 
 
 def _run_json(path: Path) -> dict:

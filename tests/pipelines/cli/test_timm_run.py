@@ -1,4 +1,5 @@
-"""timm models through the whole job (issue 40, acceptance 2): ONE small audit run in this process
+"""timm models through the whole job (issue 40, acceptance 2): ONE small audit job, run beside the suite
+(``tests/background.py``; was in this process on the session's Ray, 200 s between the other tests)
 (the smoke preset's demo digits at 32x32, cut to 40 training images in 2 partitions, 20 search /
 OOD and 50 test images, diag and KFAC, two (N, τ) configurations, 2 MC samples) holding two timm
 models (issue 43: sized to what is asserted; was 100 training, 50 search / OOD images and 4 MC
@@ -15,9 +16,17 @@ load, a report); then ``infoform score`` scores the run's test split with the Vi
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import background  # tests/background.py: whole jobs beside the suite
 import numpy as np
 import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+JOB = ROOT / "jobs" / "imagenet_inf.py"
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 timm = pytest.importorskip("timm")
@@ -27,29 +36,41 @@ STAGES = ("curvature", "posterior", "search", "evaluate", "report")
 METHODS = ("diag", "kfac")
 
 
-@pytest.fixture(scope="module")
-def timm_run(ray_session, tmp_path_factory):
+@background.job("timm_run")
+def _timm_job(root: Path):
+    """The job of both timm models in a child process, run beside the suite (``tests/background.py``)."""
     import torch
     from safetensors.torch import save_file
 
-    from pipelines.cli.run import run
-    from pipelines.config.load import load_config
     from pipelines.ingest.models import vit_tiny_timm_test
 
-    root = tmp_path_factory.mktemp("timm_run")
-    torch.manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        vit = vit_tiny_timm_test(10)
     weights = root / "vit.safetensors"
-    save_file({k: v.contiguous() for k, v in vit_tiny_timm_test(10).state_dict().items()}, str(weights))
-    cfg = load_config("smoke", [
-        f"output={root / 'out'}", "model.name=resnet50",
+    save_file({k: v.contiguous() for k, v in vit.state_dict().items()}, str(weights))
+    sets = [
+        "model.name=resnet50",
         f"models=[{{name: 'timm:resnet10t', weights: random}}, {{name: vit_tiny_timm_test, weights: '{weights}'}}]",
         "posterior.methods=[diag, kfac]", "data.limit=40", "data.per_class=4", "data.val_limit=20",
         "data.test_limit=50", "data.ood_limit=20", "data.partition_size=20", "search.num_configs=2",
         "search.mc_samples=2", "evaluate.mc_samples=2", "evaluate.batch_size=50",
-    ])
-    res = run(cfg)
-    assert res.summary is not None
+    ]
+    cmd = [sys.executable, str(JOB), "--preset", "smoke", "--output", str(root / "out")]
+    for x in sets:
+        cmd += ["--set", x]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    yield
+    res = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
+                         cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-6000:]
     return root / "out"
+
+
+@pytest.fixture(scope="module")
+def timm_run(ray_session, tmp_path_factory):  # the session's Ray: `infoform score` in this process
+    return background.result(_timm_job, tmp_path_factory)
 
 
 def test_both_timm_models_run_every_stage(timm_run):

@@ -1,0 +1,136 @@
+"""Whole jobs run beside the suite (issue 43): a queue of one, started when the suite starts.
+
+A whole-job fixture spends most of its wall time waiting (Ray's start-up, worker processes
+importing torch, Ray Data's first read): on a 2-core machine the unit tests use about half the
+CPU and a job about two thirds, so a job run *beside* them costs the suite far less than one run
+*between* them. A test module declares its job as a generator function decorated with
+:func:`job`::
+
+    @background.job("dirty_run")
+    def dirty_job(base: Path):
+        inputs = write_inputs(base)        # the main thread: torch's global RNG, files
+        yield                              # everything after the yield runs in the queue's thread
+        res = subprocess.run([...], stdout=subprocess.PIPE, ...)
+        assert res.returncode == 0, res.stdout[-6000:]
+        return out, res.stdout
+
+    @pytest.fixture(scope="module")
+    def dirty_run():
+        return background.result(dirty_job)
+
+``tests/conftest.py`` calls :func:`start` when collection is done: the jobs behind the fixtures
+the selected tests use (a test module's or a conftest's) are prepared (the part before the
+``yield``, in the main thread, in the order the tests come) and queued; the modules whose tests
+use them move to the end of the run, so that the rest of the suite runs while
+the queue works. :func:`result` waits for a queued job (its exception is raised in the fixture)
+or, when the job was not queued (a run of one test, ``--collect-only``), runs it in place.
+
+What the part after the ``yield`` may do: start child processes with their output piped (never
+inherited: a test capturing fd 1/2 must not read a job's lines), read and write files under
+``base``. Not: print, touch torch's global state or the pytest session's Ray. What it reports is
+kept and printed by :func:`result` in the test that needs it. The suite's count guard charges a
+job's launches to the test module that defines it (its generator's frame is the outermost one of
+a test file in the queue thread's stack).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import inspect
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Generator
+
+__all__ = ["job", "jobs_for", "start", "result", "queued", "JOB_ATTR"]
+
+#: The attribute :func:`job` sets on a generator function.
+JOB_ATTR = "infoform_background_job"
+
+_lock = threading.Lock()
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_queued: dict[Callable, concurrent.futures.Future] = {}
+_log: dict[Callable, list[str]] = {}
+_registry: dict[str, Callable] = {}  # fixture name -> its job
+
+
+def job(fixture: str) -> Callable[[Callable], Callable]:
+    """Mark ``fn(base)`` (a generator function: prepare, ``yield``, run, return) as the background job
+    behind the fixture named ``fixture``: it is queued when a selected test uses that fixture."""
+    def mark(fn: Callable[[Path], Generator[None, None, Any]]) -> Callable[[Path], Generator[None, None, Any]]:
+        if not inspect.isgeneratorfunction(fn):
+            raise TypeError(f"{fn.__qualname__}: a background job is a generator function (prepare; yield; run)")
+        setattr(fn, JOB_ATTR, fixture)
+        _registry.setdefault(fixture, fn)
+        return fn
+    return mark
+
+
+def jobs_for(fixtures: set[str]) -> list[Callable]:
+    """The background jobs behind ``fixtures`` (those of the test modules and conftests imported so far)."""
+    return [fn for name, fn in _registry.items() if name in fixtures]
+
+
+def queued(fn: Callable) -> bool:
+    return fn in _queued
+
+
+def _base(fn: Callable, tmp_path_factory: Any = None) -> Path:
+    name = fn.__name__.strip("_")[:30]
+    if tmp_path_factory is not None:
+        return tmp_path_factory.mktemp(f"bg-{name}")
+    return Path(tempfile.mkdtemp(prefix=f"infoform-bg-{name}-"))
+
+
+def _finish(gen: Generator[None, None, Any], log: list[str], name: str) -> Any:
+    t0 = time.time()
+    try:
+        next(gen)
+    except StopIteration as stop:
+        log.append(f"{name}: {time.time() - t0:.0f} s in the background queue")
+        return stop.value
+    raise RuntimeError(f"{name}: a background job yields once (prepare; yield; run)")
+
+
+def _prepare(fn: Callable, base: Path) -> Generator[None, None, Any]:
+    gen = fn(base)
+    try:
+        next(gen)  # the part before the yield, here
+    except StopIteration:
+        raise RuntimeError(f"{fn.__qualname__}: a background job yields once (prepare; yield; run)") from None
+    return gen
+
+
+def start(fns: list[Callable], tmp_path_factory: Any = None) -> None:
+    """Prepare each job of ``fns`` here, in order, and queue the rest of each (one at a time)."""
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="infoform-bg")
+    for fn in fns:
+        if fn in _queued:
+            continue
+        log = _log.setdefault(fn, [])
+        try:
+            gen = _prepare(fn, _base(fn, tmp_path_factory))
+        except BaseException as e:  # noqa: BLE001 - raised again in the fixture that needs it
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            fut.set_exception(e)
+        else:
+            fut = _pool.submit(_finish, gen, log, fn.__qualname__)
+        _queued[fn] = fut
+
+
+def result(fn: Callable, tmp_path_factory: Any = None, timeout: float = 3000) -> Any:
+    """The value ``fn`` returned: waited for when queued, else run here (prepare and run)."""
+    if fn not in _queued:
+        log = _log.setdefault(fn, [])
+        gen = _prepare(fn, _base(fn, tmp_path_factory))
+        value = _finish(gen, log, fn.__qualname__)
+    else:
+        t0 = time.time()
+        value = _queued[fn].result(timeout=timeout)
+        _log.setdefault(fn, []).append(f"{fn.__qualname__}: waited {time.time() - t0:.0f} s for it")
+    for line in _log.pop(fn, []):
+        print(line)
+    return value
