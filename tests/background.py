@@ -36,13 +36,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import inspect
+import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Generator
 
-__all__ = ["job", "jobs_for", "start", "result", "queued", "JOB_ATTR"]
+__all__ = ["job", "jobs_for", "start", "result", "queued", "smoke_job", "JOB_ATTR"]
 
 #: The attribute :func:`job` sets on a generator function.
 JOB_ATTR = "infoform_background_job"
@@ -134,3 +137,19 @@ def result(fn: Callable, tmp_path_factory: Any = None, timeout: float = 3000) ->
     for line in _log.pop(fn, []):
         print(line)
     return value
+
+
+def smoke_job(output: Path, sets: list[str], timeout: float = 1200) -> Path:
+    """``jobs/imagenet_inf.py --preset smoke --output OUTPUT --set ...`` as a user runs it (its own
+    local Ray: no ``RAY_ADDRESS``), both streams piped; asserts exit 0 (the log's end in the
+    message) and returns ``output``."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "jobs" / "imagenet_inf.py"), "--preset", "smoke", "--output", str(output)]
+    for x in sets:
+        cmd += ["--set", x]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    res = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                         cwd=root)
+    assert res.returncode == 0, res.stdout[-6000:]
+    return output

@@ -93,7 +93,6 @@ def ray_session():
 @background.job("smoke_shift_run")
 def _smoke_shift_job(base):
     """The job behind ``smoke_shift_run``, in a child process beside the suite (``tests/background.py``)."""
-    import subprocess
     from pathlib import Path
 
     base = Path(base)
@@ -104,16 +103,8 @@ def _smoke_shift_job(base):
         "evaluate.mc_samples=4", "search.scheduler=asha", "search.chunk_size=25", "evaluate.batch_size=25",
         *_second_ood_set(base / "smoke_noise" / "noise"),
     ]
-    cmd = [sys.executable, os.path.join(_REPO, "jobs", "imagenet_inf.py"), "--preset", "smoke", "--output", str(out)]
-    for x in sets:
-        cmd += ["--set", x]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONUNBUFFERED"] = "1"
     yield
-    res = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
-                         cwd=_REPO)
-    assert res.returncode == 0, res.stdout[-6000:]
-    return out
+    return background.smoke_job(out, sets)
 
 
 @pytest.fixture(scope="session")

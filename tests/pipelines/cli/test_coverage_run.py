@@ -13,16 +13,10 @@ summary and the report list the coverage.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import background  # tests/background.py: whole jobs beside the suite
 import pytest
-
-ROOT = Path(__file__).resolve().parents[3]
-JOB = ROOT / "jobs" / "imagenet_inf.py"
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -44,16 +38,8 @@ def _coverage_job(base: Path):
         "search.num_configs=1", "search.mc_samples=2",
         "evaluate.mc_samples=2", "evaluate.num_actors=1", "evaluate.batch_size=40",
     ]
-    cmd = [sys.executable, str(JOB), "--preset", "smoke", "--output", str(out)]
-    for x in sets:
-        cmd += ["--set", x]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
     yield
-    res = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
-                         cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-6000:]
-    return out
+    return background.smoke_job(out, sets)
 
 
 @pytest.fixture(scope="module")

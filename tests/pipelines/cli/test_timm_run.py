@@ -16,17 +16,11 @@ load, a report); then ``infoform score`` scores the run's test split with the Vi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import background  # tests/background.py: whole jobs beside the suite
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parents[3]
-JOB = ROOT / "jobs" / "imagenet_inf.py"
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 timm = pytest.importorskip("timm")
@@ -56,16 +50,8 @@ def _timm_job(root: Path):
         "data.test_limit=50", "data.ood_limit=20", "data.partition_size=20", "search.num_configs=2",
         "search.mc_samples=2", "evaluate.mc_samples=2", "evaluate.batch_size=50",
     ]
-    cmd = [sys.executable, str(JOB), "--preset", "smoke", "--output", str(root / "out")]
-    for x in sets:
-        cmd += ["--set", x]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
     yield
-    res = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200,
-                         cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-6000:]
-    return root / "out"
+    return background.smoke_job(root / "out", sets)
 
 
 @pytest.fixture(scope="module")
