@@ -38,7 +38,7 @@ def param_counts(model):
 
 def test_sizes_json_resnet18_offline():
     torchvision = pytest.importorskip("torchvision")
-    res = run_cli("sizes", "--model", "resnet18", "--rank", "100", "--json")
+    res = run_cli("sizes", "--model", "resnet18", "--rank", "100", "--norm-layers", "map", "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     model = torchvision.models.resnet18(weights=None)
@@ -65,7 +65,7 @@ def test_unknown_model_is_one_line_exit_2():
 
 
 def test_sizes_table_in_process(capsys):
-    assert main(["sizes", "--model", "resnet18", "--rank", "100"]) == 0
+    assert main(["sizes", "--model", "resnet18", "--rank", "100", "--norm-layers", "map"]) == 0
     out = capsys.readouterr().out
     assert "11,679,912" in out and "44.6" in out and "lower bound" in out
 
@@ -131,11 +131,11 @@ def test_sizes_norm_layers_diag_covers_the_torchvision_zoo(capsys, name):
 
 
 @pytest.mark.parametrize("name", ["resnet18", "resnet50", "resnet152", "densenet121", "densenet161"])
-def test_sizes_default_keeps_the_table3_counts(capsys, name):
-    """The default (norm layers at MAP) counts exactly the Linear / Conv2d layers, as in
-    Lee et al. (2020) Table 3: BatchNorm parameters are reported at MAP."""
+def test_sizes_norm_layers_map_keeps_the_table3_counts(capsys, name):
+    """``--norm-layers map`` counts exactly the Linear / Conv2d layers, as in Lee et al. (2020)
+    Table 3: BatchNorm parameters are reported at MAP."""
     torchvision = pytest.importorskip("torchvision")
-    out = _sizes_json(capsys, "--model", name)
+    out = _sizes_json(capsys, "--model", name, "--norm-layers", "map")
     with torch.device("meta"):
         model = torchvision.models.get_model(name, weights=None)
     diag, kfac = param_counts(model)
@@ -145,8 +145,21 @@ def test_sizes_default_keeps_the_table3_counts(capsys, name):
     assert out["coverage"]["at_map_by_type"] == {"BatchNorm2d": bn}
 
 
+def test_sizes_default_counts_the_norm_layers_as_the_job_runs_a_model(capsys):
+    """Without --norm-layers, ``sizes --model`` counts what the job runs for ``--model`` without
+    ``--preset``: the custom preset's ``posterior.norm_layers`` (diag), not the papers' map."""
+    from pipelines.config.load import preset_settings
+
+    assert preset_settings("custom").posterior.norm_layers == "diag"
+    assert preset_settings("imagenet-resnet50").posterior.norm_layers == "map"
+    default = _sizes_json(capsys, "--model", "resnet18")
+    assert default == _sizes_json(capsys, "--model", "resnet18", "--norm-layers", "diag")
+    assert default["num_weights"] > _sizes_json(capsys, "--model", "resnet18", "--norm-layers", "map")["num_weights"]
+    assert default["coverage"]["weights_at_map"] == 0
+
+
 def test_sizes_table_lists_coverage_and_bad_norm_layers_exit_2(capsys):
-    assert main(["sizes", "--model", "vit_b_16"]) == 0
+    assert main(["sizes", "--model", "vit_b_16", "--norm-layers", "map"]) == 0
     text = capsys.readouterr().out
     assert "coverage: " in text and "at MAP: " in text and "LayerNorm" in text
     with pytest.raises(SystemExit) as e:
@@ -157,12 +170,12 @@ def test_sizes_table_lists_coverage_and_bad_norm_layers_exit_2(capsys):
 def test_sizes_layers_last_counts_fc_only_and_a_bad_glob_exits_2(capsys):
     """``--layers last`` on resnet18: the posterior over ``fc`` (1000 x 513) alone, Table 3 counting
     (KFAC: 513² + 1000²); every conv is listed at MAP; a name matching nothing is one line, exit 2."""
-    out = _sizes_json(capsys, "--model", "resnet18", "--layers", "last")
+    out = _sizes_json(capsys, "--model", "resnet18", "--layers", "last", "--norm-layers", "map")
     assert [ls["name"] for ls in out["layers"]] == ["fc"] and out["num_weights"] == 1000 * 513
     assert out["methods"]["diag"]["numbers"] == 513_000 and out["methods"]["kfac"]["numbers"] == 513**2 + 1000**2
     assert out["coverage"]["layers"] == "last" and out["coverage"]["at_map_by_type"]["Conv2d"] == 11_166_912
     assert sum(why.startswith("not in the selected") for why in out["excluded"].values()) == 20
-    two = _sizes_json(capsys, "--model", "resnet18", "--layers", "layer4.1.*,fc")
+    two = _sizes_json(capsys, "--model", "resnet18", "--layers", "layer4.1.*,fc", "--norm-layers", "map")
     assert [ls["name"] for ls in two["layers"]] == ["layer4.1.conv1", "layer4.1.conv2", "fc"]
     assert main(["sizes", "--model", "resnet18", "--layers", "head"]) == 2
     err = capsys.readouterr().err

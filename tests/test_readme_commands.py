@@ -80,10 +80,10 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "ray job submit --address $RAY_ADDRESS --working-dir . --runtime-env infra/runtime_env.yaml -- python "
     "jobs/imagenet_inf.py --preset imagenet-resnet50 --data s3://bucket/imagenet --weights s3://bucket/resnet50.pt "
     "--output s3://bucket/runs/r50": ("parse", "needs a GPU cluster and S3: Ray's CLI + the job's parser"),
-    "infoform sizes --model resnet18 --rank 100": ("here", "test_sizes_commands_run"),
+    "infoform sizes --model resnet18 --rank 100 --norm-layers map": ("here", "test_sizes_commands_run"),
     "infoform sizes --model densenet121 --json": ("here", "test_sizes_commands_run"),
-    "infoform sizes --model vit_b_16 --norm-layers diag --json": ("here", "test_sizes_commands_run"),
-    "infoform sizes --model resnet18 --layers last": ("here", "test_sizes_commands_run"),
+    "infoform sizes --model timm:efficientnet_b0": ("here", "test_sizes_commands_run"),
+    "infoform sizes --model resnet18 --layers last --norm-layers map": ("here", "test_sizes_commands_run"),
     "infoform sizes": ("here", "test_sizes_commands_run (the section heading)"),
     "infoform run ...": ("here", "test_infoform_run_is_the_job"),
     "infoform score": ("here", "test_infoform_score_parses (the section heading)"),
@@ -275,7 +275,7 @@ def test_ci_runs_make_test_which_runs_pytest():
 def test_sizes_commands_run(capsys):
     from pipelines.cli.main import main
 
-    assert main(["sizes", "--model", "resnet18", "--rank", "100"]) == 0
+    assert main(["sizes", "--model", "resnet18", "--rank", "100", "--norm-layers", "map"]) == 0
     out = capsys.readouterr().out
     # the figures docs/methods.md quotes for resnet18 (Lee et al. 2020, Table 3)
     for figure in ("11,679,912", "44.6", "362.4", "407.0"):
@@ -289,7 +289,9 @@ def test_sizes_commands_run(capsys):
     report = json.loads(capsys.readouterr().out)
     assert round(100 * report["coverage"]["fraction"], 2) == 100.0  # the figure docs/methods.md quotes
     assert report["coverage"]["weights_at_map"] == 0 and "vit_b_16 100.00%" in _flat(SIZES_PAGE)
-    assert main(["sizes", "--model", "resnet18", "--layers", "last"]) == 0
+    assert main(["sizes", "--model", "timm:efficientnet_b0"]) == 0  # the default: norm layers under the diagonal
+    assert "coverage: 100.00% of 5,288,548 parameters under the posterior (norm layers: diag)" in capsys.readouterr().out
+    assert main(["sizes", "--model", "resnet18", "--layers", "last", "--norm-layers", "map"]) == 0
     out = capsys.readouterr().out
     for figure in ("513,000", "1,263,169", "4.39%"):  # the figures docs/methods.md quotes for the fc-only posterior
         assert figure in out, (figure, out)

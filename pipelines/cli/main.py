@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from pipelines.config.load import list_presets, load_config
+from pipelines.config.load import list_presets, load_config, preset_settings
 from pipelines.config.schema import ConfigError, RunConfig
 
 __all__ = ["CliError", "SUBCOMMANDS", "build_parser", "build_torchvision_model", "get_args_parser",
@@ -365,9 +365,9 @@ def add_sizes_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank", type=_positive_int, default=None, help="INF rank K (top-K EFB eigenvalues per layer)")
     p.add_argument("--stats", default=None, metavar="URI", help="statistics with EFB sums (CurvatureStatistics.save)")
     p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint for an s3:// --stats")
-    p.add_argument("--norm-layers", choices=("map", "diag"), default="map",
-                   help="normalisation layers (BatchNorm/LayerNorm/GroupNorm, layer scales) and free parameters: at "
-                        "MAP (default, Table 3) or under a diagonal posterior (what the custom preset runs)")
+    p.add_argument("--norm-layers", choices=("map", "diag"), default=None,
+                   help="norm layers and free parameters: at MAP (Table 3's counting) or under a diagonal posterior; "
+                        "default: what the job runs for --model without --preset (custom preset's norm_layers)")
     p.add_argument("--layers", default="all", metavar="all|last|NAMES",
                    help="layers under the posterior: all (default), last (the last curvature layer, e.g. fc) or "
                         "comma-separated layer names / globs (e.g. 'layer4,fc'); the others stay at MAP")
@@ -406,8 +406,8 @@ def cmd_sizes(args: argparse.Namespace) -> int:
     try:
         if args.model is not None:
             model = _build_sizes_model(args.model, args.num_classes)
-            report = sizes.model_sizes(model, rank=args.rank, stats=stats, name=args.model,
-                                       norm_layers=args.norm_layers, layers=_layer_selection(args.layers))
+            report = sizes.model_sizes(model, rank=args.rank, stats=stats, name=args.model, layers=_layer_selection(
+                args.layers), norm_layers=args.norm_layers or preset_settings("custom").posterior.norm_layers)
         else:
             if args.layers != "all":
                 raise CliError("--layers needs --model (the statistics hold the layers they were collected for)")

@@ -190,6 +190,12 @@ def load_config(preset: str, overrides: list[str] | None = None) -> RunConfig:
     return from_dict(RunConfig, tree).validate()
 
 
+def preset_settings(preset: str) -> RunConfig:
+    """A preset's settings, not validated (no ``data.root`` needed): where a command that runs no
+    job (``infoform sizes``) reads the default the job would use, so that default lives once."""
+    return from_dict(RunConfig, _read_preset(preset))
+
+
 def _admits_none(tp: Any) -> bool:
     return tp is type(None) or (typing.get_origin(tp) in (typing.Union, types.UnionType)
                                 and type(None) in typing.get_args(tp))

@@ -238,7 +238,8 @@ def test_resnet18_last_layer_posterior_is_fc_only_with_the_size_sizes_reports(ca
     assert len([k for k, why in stats.excluded.items() if why == DESELECTED]) == 20  # every conv at MAP
     stats = collect_statistics(model, [(x, y)], generator=torch.Generator().manual_seed(0), layers="last",
                                basis=eigenbasis(stats))
-    assert main(["sizes", "--model", "resnet18", "--num-classes", "3", "--layers", "last", "--json"]) == 0
+    assert main(["sizes", "--model", "resnet18", "--num-classes", "3", "--layers", "last", "--norm-layers", "map",
+                 "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["num_layers"] == 1 and [ls["name"] for ls in rep["layers"]] == ["fc"]
     assert rep["num_weights"] == 3 * 513 and rep["coverage"]["layers"] == "last"
