@@ -152,7 +152,9 @@ window.addEventListener("load", function () {
     }),
     rows: rows,
     keys: t ? Array.prototype.map.call(t.tBodies[0].rows, function (r) { return r.getAttribute("data-key"); }) : [],
-    height: document.documentElement.scrollHeight
+    height: document.documentElement.scrollHeight,
+    right: t ? Math.ceil(t.getBoundingClientRect().right) : -1,
+    viewport: document.documentElement.clientWidth
   };
   var d = document.createElement("div");
   d.id = %(check)s;
