@@ -248,7 +248,7 @@ def submitted(ray_head, s3_inputs):
     address, _ = ray_head
     bucket, endpoint, args = s3_inputs
     res = _submit(address, args)
-    assert res.returncode == 0, (res.stdout[-4000:], res.stderr[-3000:])
+    assert res.returncode == 0, f"rc {res.returncode}\nstdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-3000:]}"
     return f"{bucket}/out", endpoint, args, res.stdout + res.stderr
 
 

@@ -40,7 +40,7 @@ def _glm_job(base: Path):
     out = base / "out"
     yield
     res = _run("--pred-type", "glm", "--output", str(out))
-    assert res.returncode == 0, (res.stdout[-4000:], res.stderr[-3000:])
+    assert res.returncode == 0, f"rc {res.returncode}\nstdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-3000:]}"
     return out, res.stdout
 
 
@@ -82,7 +82,7 @@ def test_nn_predictive_reuses_the_subnet_pass(glm_run):
     out, _ = glm_run
     res = _run("--pred-type", "nn", "--output", str(out), "--stages", "search,evaluate,report",
                "--force", "search,evaluate,report")
-    assert res.returncode == 0, (res.stdout[-4000:], res.stderr[-3000:])
+    assert res.returncode == 0, f"rc {res.returncode}\nstdout:\n{res.stdout[-4000:]}\nstderr:\n{res.stderr[-3000:]}"
     assert "stage curvature: running" not in res.stdout and "[subnet] S =" not in res.stdout
     metrics = json.loads((out / "eval" / "subnet" / "metrics.json").read_text())
     assert metrics["status"] == "ok" and metrics["pred_type"] == "nn" and 0.0 <= metrics["accuracy"] <= 1.0
