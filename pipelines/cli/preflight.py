@@ -73,7 +73,9 @@ def _explain(e: BaseException, uri: str, opts: storage.StorageOptions) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     name = type(e).__name__
     low = text.lower()
-    bucket = uri.split("://", 1)[1].split("/", 1)[0] if "://" in uri else None
+    if not storage.is_remote(uri):  # a local path: no endpoint or credentials to name
+        return f"{uri} ({name}: {text[:200]})"
+    bucket = uri.split("://", 1)[1].split("/", 1)[0]
     if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError") \
             or "unable to locate credentials" in low:
         why = storage.unreachable(opts, CONNECT_TIMEOUT_S)
