@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Generator
 
-__all__ = ["job", "jobs_for", "start", "result", "queued", "smoke_job", "JOB_ATTR"]
+__all__ = ["job", "jobs_for", "start", "result", "queued", "smoke_job", "JOB_ATTR", "spans"]
 
 #: The attribute :func:`job` sets on a generator function.
 JOB_ATTR = "infoform_background_job"
@@ -55,6 +55,8 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _queued: dict[Callable, concurrent.futures.Future] = {}
 _log: dict[Callable, list[str]] = {}
 _registry: dict[str, Callable] = {}  # fixture name -> its job
+#: ``(job, start, end)`` (``time.time()``) of each job run to its end, for the suite's timeline
+spans: list[tuple[str, float, float]] = []
 
 
 def job(fixture: str) -> Callable[[Callable], Callable]:
@@ -91,6 +93,7 @@ def _finish(gen: Generator[None, None, Any], log: list[str], name: str) -> Any:
         next(gen)
     except StopIteration as stop:
         log.append(f"{name}: {time.time() - t0:.0f} s in the background queue")
+        spans.append((name, t0, time.time()))
         return stop.value
     raise RuntimeError(f"{name}: a background job yields once (prepare; yield; run)")
 

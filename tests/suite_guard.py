@@ -259,17 +259,33 @@ def over_budget(counts: dict[str, dict[str, int]], budget: dict[str, dict[str, i
 def pytest_configure(config):
     _state["root"] = str(config.rootpath) + os.sep
     _state["t0"] = time.monotonic()
+    _state["wall0"] = time.time()
     _state["durations"] = defaultdict(float)
+    _state["files"] = {}  # test file -> [first setup, last report] (time.time())
     _install()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     _state["item"] = item
+    _state["files"].setdefault(item.nodeid.split("::")[0], [time.time(), time.time()])
 
 
 def pytest_runtest_logreport(report):
     _state["durations"][report.nodeid] += report.duration
+    span = _state["files"].get(report.nodeid.split("::")[0])
+    if span is not None:
+        span[1] = time.time()
+
+
+def timeline(files: dict[str, list[float]], jobs: list[tuple[str, float, float]], wall0: float,
+             top: int = 12) -> list[str]:
+    """Where the wall time went: the ``top`` test files by the span from their first test's start to
+    their last report, and every background job's span, as ``start-end`` seconds from the suite's start."""
+    rows = sorted(files.items(), key=lambda kv: kv[1][0] - kv[1][1])[:top]
+    out = [f"  {a - wall0:6.0f}-{b - wall0:<6.0f} {b - a:6.0f} s  {f}" for f, (a, b) in sorted(rows, key=lambda kv: kv[1][0])]
+    out += [f"  {a - wall0:6.0f}-{b - wall0:<6.0f} {b - a:6.0f} s  [background] {name}" for name, a, b in jobs]
+    return out
 
 
 def _budget_path(config) -> Path:
@@ -303,6 +319,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     slow = sorted(_state["durations"].items(), key=lambda kv: -kv[1])[:10]
     for nodeid, d in slow:
         tr.write_line(f"  {d:7.1f} s  {nodeid}")
+    bg = sys.modules.get("background")
+    tr.write_line("timeline (seconds from the start; the longest test files and the background jobs):")
+    for line in timeline(_state.get("files", {}), list(getattr(bg, "spans", [])), _state.get("wall0", 0.0)):
+        tr.write_line(line)
     counts = _state["counts"]
     budget = _state.get("budget", {})
     for kind in KINDS:

@@ -104,3 +104,10 @@ def test_a_planted_extra_job_fails_the_run_and_a_subset_within_budget_does_not(t
     out = subset.stdout + subset.stderr
     assert subset.returncode == 0 and "2 passed" in out and "OVER BUDGET" not in out, out[-3000:]
     assert "test_planted.py: ray_instances 0/0, jobs 1/1 (and 1 job" in out, out[-3000:]
+
+
+def test_the_timeline_lists_the_longest_files_in_start_order_and_every_background_job():
+    files = {"tests/a.py": [100.0, 110.0], "tests/b.py": [105.0, 400.0], "tests/c.py": [400.0, 401.0]}
+    lines = sg.timeline(files, [("dirty_job", 120.0, 300.0)], wall0=100.0, top=2)
+    assert [ln.split()[-1] for ln in lines] == ["tests/a.py", "tests/b.py", "dirty_job"]  # c.py: the shortest
+    assert lines[1].split()[:3] == ["5-300", "295", "s"] and "[background]" in lines[2]
