@@ -79,15 +79,25 @@ def start_head(tmp: Path):
 
 
 def stop_head(proc) -> None:
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """End a ``ray start --block`` node started in its own process group: SIGTERM to that process
+    alone (it drains the node through the GCS and stops its daemons: 1-2 s), then SIGKILL to what is
+    left of the group. A SIGTERM to the whole group kills the GCS first, and the head then waits 30 s
+    for it to drain (``Timed out while waiting for GCS to become available``)."""
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def workers(tmp: Path) -> int:

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from benchmarks import soak  # noqa: E402  one way to end a `ray start --block` node
 #: what `make demo` may print (issue: a clean log): the job's own stage and progress lines. 60, was
 #: 40 before issue 32 asked for more: progress with images/s at least every log_every_s in each pass
 #: and the search, the disk announcement and what was kept, the eigendecomposition, the verdict
@@ -58,11 +60,7 @@ def _other_ray_instance(env):
         time.sleep(3)
         yield
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        soak.stop_head(proc)
         shutil.rmtree(tmp, ignore_errors=True)
 
 

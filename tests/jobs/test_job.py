@@ -17,7 +17,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -83,17 +82,6 @@ def _start(cmd, env, log, *, namespace_hides=()):
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _stop(proc) -> None:
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
@@ -133,7 +121,7 @@ def ray_head(tmp_path_factory):
         yield address, tmp
     finally:
         for p in reversed(procs):
-            _stop(p)
+            soak.stop_head(p)
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
