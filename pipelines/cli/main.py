@@ -16,7 +16,7 @@ its parser). Each parser sets ``func``; ``func(args) -> int`` is the exit code.
 * ``infoform config [--list] [PREFIX]``: every config key with its default, valid range or
   values, and help, from the one place they are written (:mod:`pipelines.config.schema`).
 * ``infoform sizes --model NAME [--rank K] [--stats URI] [--norm-layers map|diag] [--layers all|last|NAMES] [--json]``: numbers stored per
-  posterior method for any torchvision classifier, built with ``weights=None`` on the
+  posterior method for any torchvision or ``timm:NAME`` classifier, built without weights on the
   ``meta`` device (no weights, no data, offline). See :mod:`laplace_core.posteriors.sizes`.
 
 Usage errors (unknown model, bad flag values, a bad config) print one line to stderr and
@@ -71,7 +71,7 @@ def get_args_parser(add_help: bool = False) -> argparse.ArgumentParser:
                    help="an OOD image set, local or s3:// (repeatable; a bare folder is named after it; "
                         "groups: data.ood in the config)")
     p.add_argument("--labels-csv", help="LOC_val_solution.csv-style labels for a flat val/ folder")
-    p.add_argument("--model", help="torchvision name (e.g. resnet50) or package.module:callable returning an nn.Module")
+    p.add_argument("--model", help="torchvision name (e.g. resnet50), timm:NAME or package.module:callable returning a model")
     p.add_argument("--weights", help="state-dict file (local or s3://) or torchvision weights enum name")
     p.add_argument("--methods", help="comma-separated: diag,kfac,kfac_exact,efb,inf,subnet,temperature")
     p.add_argument("--rank", type=int, help="INF rank K (Algorithm 1)")
@@ -149,7 +149,7 @@ def chosen_preset(args: argparse.Namespace) -> tuple[str, list[str]]:
         return "demo", []
     if args.model is None:
         raise ConfigError("--data without a preset is your own model and data: give --model NAME (a torchvision "
-                          "name or package.module:callable) and --weights FILE (or --preset demo / smoke)")
+                          "name, timm:NAME or package.module:callable) and --weights FILE (or --preset demo / smoke)")
     from pipelines.ingest.plan import custom_preset
 
     return "custom", custom_preset(args.model, args.weights, args.data, getattr(args, "overrides", None) or ())[0]
@@ -353,10 +353,10 @@ def _examples(names: list[str]) -> list[str]:
 def add_sizes_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "sizes",
-        help="numbers stored per posterior method for a torchvision model (no data needed)",
+        help="numbers stored per posterior method for a torchvision or timm model (no data needed)",
         description=(
             "Count the numbers each Laplace posterior stores (Lee et al. 2020, Table 3 counting) "
-            "for a torchvision architecture built without weights. INF at rank K depends on the "
+            "for a torchvision or timm architecture built without weights. INF at rank K depends on the "
             "EFB eigenvalues: give --stats for the exact count, otherwise a lower bound is shown."
         ),
     )
@@ -470,7 +470,7 @@ SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
         prog=PROG,
-        description="Laplace posteriors (Diag, KFAC, EFB, INF) for torchvision classifiers, computed on Ray.",
+        description="Laplace posteriors (Diag, KFAC, EFB, INF) for torchvision and timm classifiers, computed on Ray.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in SUBCOMMANDS.values():
