@@ -99,7 +99,7 @@ def _temperature(fit: dict[str, Any] | None) -> dict[str, Any] | None:
     from pipelines.evaluation.temperature import with_fallback
 
     fit = with_fallback(fit) if "fallback" not in fit else fit
-    return {k: fit.get(k) for k in ("temperature", "temperature_fit", "fallback", "count")}
+    return {k: fit.get(k) for k in ("temperature", "temperature_fit", "fallback", "count", "errors", "note")}
 
 
 def _summary(cfg: RunConfig, spec: ModelSpec, model_info, data_info, results: dict[str, Any], store: RunStore):

@@ -198,15 +198,17 @@ def _kv_entry(key: str, v: Any) -> KeyValues:
 
 def _summary(run_summary: Mapping[str, Any], model: str | None = None) -> tuple[Table | None, list[str]]:
     """The verdict-first summary table and sentences (:mod:`pipelines.report.verdict`), the
-    temperature fallback line (when the row fell back to ``T = 1``) last."""
+    temperature fallback line (the row fell back to ``T = 1``) or the fit's note (few mistakes) last."""
     results = run_summary.get("results")
     if not isinstance(results, Mapping) or not results:
         return None, []
     header, rows, marked, keys = summary_table(results)
     if not rows:
         return None, []
-    temp = run_summary.get("temperature")
-    notes = [temp["fallback"]] if isinstance(temp, Mapping) and temp.get("fallback") else []
+    temp = run_summary.get("temperature") if isinstance(run_summary.get("temperature"), Mapping) else {}
+    notes = [temp["fallback"]] if temp.get("fallback") else [
+        f"Temperature scaling (T = {temp['temperature']:.3g}, fit on the search split): {temp['note']}."
+    ] if temp.get("note") and isinstance(temp.get("temperature"), (int, float)) else []
     sentences = verdict_sentences(results, run_summary.get("posterior_sizes") or {}, notes, marks(run_summary))
     return Table(header, rows, "summary-table", keys, marked), sentences
 

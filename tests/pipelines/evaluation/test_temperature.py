@@ -147,3 +147,24 @@ def test_evaluation_nll_of_a_confident_mistake_is_exact():
     assert got["map"]["nll"] == pytest.approx(60.0 + math.log1p(math.exp(-60.0)), rel=1e-14)
     assert got["temperature"]["nll"] == pytest.approx(30.0 + math.log1p(math.exp(-30.0)), rel=1e-14)
     assert got["map"]["nll_from"] == "log-probabilities (exact)"
+
+
+def test_a_fit_on_few_mistakes_says_so_and_one_on_many_does_not():
+    """The demo's converged CNN misclassifies 1 of its 269 search images; T (0.27) then rests on
+    that one mistake and on how confident the rest are: the fit's note says so (the log prints it)."""
+    from pipelines.evaluation.temperature import FEW_ERRORS
+
+    rng = np.random.default_rng(0)
+    n, c = 300, 5
+    y = rng.integers(0, c, n)
+    z = 2.0 * rng.normal(size=(n, c)) + 3.0 * np.eye(c)[y]
+    errors = int((z.argmax(1) != y).sum())
+    assert errors >= FEW_ERRORS
+    many = fit_temperature(z, y)
+    assert many["errors"] == errors and many["note"] == "" and not many["at_bound"]
+    wrong = np.flatnonzero(z.argmax(1) != y)
+    z_few = z.copy()
+    z_few[wrong[2:], y[wrong[2:]]] += 20.0  # all but two mistakes made right: 2 misclassified remain
+    few = fit_temperature(z_few, y)
+    assert few["errors"] == 2 and not few["at_bound"]
+    assert few["note"].startswith(f"only 2 of the {n} fitting examples are misclassified") and "\n" not in few["note"]
