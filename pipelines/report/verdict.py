@@ -172,7 +172,8 @@ def summary_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
     """``(header, rows, marked cells (row, column), row keys)``: one row per headline metric that
     some method has, its better direction, one column per method (MAP first, then temperature
     scaling) with the value and its 95% interval, then the best method(s): tied values are a tie,
-    all marked. The paired differences are :func:`paired_table`'s."""
+    all marked; a row gets more decimals while a difference against MAP that the verdict claims
+    would read as a tie. The paired differences are :func:`paired_table`'s."""
     methods = _methods(results)
     header = ["Metric", "Better", *(method_label(m) for m in methods), "Best"]
     rows, marked, keys = [], [], []
@@ -180,6 +181,12 @@ def summary_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
         if all(_value(results, meth, m.key) is None for meth in methods):
             continue
         m = m.shown_for(_row_numbers(results, methods, m.key))
+        # more decimals while a difference the verdict claims against MAP would read as a tie
+        claimed = [(v, ref) for meth in methods if meth != MAP and (p := _paired(results, meth, MAP, m.key))
+                   is not None and m.better(p) is not None and None not in (
+                       v := _value(results, meth, m.key), ref := _value(results, MAP, m.key))]
+        while m.digits < MAX_DECIMALS and any(m.fmt(v) == m.fmt(ref) for v, ref in claimed):
+            m = replace(m, digits=m.digits + 1)
         best = _best(results, methods, m)
         cells = [m.label, m.direction]
         for j, meth in enumerate(methods):

@@ -174,3 +174,19 @@ def test_a_converged_models_small_numbers_show_their_differences():
     col = pheader.index("NLL (↓)")
     assert prow[pkeys.index("temperature-map")][col] == "+0.00069 [+0.00059, +0.00081] worse"
     assert prow[pkeys.index("kfac-map")][col] == "-0.00000 [-0.00000, +0.00000] n.s."
+
+
+def test_a_difference_the_verdict_claims_is_not_shown_as_a_tie():
+    """The demo's converged CNN (a real run's results): Diag and INF have a lower test NLL than MAP
+    by 0.0001-0.0002 with paired intervals below 0 (the verdict: "better NLL"); at three decimals
+    every NLL read 0.080 and the Best cell said "MAP = Diag = KFAC = EFB = INF (tie)"."""
+    from pipelines.report.verdict import summary_table, verdict_sentences
+
+    results = json.loads((Path(__file__).parent / "data" / "demo_results.json").read_text())
+    results = results.get("results", results)
+    header, rows, _, keys = summary_table(results)
+    nll = dict(zip(header, rows[keys.index("nll")]))
+    assert nll["Best"] == "Diag = INF (tie)", nll
+    assert nll["MAP"].split()[0] != nll["Diag"].split()[0] == nll["INF"].split()[0], nll
+    said = " ".join(verdict_sentences(results))
+    assert "Diag vs MAP: better NLL" in said and "INF vs MAP: better NLL" in said
