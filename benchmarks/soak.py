@@ -13,6 +13,7 @@ JSON line per job and writes them to ``<out>/soak.jsonl``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -83,21 +84,10 @@ def stop_head(proc) -> None:
     alone (it drains the node through the GCS and stops its daemons: 1-2 s), then SIGKILL to what is
     left of the group. A SIGTERM to the whole group kills the GCS first, and the head then waits 30 s
     for it to drain (``Timed out while waiting for GCS to become available``)."""
-    try:
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
+    for kill, sig, wait in ((os.kill, signal.SIGTERM, 30), (os.killpg, signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+            kill(proc.pid, sig)
+            proc.wait(timeout=wait)
 
 
 def workers(tmp: Path) -> int:

@@ -343,3 +343,15 @@ def timings_and_chosen(summary: Mapping[str, Any]) -> tuple[Mapping[str, Any], l
     if not isinstance(chosen, Mapping):
         raise ValueError("run_summary['chosen'] must be a mapping method -> (log10_n, log10_tau)")
     return mt, stages, chosen
+
+
+def temperature_line(temp: Any) -> str:
+    """The run summary's temperature fit as one line under the verdict: the fallback line when the
+    row fell back to ``T = 1``, else the fit's note (e.g. T set by few mistakes), else ``""``."""
+    if not isinstance(temp, Mapping):
+        return ""
+    if temp.get("fallback"):
+        return str(temp["fallback"])
+    if temp.get("note") and is_finite(temp.get("temperature")):
+        return f"Temperature scaling (T = {temp['temperature']:.3g}, fit on the search split): {temp['note']}."
+    return ""

@@ -16,8 +16,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from pipelines.report.inputs import (BYTES_PER_NUMBER, chosen_point, count_with_parts, ece_variants, failed_configs,
                                      is_finite, model_name, ood_entropy_means, opt_mapping, order_stages,
-                                     posterior_sizes, scored, shows_predictive, skipped_images, timings_and_chosen,
-                                     variant_label)
+                                     posterior_sizes, scored, shows_predictive, skipped_images, temperature_line,
+                                     timings_and_chosen, variant_label)
 from pipelines.report.methods import CORRELATIONS, method_label, order_methods
 from pipelines.report.edges import edge_notes
 from pipelines.report.oodsets import OOD_SETS_NOTE, ood_sets_table
@@ -205,10 +205,8 @@ def _summary(run_summary: Mapping[str, Any], model: str | None = None) -> tuple[
     header, rows, marked, keys = summary_table(results)
     if not rows:
         return None, []
-    temp = run_summary.get("temperature") if isinstance(run_summary.get("temperature"), Mapping) else {}
-    notes = [temp["fallback"]] if temp.get("fallback") else [
-        f"Temperature scaling (T = {temp['temperature']:.3g}, fit on the search split): {temp['note']}."
-    ] if temp.get("note") and isinstance(temp.get("temperature"), (int, float)) else []
+    line = temperature_line(run_summary.get("temperature"))
+    notes = [line] if line else []
     sentences = verdict_sentences(results, run_summary.get("posterior_sizes") or {}, notes, marks(run_summary))
     return Table(header, rows, "summary-table", keys, marked), sentences
 

@@ -182,10 +182,10 @@ def summary_table(results: Mapping[str, Any]) -> tuple[list[str], list[list[str]
             continue
         m = m.shown_for(_row_numbers(results, methods, m.key))
         # more decimals while a difference the verdict claims against MAP would read as a tie
-        claimed = [(v, ref) for meth in methods if meth != MAP and (p := _paired(results, meth, MAP, m.key))
-                   is not None and m.better(p) is not None and None not in (
-                       v := _value(results, meth, m.key), ref := _value(results, MAP, m.key))]
-        while m.digits < MAX_DECIMALS and any(m.fmt(v) == m.fmt(ref) for v, ref in claimed):
+        ref = _value(results, MAP, m.key)
+        claimed = [v for meth in methods if meth != MAP and (v := _value(results, meth, m.key)) is not None
+                   and (p := _paired(results, meth, MAP, m.key)) is not None and m.better(p) is not None]
+        while ref is not None and m.digits < MAX_DECIMALS and any(m.fmt(v) == m.fmt(ref) for v in claimed):
             m = replace(m, digits=m.digits + 1)
         best = _best(results, methods, m)
         cells = [m.label, m.direction]
