@@ -48,25 +48,15 @@ from torch.func import functional_call, jvp, vmap
 from ..curvature.hooks import capture, layer_inputs, layer_output_grads, norm_grads, reference_attention
 from ..curvature.free_grads import free_grads, free_views
 from ..curvature.layers import LayerKind, find_layers, get_matrix, layer_kind, owner_params, perturbed
+from .jvp_budget import JVP_BYTES, forward_with_bytes, jvp_plan
 from .monte_carlo import SampleCache, check_layers, draw_stats, eval_mode, quiet_jit_deprecation, sample_seed
 from ..posteriors.structures.base import LayerPosterior, Posterior
 from ..posteriors.structures.diag import DiagLayer
 from ..posteriors.structures.efb import EigenDiagLayer
 from ..posteriors.structures.kron import KronLayer
 
-__all__ = [
-    "LINKS",
-    "VARIANCES",
-    "glm_jvp",
-    "glm_fd",
-    "output_jacobian_pieces",
-    "covariance_matvec",
-    "glm_covariance",
-    "kfac_glm_covariance",
-    "probit_pi8",
-    "probit_pairwise",
-    "GLMPredictor",
-]
+__all__ = ["LINKS", "VARIANCES", "glm_jvp", "glm_fd", "output_jacobian_pieces", "covariance_matvec", "glm_covariance",
+           "kfac_glm_covariance", "probit_pi8", "probit_pairwise", "GLMPredictor"]
 
 LINKS = ("mc", "probit", "probit_pi8")
 VARIANCES = ("exact", "mc")
@@ -374,7 +364,8 @@ class GLMPredictor:
     ``link="mc"`` samples weights and needs ``variance="mc"`` (output-space sampling
     from the exact covariance would not be shard-invariant). ``fd_eps``: use the
     finite-difference form of Alg. 4 with step ``ε`` instead of exact JVPs.
-    ``chunk``: MC directions pushed through one ``vmap``-ed JVP. ``likelihood="regression"``:
+    ``chunk``: at most this many MC directions go through one ``vmap``-ed JVP, and with the
+    examples of the batch they share, within ``jvp_bytes`` (:mod:`.jvp_budget`). ``likelihood="regression"``:
     :meth:`predict` returns the mean ``f(x, θ*)`` and :meth:`predict_mean_var` the variance.
     ``η_t`` = :func:`laplace_core.predictive.monte_carlo.draw_sample` ``(posterior, seed, t)``: the same
     weight directions as :class:`~laplace_core.predictive.monte_carlo.MCPredictor` with that seed.
@@ -394,6 +385,7 @@ class GLMPredictor:
         modules: Mapping[str, nn.Module] | None = None,
         chunk: int = 16,
         cache_bytes: int = 0,
+        jvp_bytes: int = JVP_BYTES,
     ):
         if link not in LINKS:
             raise ValueError(f"unknown GLM link {link!r}; valid: {', '.join(LINKS)}")
@@ -413,7 +405,9 @@ class GLMPredictor:
         sample_seed(seed, 0)  # validates seed
         self.model, self.posterior = model, posterior
         self.n_samples, self.seed, self.link, self.variance = n_samples, seed, link, variance
-        self.fd_eps, self.likelihood, self.chunk = fd_eps, likelihood, chunk
+        self.fd_eps, self.likelihood, self.chunk, self.jvp_bytes = fd_eps, likelihood, chunk, jvp_bytes
+        self._bytes: dict[tuple, int] = {}  # module-output bytes per example, by input shape
+        self._param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.modules = _modules(model, modules)
         check_layers(self.modules, posterior)
         self._samples = SampleCache(posterior, seed, n_samples, cache_bytes)
@@ -425,18 +419,24 @@ class GLMPredictor:
 
     def logit_directions(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(f(x, θ*) [B, C], J η_t [K, B, C])`` for ``t < n_samples`` (JVP or finite differences)."""
-        f0, rows = None, []
+        rows, shape = [], (tuple(x.shape[1:]), x.dtype, x.device)
         with torch.no_grad(), eval_mode(self.model):
-            f0 = self.model(x)
-        for t0 in range(0, self.n_samples, self.chunk):
-            ts = range(t0, min(self.n_samples, t0 + self.chunk))
+            if shape in self._bytes:
+                f0 = self.model(x)
+            else:
+                f0, self._bytes[shape] = forward_with_bytes(self.model, x)
+        k, b = jvp_plan(self.n_samples, self.chunk, x.shape[0], self._bytes[shape], self._param_bytes,
+                        self.jvp_bytes)
+        for t0 in range(0, self.n_samples, k):
+            ts = range(t0, min(self.n_samples, t0 + k))
             if self.fd_eps is not None:
                 for t in ts:
                     rows.append(glm_fd(self.model, x, self.sample(t), self.fd_eps, modules=self.modules, base=f0)[None])
             else:
                 samples = [self.sample(t) for t in ts]
-                batched = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
-                rows.append(glm_jvp(self.model, x, batched, modules=self.modules))
+                batched = {n: torch.stack([s[n] for s in samples]) for n in samples[0]}
+                rows.append(torch.cat([glm_jvp(self.model, x[i:i + b], batched, modules=self.modules)
+                                       for i in range(0, x.shape[0], b)], 1))
         return f0, torch.cat(rows, 0)
 
     def logit_moments(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
