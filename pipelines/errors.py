@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["PreflightError", "StageError", "cause_line", "DETERMINISTIC", "is_deterministic", "error_line", "root_error"]
+__all__ = ["PreflightError", "StageError", "cause_line", "DETERMINISTIC", "is_deterministic", "error_line", "root_error",
+           "memory_line"]
 
 #: Exceptions that a retry would raise again: the code's or the input's (a bad weights file, a key
 #: that does not exist, a shape that does not fit), not the cluster's (a lost worker or node).
@@ -68,3 +69,26 @@ def cause_line(error: BaseException | str) -> str:
     if isinstance(cause, BaseException):
         return f"{type(cause).__name__}: {cause}"
     return lines[-1] if lines else type(error).__name__ if isinstance(error, BaseException) else "unknown error"
+
+
+_KILLED = re.compile(r"(\d+) worker\(s\) were killed due to the node running low on memory")
+_NODE = re.compile(r"Memory on the node \(IP: ([^,]+), ID: \w+\) was ([\d.]+)GB used / ([\d.]+)GB limit")
+_TOP = re.compile(r"Top \d+ memory users:[^\n]*\n\s*(\d+)\s+([\d.]+)\s+(\S+)")
+
+
+def memory_line(error: BaseException) -> str | None:
+    """One line for Ray's memory monitor killing workers (its ``OutOfMemoryError``, which Ray Tune
+    re-raises inside a ``RuntimeError`` with a page of object-store statistics): how many, the
+    node's memory, and the largest process; ``None`` for any other error (its chain included)."""
+    seen, e = set(), error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = _ANSI.sub("", str(e))
+        killed = _KILLED.search(text)
+        if killed:
+            node, top = _NODE.search(text), _TOP.search(text)
+            where = f" on node {node[1]} ({node[2]} GB used of {node[3]} GB)" if node else ""
+            largest = f"; the largest process: {top[3]} (pid {top[1]}) at {top[2]} GB" if top else ""
+            return f"Ray's memory monitor killed {killed[1]} worker(s){where}{largest}"
+        e = e.__cause__ or e.__context__
+    return None

@@ -15,10 +15,14 @@ from typing import Any, Callable
 
 from pipelines.config.schema import RunConfig
 from pipelines.console import log
-from pipelines.errors import PreflightError
+from pipelines.errors import PreflightError, StageError, memory_line
 from pipelines.storage.store import RunStore
 
 __all__ = ["log", "fingerprint", "Stages"]
+
+#: What to run fewer of per node when Ray's memory monitor kills a stage's workers.
+_FEWER = {"curvature": "fewer curvature workers (curvature.num_workers)",
+          "search": "fewer search actors (evaluate.num_actors)", "evaluate": "fewer actors (evaluate.num_actors)"}
 
 
 def fingerprint(obj: Any) -> str:
@@ -58,7 +62,15 @@ class Stages:
         self.ensure_ray()  # connects and checks the cluster's shape before the stage starts
         log(f"stage {stage}: running")
         t0 = time.perf_counter()
-        summary = fn()
+        try:
+            summary = fn()
+        except Exception as e:  # noqa: BLE001 - Ray's memory monitor's kill, in one line; anything else as it was
+            line = memory_line(e)
+            if line is None:
+                raise
+            fewer = _FEWER.get(stage, "fewer Ray workers per node")
+            raise StageError(f"stage {stage}: {line}; give the nodes more memory or run {fewer}; the finished stages "
+                             "are kept and a re-submitted job starts at this one") from None
         summary = {**summary, "seconds": time.perf_counter() - t0}
         self.store.write_json_atomic(uri, {"stage": stage, "fingerprint": fp, "summary": summary})
         log(f"stage {stage}: finished in {summary['seconds']:.1f} s")
