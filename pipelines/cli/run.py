@@ -163,13 +163,16 @@ def verdict_lines(summary: dict[str, Any]) -> list[str]:
     n = ((summary.get("data") or {}).get("test") or {}).get("num_files")
     lines = [f"verdict: MAP on {n if n is not None else 'the'} test images: {', '.join(shown)}"]
     marks = (summary.get("search") or {}).get("not_better_than_map") or {}
-    lines += [f"verdict: {s}" for s in verdict_sentences(results, summary.get("posterior_sizes"), marks=marks)]
+    from pipelines.report.inputs import chance_line
+
+    lines += [f"verdict: {s}" for s in [c for c in [chance_line(summary)] if c]
+              + verdict_sentences(results, summary.get("posterior_sizes"), marks=marks)]
     skipped = sum(int(d.get("count", 0)) for d in (summary.get("skipped_images") or {}).values())
     ignored = sum(int(d.get("count", 0)) for d in (summary.get("ignored_files") or {}).values())
     failed = [k for k, r in results.items() if isinstance(r, dict) and r.get("status") not in (None, "ok")]
     lines.append(f"verdict: {skipped} image(s) skipped as undecodable, {ignored} non-image file(s) ignored"
                  + (f"; failed: {', '.join(failed)}" if failed else ""))
-    return lines[:6 + len(marks)]
+    return lines[:7 + len(marks)]
 
 
 def _stable_run_json(summary: dict[str, Any]) -> dict[str, Any]:

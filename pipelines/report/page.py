@@ -14,10 +14,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from pipelines.report.inputs import (BYTES_PER_NUMBER, chosen_point, count_with_parts, ece_variants, failed_configs,
-                                     is_finite, model_name, ood_entropy_means, opt_mapping, order_stages,
-                                     posterior_sizes, scored, shows_predictive, skipped_images, temperature_line,
-                                     timings_and_chosen, variant_label)
+from pipelines.report.inputs import (BYTES_PER_NUMBER, chance_line, chosen_point, count_with_parts, ece_variants,
+                                     failed_configs, is_finite, model_name, ood_entropy_means, opt_mapping,
+                                     order_stages, posterior_sizes, scored, shows_predictive, skipped_images,
+                                     temperature_line, timings_and_chosen, variant_label)
 from pipelines.report.methods import CORRELATIONS, method_label, order_methods
 from pipelines.report.edges import edge_notes
 from pipelines.report.oodsets import OOD_SETS_NOTE, ood_sets_table
@@ -205,9 +205,9 @@ def _summary(run_summary: Mapping[str, Any], model: str | None = None) -> tuple[
     header, rows, marked, keys = summary_table(results)
     if not rows:
         return None, []
-    line = temperature_line(run_summary.get("temperature"))
-    notes = [line] if line else []
-    sentences = verdict_sentences(results, run_summary.get("posterior_sizes") or {}, notes, marks(run_summary))
+    notes = [line] if (line := temperature_line(run_summary.get("temperature"))) else []
+    sentences = [c for c in [chance_line(run_summary)] if c] + verdict_sentences(
+        results, run_summary.get("posterior_sizes") or {}, notes, marks(run_summary))
     return Table(header, rows, "summary-table", keys, marked), sentences
 
 

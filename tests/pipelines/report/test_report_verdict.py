@@ -190,3 +190,29 @@ def test_a_difference_the_verdict_claims_is_not_shown_as_a_tie():
     assert nll["MAP"].split()[0] != nll["Diag"].split()[0] == nll["INF"].split()[0], nll
     said = " ".join(verdict_sentences(results))
     assert "Diag vs MAP: better NLL" in said and "INF vs MAP: better NLL" in said
+
+
+def test_a_map_near_chance_is_said_first_in_the_verdict_and_the_log(report, tmp_path):
+    """A resnet18 trained at 64 px and scored at 224 px got 30% on 4 classes (chance 25%) and the
+    report read its posteriors' rows without a word about it. Below a quarter of the way from
+    chance to 100% the verdict and the job's last lines open with it; above, nothing is said."""
+    from pipelines.cli.run import verdict_lines
+    from pipelines.report.inputs import chance_line
+
+    results = json.loads(json.dumps(report["results"]))
+    near = {"results": {**results, "map": {**results["map"], "accuracy": 0.30, "count": 40}},
+            "data": {"num_classes": 4}}
+    line = chance_line(near)
+    assert line.startswith("MAP classifies 30.0% of the 40 test images correctly, near chance (4 classes: 25.0%)")
+    assert verdict_lines(near)[1] == f"verdict: {line}"
+    assert chance_line({**near, "data": {"num_classes": 4}, "results": {"map": {"accuracy": 0.44}}}) == ""
+    assert chance_line({"results": {"map": {"accuracy": 0.20}}, "data": {"num_classes": 1000}}) != ""  # 20% of 1000
+    assert chance_line({"results": {"map": {"accuracy": 0.26}}, "data": {"num_classes": 1000}}) == ""
+    assert chance_line({"results": {"map": {"accuracy": 0.30}}, "data": {}}) == ""  # classes unknown: no claim
+    summary = {**make_summary(tuple(SCALES)), **near}
+    paths = write.write_report(RunStore.open(str(tmp_path / "run")), summary, report["mbm"],
+                               make_search_table(("diag", "kfac", "efb", "inf")))
+    page = Path(paths["html"]).read_text(encoding="utf-8")
+    assert "near chance (4 classes: 25.0%)" in page
+    assert page.index("near chance") < page.index("vs MAP:")
+    assert "near chance" not in Path(report["paths"]["html"]).read_text(encoding="utf-8")  # 10 classes, fine
