@@ -72,7 +72,7 @@ class ActorProgress:
         self.t0: list[float | None] = [None, None]  # when the split's first units started
         self.last = self.prev = time.perf_counter()
 
-    def __call__(self, split: int, n: int) -> None:
+    def __call__(self, split: int, n: float) -> None:
         now = time.perf_counter()
         if self.t0[split] is None:  # its first units were processed after the previous call
             self.t0[split] = self.prev
@@ -91,7 +91,7 @@ class ActorProgress:
             est = min(est, total)
         rate = self.done[split] * self.k / (now - self.t0[split])
         eta = "?" if not total or rate <= 0 else f"{max(total - est, 0) / rate:.0f}s"
-        return f"[{self.what}] {self.names[split]}: ~{est}/{total or '?'} {self.unit}, {rate:.1f}/s, ETA {eta}"
+        return f"[{self.what}] {self.names[split]}: ~{round(est)}/{total or '?'} {self.unit}, {rate:.1f}/s, ETA {eta}"
 
 
 class ModelActor:

@@ -186,8 +186,8 @@ def evaluate_shard(
     images keep the set's index, :mod:`laplace_core.metrics.oodsets`), instead of ``ood_batches``. Returns ``(accumulators, info)``; ``info`` holds
     ``seconds`` per method (predictions + metric updates), ``failed`` (method -> reason,
     e.g. non-finite predictions; that method's accumulator is dropped), ``examples``
-    and ``ood_examples``. ``progress(split, n)``: called after each chunk, every method
-    done, with ``split`` 0 (in-domain) or 1 (OOD) and the chunk's example count.
+    and ``ood_examples``. ``progress(split, n)``: called after each method of each chunk,
+    with ``split`` 0 (in-domain) or 1 (OOD) and the method's share of the chunk's example count.
     ``temperature``: also evaluate the ``temperature`` row, ``softmax(f(x; θ*)/T)``.
     """
     cache_bytes = int(cfg.sample_cache_mb * 2**20)
@@ -202,26 +202,27 @@ def evaluate_shard(
     counts = {"examples": 0, "ood_examples": 0}
     dt, dev = cfg.torch_dtype, cfg.resolved_device
 
+    def one(m: str, pred: Any, chunk: Any, ood: bool, set_index: int | None) -> None:
+        t0 = time.perf_counter()
+        lp, ent, exact = predict_chunk_stats(model, pred, chunk)
+        p_all = torch.exp(lp)
+        reason = finite_or_reason(p_all)
+        if reason:
+            failed[m] = reason
+        elif ood:
+            acc[m] = acc[m].update_ood(p_all, lp, ent, set_index)
+        else:
+            acc[m] = acc[m].update(p_all, torch.cat(chunk.ys), lp, ent, exact)
+        seconds[m] += time.perf_counter() - t0
+
     def run(batches: Iterable[Any], ood: bool, set_index: int | None = None) -> None:
         for chunk in iter_chunks(batches, cfg.batch_size, cfg.batches_per_chunk, dtype=dt, device=dev):
             counts["ood_examples" if ood else "examples"] += chunk.count
             for m, pred in predictors.items():
-                if m in failed:
-                    continue
-                t0 = time.perf_counter()
-                lp, ent, exact = predict_chunk_stats(model, pred, chunk)
-                p_all = torch.exp(lp)
-                reason = finite_or_reason(p_all)
-                if reason:
-                    failed[m] = reason
-                    continue
-                if ood:
-                    acc[m] = acc[m].update_ood(p_all, lp, ent, set_index)
-                else:
-                    acc[m] = acc[m].update(p_all, torch.cat(chunk.ys), lp, ent, exact)
-                seconds[m] += time.perf_counter() - t0
-            if progress is not None:
-                progress(int(ood), chunk.count)
+                if m not in failed:
+                    one(m, pred, chunk, ood, set_index)
+                if progress is not None:  # each method its share of the chunk: a line while a long chunk runs
+                    progress(int(ood), chunk.count / len(predictors))
 
     with torch.no_grad():
         run(in_batches, ood=False)

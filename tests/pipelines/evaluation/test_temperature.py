@@ -168,3 +168,21 @@ def test_a_fit_on_few_mistakes_says_so_and_one_on_many_does_not():
     few = fit_temperature(z_few, y)
     assert few["errors"] == 2 and not few["at_bound"]
     assert few["note"].startswith(f"only 2 of the {n} fitting examples are misclassified") and "\n" not in few["note"]
+
+
+def test_evaluation_progress_comes_per_method_and_adds_up_to_the_images():
+    """A resnet18's evaluation of 40 test images (one chunk per actor, 5 rows, K = 30) printed no
+    progress line for minutes: progress came once per chunk, after every method. Now each method
+    reports its share of the chunk; the shares add up to the chunk's images."""
+    from pipelines.evaluation.evaluate import evaluate_shard
+    from pipelines.evaluation.runtime import EvalConfig
+
+    lin = nn.Linear(2, 3).double().eval()
+    x = torch.randn(10, 2, dtype=torch.float64)
+    y = torch.randint(0, 3, (10,))
+    calls = []
+    cfg = EvalConfig(batch_size=4, dtype="float64", torch_threads=1)
+    evaluate_shard(lin, {}, [(x[:6], y[:6]), (x[6:], y[6:])], [(x[:3], y[:3])], cfg, temperature=2.0,
+                   progress=lambda split, n: calls.append((split, n)))
+    # one chunk of 10 in-domain images, one of 3 OOD images; rows: map and temperature
+    assert calls == [(0, 5.0), (0, 5.0), (1, 1.5), (1, 1.5)], calls
