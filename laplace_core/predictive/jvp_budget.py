@@ -60,9 +60,14 @@ def jvp_plan(n_samples: int, chunk: int, batch: int, bytes_per_example: int, par
              budget: int = JVP_BYTES) -> tuple[int, int]:
     """``(directions per JVP, examples per JVP)``: at most ``chunk`` directions, whose
     ``PARAM_COPIES x param_bytes`` each take at most half of ``budget``; then as many
-    examples as fit in the rest at ``bytes_per_example`` per example and direction (at
-    least one of each, whatever the budget)."""
+    examples as fit in the rest at ``bytes_per_example`` per example and direction, rounded
+    down to a divisor of ``batch`` (the actors' fixed-size batches,
+    :mod:`pipelines.evaluation.chunks`, stay fixed-size inside the JVP); at least one of each,
+    whatever the budget."""
     per_direction = PARAM_COPIES * max(0, param_bytes)
     k = max(1, min(chunk, n_samples, (budget // 2) // max(1, per_direction)))
     rest = budget - k * per_direction
-    return k, max(1, min(batch, rest // (k * max(1, bytes_per_example))))
+    b = max(1, min(batch, rest // (k * max(1, bytes_per_example))))
+    while batch % b:  # a divisor of the batch: every JVP has the same shape, whichever rows an example lands in
+        b -= 1
+    return k, b

@@ -26,6 +26,8 @@ def test_the_plan_keeps_directions_and_examples_within_the_budget():
     assert jvp_plan(10, 16, 64, 1000, 4000, budget=2048 * mib) == (10, 64)  # a small model: one call, as before
     assert jvp_plan(30, 16, 64, 1000, 4000, budget=2048 * mib) == (16, 64)  # chunk still caps the directions
     assert jvp_plan(10, 16, 64, 10**12, 10**12, budget=mib) == (1, 1)  # nothing fits: one of each, never zero
+    # room for 9 examples of a batch of 60: 6, a divisor, so every JVP has the same shape
+    assert jvp_plan(1, 16, 60, 100, 0, budget=900) == (1, 6)
 
 
 def test_module_output_bytes_are_counted_per_example():
