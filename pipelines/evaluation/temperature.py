@@ -135,7 +135,8 @@ def fit_temperature(logits: Any, labels: Any, bounds: tuple[float, float] = T_BO
     elif at_bound:
         out["note"] = f"the NLL keeps falling as T grows, so T stops at its bound {t_hi:g}"
     elif errors < FEW_ERRORS:
-        out["note"] = (f"only {errors} of the {z.shape[0]} fitting examples are misclassified, so T is set by few "
+        out["note"] = (f"only {errors} of the {z.shape[0]} fitting examples {'is' if errors == 1 else 'are'} "
+                       f"misclassified, so T is set by few "
                        f"mistakes and may not carry over to the test split (its row says whether it does)")
     return out
 

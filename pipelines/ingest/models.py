@@ -250,8 +250,23 @@ def read_state_dict(uri: str, *, options: StorageOptions | None = None) -> dict[
     try:
         obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as e:
-        raise ValueError(f"cannot read weights {uri} with torch.load(weights_only=True): {str(e).splitlines()[0]}") from None
+        raise ValueError(_unpickle_line(uri, e)) from None
     return _unwrap(obj)
+
+
+_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+def _unpickle_line(uri: str, e: Exception) -> str:
+    """What ``torch.load(weights_only=True)`` refused, in one line: a pickled object (e.g. a whole
+    model saved with ``torch.save(model)``) names its class and asks for the state dict; torch's
+    own advice (load with ``weights_only=False``, i.e. run the file's code) is not repeated."""
+    found = _GLOBAL.search(str(e))
+    if found:
+        return (f"cannot read weights {uri}: it holds a pickled {found[1]}, not only tensors (a whole model saved "
+                "with torch.save(model)?), and infoform reads weights with torch.load(weights_only=True), never running a "
+                "file's code: save model.state_dict() (torch.save or safetensors) and pass that file")
+    return f"cannot read weights {uri} with torch.load(weights_only=True): {' '.join(str(e).split())[:300]}"
 
 
 def _some(keys: list[str], k: int = 3) -> str:

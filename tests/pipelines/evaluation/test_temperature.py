@@ -168,6 +168,8 @@ def test_a_fit_on_few_mistakes_says_so_and_one_on_many_does_not():
     few = fit_temperature(z_few, y)
     assert few["errors"] == 2 and not few["at_bound"]
     assert few["note"].startswith(f"only 2 of the {n} fitting examples are misclassified") and "\n" not in few["note"]
+    z_few[wrong[1], y[wrong[1]]] += 20.0  # one mistake left: 'is'
+    assert fit_temperature(z_few, y)["note"].startswith(f"only 1 of the {n} fitting examples is misclassified")
 
 
 def test_evaluation_progress_comes_per_method_and_adds_up_to_the_images():

@@ -92,6 +92,19 @@ def test_pickled_object_rejected(tmp_path):
         load_model("resnet18", weights=str(p))
 
 
+def test_a_whole_pickled_model_is_one_line_asking_for_its_state_dict(tmp_path):
+    """torch.save(model) instead of its state dict (a new user's mistake): torch's refusal is a
+    paragraph with ANSI codes that advises loading with weights_only=False; ours names the class
+    and the way out in one line."""
+    p = tmp_path / "whole.pt"
+    torch.save(load_model("resnet18", None, 4), p)
+    with pytest.raises(ValueError) as e:
+        load_model("resnet18", weights=str(p), num_classes=4)
+    msg = str(e.value)
+    assert "\n" not in msg and "\x1b" not in msg and "weights_only=False" not in msg
+    assert "holds a pickled torchvision.models.resnet.ResNet" in msg and "model.state_dict()" in msg
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ValueError, match="not found"):
         read_state_dict(str(tmp_path / "nope.pt"))

@@ -580,7 +580,7 @@ def test_the_report_opens_with_the_verdict(tmp_path):
     assert first_table.startswith("| Metric | Better | MAP |") and f"| **1.1% \\[0.1,{nb}2.1\\]** |" in md
     assert md.index("## Summary") < md.index("## Paired differences") < md.index("## Run")
     # no fallback, but T fit on few mistakes (the demo's converged CNN: 1 of 269): the fit's note, last
-    note = "only 1 of the 269 fitting examples are misclassified, so T is set by few mistakes"
+    note = "only 1 of the 269 fitting examples is misclassified, so T is set by few mistakes"
     few = build_report_page({**summary, "temperature": {"temperature": 0.2701, "fallback": "", "note": note}}, {}, [])
     html, md = render_html(few), render_markdown(few)
     said = f"Temperature scaling (T = 0.27, fit on the search split): {note}."
