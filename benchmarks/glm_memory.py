@@ -80,7 +80,7 @@ def main() -> None:
             print(f"  budget {budget or 'none'} MiB: exit {res.returncode} {res.stderr.strip()[-300:]}")
             continue
         r = json.loads(res.stdout.strip().splitlines()[-1])
-        probs = torch.load(out)
+        probs = torch.load(out, weights_only=True)
         first = probs if first is None else first
         print(f"  budget {budget or 'none'} MiB: peak RSS {r['before_gib']:.2f} -> {r['after_gib']:.2f} GiB "
               f"(+{r['after_gib'] - r['before_gib']:.2f}), {r['seconds']:.1f} s, "

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["PreflightError", "StageError", "cause_line", "DETERMINISTIC", "is_deterministic", "error_line", "root_error",
-           "memory_line"]
+__all__ = ["PreflightError", "StageError", "cause_line", "DETERMINISTIC", "is_deterministic", "error_line",
+           "root_error", "memory_line"]
 
 #: Exceptions that a retry would raise again: the code's or the input's (a bad weights file, a key
 #: that does not exist, a shape that does not fit), not the cluster's (a lost worker or node).

@@ -264,8 +264,8 @@ def _unpickle_line(uri: str, e: Exception) -> str:
     found = _GLOBAL.search(str(e))
     if found:
         return (f"cannot read weights {uri}: it holds a pickled {found[1]}, not only tensors (a whole model saved "
-                "with torch.save(model)?), and infoform reads weights with torch.load(weights_only=True), never running a "
-                "file's code: save model.state_dict() (torch.save or safetensors) and pass that file")
+                "with torch.save(model)?), and infoform reads weights with torch.load(weights_only=True), never "
+                "running a file's code: save model.state_dict() (torch.save or safetensors) and pass that file")
     return f"cannot read weights {uri} with torch.load(weights_only=True): {' '.join(str(e).split())[:300]}"
 
 
