@@ -111,8 +111,12 @@ def ray_head(tmp_path_factory):
     procs = [head]
     try:
         _wait_for(lambda: _dashboard_up(address), head, tmp, "the head")
+        # its own temp dir, as on a cluster of machines: without it the node takes the head's, and
+        # its runtime-env agent unpacks the job's working dir into the same runtime_resources
+        # folder, removing the head's copy first while the driver imports from it
+        # (ModuleNotFoundError in a lazy import, twice in CI)
         worker = _start([ray_bin, "start", f"--address=127.0.0.1:{gcs}", "--node-ip-address=127.0.0.1", "--block",
-                         "--num-cpus=2", "--disable-usage-stats", f"--dashboard-agent-listen-port={ports[5]}",
+                         "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={tmp / 'w'}", f"--dashboard-agent-listen-port={ports[5]}",
                          f"--dashboard-agent-grpc-port={ports[6]}", f"--runtime-env-agent-port={ports[7]}",
                          f"--metrics-export-port={ports[8]}"], env, log, namespace_hides=hidden)
         procs.append(worker)
