@@ -21,8 +21,9 @@ The subpackages follow the data, in this order (as ``pipelines/`` follows the st
    GLM, last-layer closed forms);
 5. :mod:`.metrics`: probabilities + labels -> mergeable metrics.
 
-:mod:`.io` (safetensors + JSON artifacts) serves every floor. A floor imports only from the
-floors above it and from :mod:`.io`, with one loop in the flow: the EFB pass of
+:mod:`.io` (safetensors + JSON artifacts) and :mod:`.names` (the names and numbers a run
+configuration is checked against, torch-free) serve every floor. A floor imports only from the
+floors above it, :mod:`.io` and :mod:`.names`, with one loop in the flow: the EFB pass of
 :mod:`.curvature.collect` takes the :mod:`.basis` back to sum in it.
 
 Names are resolved lazily so that ``import laplace_core`` stays cheap.

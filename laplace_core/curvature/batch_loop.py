@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from ..names import DTYPE_NAMES, PRECISION_NAMES
 from .hooks import Capture, capture
 from .keyed_rng import KeyedSampler
 
@@ -36,7 +37,10 @@ __all__ = [
     "draw_targets",
 ]
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: ``PRECISION_NAMES`` -> the autocast dtype (``None``: full precision)
+PRECISIONS = {n: {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[n] for n in PRECISION_NAMES}
+#: ``DTYPE_NAMES`` (``curvature.model_dtype`` / ``stats_dtype``, ``evaluate.dtype``) -> the torch dtype
+DTYPES = {n: getattr(torch, n) for n in DTYPE_NAMES}
 
 
 @dataclass(frozen=True)

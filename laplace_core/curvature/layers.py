@@ -56,6 +56,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from ..names import NORM_LAYER_MODES
 from .layer_selection import select_layers
 from .statistics import LayerInfo
 
@@ -90,9 +91,6 @@ class LayerKind(str, Enum):
     NORM = "norm"
 
 
-NORM_LAYER_MODES = ("map", "diag")
-"""``map``: normalisation layers stay point estimates (default, the papers' protocol);
-``diag``: they are curvature layers of kind ``"norm"`` with a diagonal posterior."""
 
 NORM_TYPES: tuple[type, ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm)
 _LAYER_SCALE_PARENTS = frozenset({("torchvision.models.convnext", "CNBlock")})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..names import FISHER_TYPES
 from .keyed_rng import keyed_categorical, keyed_normal
 
 __all__ = [
@@ -28,7 +29,6 @@ __all__ = [
     "output_gradients",
 ]
 
-FISHER_TYPES = ("mc", "empirical")
 
 class Classification:
     """Categorical likelihood on logits ``f`` (B, C): ``log p(y|f) = log_softmax(f)[y]``.

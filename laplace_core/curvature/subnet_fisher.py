@@ -21,6 +21,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
+from ..names import SUBNET_FISHER_TYPES
 from .batch_loop import ModelBatch, PassOptions, draw_targets, model_batches
 from .hooks import layer_inputs, layer_output_grads, norm_grads
 from .free_grads import free_grads, free_views
@@ -36,7 +37,6 @@ __all__ = [
     "collect_subnet_fisher",
 ]
 
-SUBNET_FISHER_TYPES = ("mc", "empirical", "ggn")
 DEFAULT_MEMORY_BUDGET = 4 * 2**30
 """Default bytes allowed for the ``S x S`` Fisher (4 GiB: ``S ≈ 23,170`` in float64)."""
 

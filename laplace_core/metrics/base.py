@@ -39,6 +39,8 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
+from ..names import DEFAULT_ECE_BINS, ECE_STRATEGIES, ENTROPY_BINS
+
 __all__ = [
     "NLL_EPS",
     "PROB_SUM_TOL",
@@ -64,11 +66,8 @@ NLL_EPS = 1e-12
 """``-log p_y`` is computed as ``-log max(p_y, NLL_EPS)`` (a zero probability gives ~27.6, not inf)."""
 PROB_SUM_TOL = 1e-4
 """Rows of ``probs`` must sum to 1 within this absolute tolerance; entries must lie in ``[0, 1 + tol]``."""
-DEFAULT_ECE_BINS = 15
 FINE_BINS = 10_000
 """Fine fixed-edge histogram on ``[0, 1]`` behind equal-mass ECE and histogram-mode OOD metrics."""
-ENTROPY_BINS = 50
-ECE_STRATEGIES = ("equal_width", "equal_mass")
 
 JSON_FORMAT = "infoform.metrics"
 """``format`` tag of every accumulator's JSON."""

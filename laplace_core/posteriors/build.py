@@ -31,7 +31,8 @@ from typing import Mapping
 import torch
 
 from ..basis.eigenbasis import Eigenbasis, LayerBasis, eigenbasis
-from .methods import REGISTRY, Builder, LayerInput, layer_methods, method_info, posterior_methods
+from .layer_builders import BUILDERS, Builder, LayerInput
+from .methods import REGISTRY, layer_methods, method_info, posterior_methods
 from ..curvature.statistics import CurvatureStatistics, LayerStatistics
 from .structures.base import LayerPosterior, Posterior
 from .structures.diag import check_hyper
@@ -45,7 +46,7 @@ __all__ = ["Method", "METHODS", "WHOLE_METHODS", "ALL_METHODS", "build_posterior
 Method = Enum("Method", {n.upper(): n for n in layer_methods()}, type=str)
 
 
-METHODS: dict[str, Builder] = {n: m.builder for n, m in REGISTRY.items() if m.per_layer}
+METHODS: dict[str, Builder] = {n: BUILDERS[m.builder] for n, m in REGISTRY.items() if m.per_layer}
 # Whole-network structures (covariance couples layers), built from extra inputs rather than
 # per layer from ``stats``: "subnet" (Daxberger et al. 2021) needs
 # ``subnet_fisher=(F_sum, count, masks)`` from laplace_core.curvature.subnet_fisher.collect_subnet_fisher.

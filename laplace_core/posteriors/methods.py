@@ -12,28 +12,17 @@ Not every row is a Laplace posterior: ``temperature`` (Guo et al. 2017, temperat
 ``posterior=False``: no curvature pass, no posterior artifact, one number stored.
 :func:`posterior_methods` lists the methods that have a posterior.
 
-Per-layer builders take the normalised pieces of one layer (:class:`LayerInput`: ``diag/M``,
-the eigenbasis of ``A``/``G``, ``Λ/M`` from the EFB pass) and ``(N, τ, rank, max_l)`` and
-return the layer posterior of ``P = N F/M + τ I`` (docs/design.md §1) with the count of
-INF diagonal entries raised to their floor. Whole-network methods (``subnet``, whose
-covariance couples layers) have no per-layer builder: ``build_posterior`` dispatches them.
+Per-layer builders (:mod:`.layer_builders`, named by ``MethodInfo.builder``) take the normalised
+pieces of one layer and ``(N, τ, rank, max_l)`` and return its layer posterior. Whole-network
+methods (``subnet``, whose covariance couples layers) have no per-layer builder:
+``build_posterior`` dispatches them. This module imports no torch: a run configuration is
+checked against the registry without it.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
-import torch
-
-from ..basis.eigenbasis import LayerBasis
-from .sparsify import sparsify
-from .structures.base import LayerPosterior
-from .structures.diag import DiagLayer
-from .structures.efb import EFBLayer, KronExactLayer
-from .structures.inf import InfLayer
-from .structures.kron import KronLayer
-
-__all__ = ["LayerInput", "MethodInfo", "REGISTRY", "MAP", "method_info", "method_names", "layer_methods",
+__all__ = ["MethodInfo", "REGISTRY", "MAP", "method_info", "method_names", "layer_methods",
            "needs_basis", "needs_efb", "table3_methods", "posterior_methods", "TEMPERATURE", "method_label", "method_color", "order_methods"]
 
 #: The row of the un-perturbed network in evaluations and reports (no posterior).
@@ -43,57 +32,12 @@ TEMPERATURE = "temperature"
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerInput:
-    """Normalised pieces for one layer: ``diag/M``, ``A``/``G`` eigenbasis, ``Λ/M`` (or None)."""
-
-    fisher_diag: torch.Tensor
-    basis: LayerBasis | None
-    lam: torch.Tensor | None
-
-
-# builder(inputs, N, τ, rank, max_l) -> (layer, clipped D count)
-Builder = Callable[[LayerInput, float, float, "int | None", int], "tuple[LayerPosterior, int]"]
-
-
-def _build_diag(x: LayerInput, N, tau, rank, max_l):
-    return DiagLayer(x.fisher_diag, N, tau), 0
-
-
-def _build_kfac(x: LayerInput, N, tau, rank, max_l):
-    b = x.basis
-    return KronLayer(b.U_A, b.S_A, b.U_G, b.S_G, N, tau), 0
-
-
-def _build_kfac_exact(x: LayerInput, N, tau, rank, max_l):
-    b = x.basis
-    return KronExactLayer.from_factors(b.U_A, b.S_A, b.U_G, b.S_G, N, tau), 0
-
-
-def _build_efb(x: LayerInput, N, tau, rank, max_l):
-    return EFBLayer(x.basis.U_A, x.basis.U_G, x.lam, N, tau), 0
-
-
-def _build_inf(x: LayerInput, N, tau, rank, max_l):
-    m, n = x.lam.shape
-    if rank is None:
-        if m * n > max_l:
-            raise ValueError(
-                f"full-rank INF keeps all {m}*{n} = {m * n} eigenvalues, above max_l={max_l}; pass rank= (top-K)"
-            )
-        dev = x.lam.device
-        rows, cols = torch.arange(m, device=dev), torch.arange(n, device=dev)
-    else:
-        rows, cols = sparsify(x.lam, min(int(rank), m * n))
-    layer = InfLayer.from_eigen(x.fisher_diag, x.basis.U_G, x.basis.U_A, x.lam, rows, cols, N, tau, max_l=max_l)
-    return layer, layer.clipped_D
-
-
-@dataclasses.dataclass(frozen=True)
 class MethodInfo:
     """One posterior method.
 
     name: the registry name (config, artifacts, saved posteriors). label / color: in tables
-    and figures. builder: the per-layer builder (None: a whole-network method). needs_basis:
+    and figures. builder: the name of the per-layer builder in :mod:`.layer_builders` (None: a
+    whole-network method). needs_basis:
     the eigendecomposition of ``A`` and ``G``. needs_efb: the second pass (per-example
     gradients in the eigenbasis, ``Λ``). correlations: whether the posterior models weight
     correlations (Lee et al. Table 3, "Corr"). table3: whether its numbers stored follow from
@@ -106,7 +50,7 @@ class MethodInfo:
     name: str
     label: str
     color: str
-    builder: Builder | None
+    builder: str | None
     needs_basis: bool
     needs_efb: bool
     correlations: bool
@@ -121,12 +65,12 @@ class MethodInfo:
 
 
 REGISTRY: dict[str, MethodInfo] = {m.name: m for m in (
-    MethodInfo("diag", "Diag", "#1f77b4", _build_diag, False, False, False, True, "MacKay 1992; Ritter et al. 2018"),
-    MethodInfo("kfac", "KFAC", "#ff7f0e", _build_kfac, True, False, True, True, "Ritter et al. 2018, eq. 9"),
-    MethodInfo("kfac_exact", "KFAC (exact)", "#8c564b", _build_kfac_exact, True, False, True, True,
+    MethodInfo("diag", "Diag", "#1f77b4", "build_diag", False, False, False, True, "MacKay 1992; Ritter et al. 2018"),
+    MethodInfo("kfac", "KFAC", "#ff7f0e", "build_kfac", True, False, True, True, "Ritter et al. 2018, eq. 9"),
+    MethodInfo("kfac_exact", "KFAC (exact)", "#8c564b", "build_kfac_exact", True, False, True, True,
                "Lee et al. 2020, F.3.2"),
-    MethodInfo("efb", "EFB", "#2ca02c", _build_efb, True, True, True, True, "George et al. 2018"),
-    MethodInfo("inf", "INF", "#d62728", _build_inf, True, True, True, False, "Lee et al. 2020"),
+    MethodInfo("efb", "EFB", "#2ca02c", "build_efb", True, True, True, True, "George et al. 2018"),
+    MethodInfo("inf", "INF", "#d62728", "build_inf", True, True, True, False, "Lee et al. 2020"),
     MethodInfo("subnet", "Subnet", "#9467bd", None, False, False, True, False, "Daxberger et al. 2021"),
     MethodInfo(TEMPERATURE, "Temperature", "#17becf", None, False, False, False, False, "Guo et al. 2017",
                posterior=False, num_stored=1),

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..curvature.statistics import CurvatureStatistics
+from ..names import SELECTION_RULES
 from ..curvature.subnet_fisher import DEFAULT_MEMORY_BUDGET, check_subnet_memory, collect_subnet_fisher
 from .structures.base import Posterior, vec
 from .structures.diag import DiagLayer, check_hyper
@@ -51,7 +52,6 @@ __all__ = [
     "subnet_laplace",
 ]
 
-SELECTION_RULES = ("wasserstein", "wasserstein_live", "random")
 LIVE_RTOL = 1e-12
 """A weight is live when its Fisher diagonal is ``> LIVE_RTOL x`` the largest of its layer
 (see :func:`live_weights`): gradients below ``1e-6`` of the layer's largest (about ten

@@ -15,23 +15,17 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from laplace_core.curvature.layer_selection import check_selection
-from laplace_core.curvature.layers import NORM_LAYER_MODES
-from laplace_core.curvature.likelihoods import FISHER_TYPES
-from laplace_core.curvature.batch_loop import PRECISIONS
+from laplace_core.names import (DEFAULT_ECE_BINS, DTYPE_NAMES, ECE_STRATEGIES, ENTROPY_BINS, FISHER_TYPES,
+                                NORM_LAYER_MODES, PRECISION_NAMES, SELECTION_RULES)
+from laplace_core.names import SUBNET_FISHER_TYPES as SUBNET_FISHERS
 from laplace_core.posteriors.methods import method_names
-from laplace_core.metrics.base import DEFAULT_ECE_BINS, ECE_STRATEGIES, ENTROPY_BINS
-from laplace_core.curvature.subnet_fisher import check_subnet_memory
-from laplace_core.posteriors.subnet import SELECTION_RULES
-from laplace_core.curvature.subnet_fisher import SUBNET_FISHER_TYPES as SUBNET_FISHERS
 from pipelines.config.settings import Checked, setting
 from pipelines.config.choices import CORRUPTION_NAMES, IMAGENET_C_NAMES, PRED_TYPES, SEVERITIES, check_corruption
 
 __all__ = [
     "ConfigError",
-    "DTYPES",
+    "DTYPE_NAMES",
     "OBJECTIVES",
     "SCHEDULERS",
     "ALGORITHMS",
@@ -56,10 +50,8 @@ __all__ = [
 ]
 
 STAGES = ("curvature", "posterior", "search", "evaluate", "report")
+
 METHOD_NAMES = method_names()  # laplace_core.posteriors.methods: the one method registry
-#: ``curvature.model_dtype`` / ``stats_dtype``, ``evaluate.dtype``: name -> torch dtype
-#: (:mod:`pipelines.distributed` and the actors compute in it).
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
 #: ``posterior.subnet_fisher``: ``auto`` (GGN for <= 10 classes, else ``curvature.fisher``) or a
 #: subnet Fisher of :mod:`laplace_core.posteriors.subnet`.
 SUBNET_FISHER_TYPES = ("auto", *SUBNET_FISHERS)
@@ -246,10 +238,10 @@ class CurvatureSpec(Checked):
     gpus_per_worker: float = setting(1.0, "GPUs per Train worker when use_gpu", range=POSITIVE, fingerprint=False)
     efb_max_examples: int | None = setting(None, "cap on the EFB pass's examples (after efb_fraction)", range=COUNT)
     model_dtype: str = setting("float32", "the model's dtype in the passes (float64 for dense checks)",
-                               choices=DTYPES)
-    stats_dtype: str = setting("float64", "the dtype of the summed statistics", choices=DTYPES)
+                               choices=DTYPE_NAMES)
+    stats_dtype: str = setting("float64", "the dtype of the summed statistics", choices=DTYPE_NAMES)
     precision: str = setting("fp32", "passes 1-2 forward/backward under autocast in this precision (the sums stay "
-                                     "float64)", choices=PRECISIONS)
+                                     "float64)", choices=PRECISION_NAMES)
     bucket_mb: float = setting(64.0, "all-reduce bucket size (MiB)", range=POSITIVE, fingerprint=False)
     log_every_s: float = setting(30.0, "progress line interval (seconds), as evaluate.log_every_s", range=POSITIVE,
                                  fingerprint=False)
@@ -283,7 +275,9 @@ class PosteriorSpec(Checked):
         check_selection(self.layers)
         if "subnet" in self.methods:  # S^2 float64 numbers must fit: fail before any cluster work
             try:
-                check_subnet_memory(self.subnet_size, int(self.subnet_memory_gb * 2**30), torch.float64)
+                from laplace_core.curvature.subnet_fisher import check_subnet_memory  # torch: subnet runs only
+
+                check_subnet_memory(self.subnet_size, int(self.subnet_memory_gb * 2**30))
             except ValueError as e:
                 raise ValueError(f"subnet_size: {e} (or raise posterior.subnet_memory_gb)") from None
 
@@ -397,9 +391,9 @@ class ActorSpec(Checked):
                                            range=NON_NEGATIVE, fingerprint=False)
     torch_threads: int | None = setting(None, "intra-op threads per actor (null: max(1, round(cpus_per_actor)))",
                                         range=COUNT, fingerprint=False)
-    dtype: str = setting("float32", "the actors' model and input dtype (float64 for exact checks)", choices=DTYPES)
+    dtype: str = setting("float32", "the actors' model and input dtype (float64 for exact checks)", choices=DTYPE_NAMES)
     precision: str = setting("fp32", "the actors' forwards (search, evaluation, scoring) under autocast in this "
-                                     "precision (pred_type nn); draws formed outside it, metrics in float64", choices=PRECISIONS)
+                                     "precision (pred_type nn); draws formed outside it, metrics in float64", choices=PRECISION_NAMES)
     max_failures: int = setting(2, "the actors' round starts again this often when an actor dies",
                                 range=NON_NEGATIVE, fingerprint=False)
     log_every_s: float = setting(30.0, "progress line interval of the actors (seconds)", range=POSITIVE,

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from pipelines.config import schema
+from laplace_core.curvature.batch_loop import DTYPES  # re-exported: the config's dtype names -> torch dtypes
 from pipelines.distributed.cluster import train_log_level
 from pipelines.storage import layout
 from pipelines.storage import uris as storage
@@ -27,7 +27,6 @@ __all__ = ["DTYPES", "FaultInjection", "ModelRef", "Job", "model_ref", "make_tra
            "gpu_shortfall", "worker_setup", "index_partitions", "partition_dataset", "path_keys", "fingerprint",
            "put_sources", "fetch_share"]
 
-DTYPES = schema.DTYPES  # the config's dtype names -> torch dtypes
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from pipelines.config.choices import PRED_TYPES
-from pipelines.config.schema import (ALGORITHMS, DTYPES, OBJECTIVES, SCHEDULERS, ActorSpec, EvalSpec, SearchSpec,
+from laplace_core.curvature.batch_loop import DTYPES
+from pipelines.config.schema import (ALGORITHMS, OBJECTIVES, SCHEDULERS, ActorSpec, EvalSpec, SearchSpec,
                                      method_range_entry)
 from pipelines.storage import layout
 
