@@ -165,7 +165,7 @@ def _check_models(cfg: RunConfig, opts: storage.StorageOptions, world: bool = Tr
                                          resolve_factory, resolve_weights_enum)
     from pipelines.ingest.timm_models import check_timm_name, is_timm
 
-    valid = set(model_names())
+    valid = None  # torchvision's classifiers: listed only for a name that is none of the others
     for spec in cfg.all_models():
         if is_factory(spec.name):  # a user's package.module:callable; it builds its own model
             resolve_factory(spec.name)
@@ -179,7 +179,7 @@ def _check_models(cfg: RunConfig, opts: storage.StorageOptions, world: bool = Tr
                 raise PreflightError(str(e)) from None
             if spec.weights is not None and is_enum_name(spec.weights):
                 raise PreflightError(f"model {spec.name!r} has no torchvision weights; pass a state-dict file")
-        elif spec.name not in valid:
+        elif spec.name not in EXTRA_MODELS and spec.name not in (valid := valid or set(model_names())):
             fam = sorted(n for n in valid if n.startswith(("resnet", "densenet"))) + sorted(EXTRA_MODELS)
             close = difflib.get_close_matches(spec.name, sorted(valid), n=3, cutoff=0.6)
             hint = f"did you mean {', '.join(close)}? " if close else ""
@@ -354,21 +354,21 @@ def preflight(cfg: RunConfig, *, dry_run: bool = False) -> dict[str, Any]:
     configuration alone: no store is contacted, nothing is written, no cache is looked at."""
     opts = cfg.storage_options()
     checked: dict[str, Any] = {"endpoint": opts.endpoint}
+    if not dry_run:  # the paths first: a wrong one is answered without importing torch or building a model
+        if not cfg.data.demo:
+            check_uri(cfg.data.root, "data root", opts)
+        for o in cfg.data.ood:  # the demo's letters are written by the run; every configured set is checked
+            try:
+                check_uri(o.uri, "OOD folder", opts)
+            except PreflightError as e:
+                raise PreflightError(f"{e} (OOD set {o.name!r})") from None
+        check_writable(cfg.output, opts)
     _check_models(cfg, opts, world=not dry_run)
     check_forward(cfg)
     if dry_run:
         return checked
-    if not cfg.data.demo:
-        root = cfg.data.root
-        check_uri(root, "data root", opts)
-        if not root.rstrip("/").lower().endswith(".parquet"):
-            _check_splits(cfg, root, opts)
-    for o in cfg.data.ood:  # the demo's letters are written by the run; every configured set is checked
-        try:
-            check_uri(o.uri, "OOD folder", opts)
-        except PreflightError as e:
-            raise PreflightError(f"{e} (OOD set {o.name!r})") from None
-    check_writable(cfg.output, opts)
+    if not cfg.data.demo and not cfg.data.root.rstrip("/").lower().endswith(".parquet"):
+        _check_splits(cfg, cfg.data.root, opts)
     checked["output"] = cfg.output
     check_weights_fit(cfg, opts)
     return checked
