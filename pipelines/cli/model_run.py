@@ -295,6 +295,7 @@ class ModelRun:
     def _do_search(self, fp: dict[str, Any]) -> dict[str, Any]:
         from pipelines.evaluation.runtime import search_config
         from pipelines.evaluation.search import search
+        from pipelines.evaluation.tune import chunk_refs
         from pipelines.ingest.batches import build_dataset
 
         splits = self.splits
@@ -303,10 +304,14 @@ class ModelRun:
                                    decode_cpus=float(self.cfg.data.decode_num_cpus))
         out: dict[str, Any] = {"chosen": {}, "notes": {}, "map": {}, "info": {"device": search_cfg.resolved_device},
                                "failed": 0, "table": self.store.search_table_uri()}
+        # the search split read and decoded once, into chunks in the object store: the search's
+        # trials and the temperature fit both score them
+        chunked = (chunk_refs(build_dataset(splits.search, splits.search_config), search_cfg)
+                   if self.uris or TEMPERATURE in self.methods else None)
         if self.uris:
             # a re-submitted job resumes the Tune experiment of this key
-            res = search(self.spec, self.uris, build_dataset(splits.search, splits.search_config), search_cfg,
-                         store=self.store, key=fingerprint(fp)[:12])
+            res = search(self.spec, self.uris, None, search_cfg, store=self.store, key=fingerprint(fp)[:12],
+                         chunked=chunked)
             from pipelines.report.edges import edge_notes
 
             for line in edge_notes(res.chosen, to_dict(self.cfg.search)):
@@ -323,7 +328,7 @@ class ModelRun:
         if TEMPERATURE in self.methods:  # Guo et al. (2017): T by NLL on the search split
             from pipelines.evaluation.temperature import fit_temperature_run
 
-            fit = fit_temperature_run(self.spec, build_dataset(splits.search, splits.search_config), search_cfg,
+            fit = fit_temperature_run(self.spec, chunked[0], search_cfg, skipped=int(chunked[2].get("count", 0)),
                                       store=self.store)
             if fit.get("fallback"):
                 log(fit["fallback"])

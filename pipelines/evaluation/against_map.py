@@ -127,7 +127,7 @@ def judge(model: Mapping[str, Any], uris: Mapping[str, str], chosen: Mapping[str
     @ray.remote(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor)
     def run(model, uris, chosen, chunks, cfg, store):
         from pipelines.evaluation.actors import ModelActor
-        from pipelines.evaluation.tune import load_chunk
+        from pipelines.evaluation.chunks import load_chunk
 
         actor = ModelActor(model, {m: u for m, u in uris.items() if chosen.get(m) is not None}, None, cfg, store)
         if actor.init_error is not None:

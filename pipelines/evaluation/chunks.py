@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["Chunk", "check_pos_int", "iter_chunks", "valid_batches"]
+__all__ = ["Chunk", "check_pos_int", "iter_chunks", "load_chunk", "valid_batches"]
 
 
 def check_pos_int(name: str, v: Any) -> None:
@@ -120,3 +120,12 @@ def valid_batches(shard: Any, batch_size: int):
                 yield b.x, b.y
 
     return gen(), lambda: state["skipped"]
+
+
+def load_chunk(d: Mapping[str, Any], device: str) -> Chunk:
+    """One chunk of :func:`pipelines.evaluation.tune.chunk_refs` (its ``ray.get`` value) as a
+    :class:`Chunk` on ``device``."""
+    sizes = [int(s) for s in d["sizes"]]
+    ys = torch.from_numpy(np.array(d["ys"]))
+    xs = torch.from_numpy(np.array(d["xs"])).to(device)
+    return Chunk(list(xs.unbind(0)), list(ys.split(sizes)), sizes)

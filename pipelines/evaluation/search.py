@@ -274,9 +274,12 @@ def search(
     *,
     store: RunStore = RunStore(),
     key: str = "",
+    chunked: tuple[Sequence[Any], int, dict[str, Any]] | None = None,
 ) -> SearchResult:
     """Search of ``(N, τ)`` per method on ``val_ds`` (Ray Dataset with image/label/path/valid
-    columns, a held-out labelled split of the in-domain data): one Ray Tune experiment per
+    columns, a held-out labelled split of the in-domain data; or ``chunked``, what
+    :func:`pipelines.evaluation.tune.chunk_refs` made of it, when the caller reads the split's
+    chunks for other work too, e.g. the temperature fit): one Ray Tune experiment per
     method (:mod:`pipelines.evaluation.tune`: ``cfg.scheduler``, ``cfg.algorithm``; at most
     ``cfg.num_actors`` trials at once). ``posterior_uris``: ``method -> artifact URI`` (any
     stored ``(N, τ)``; each configuration is applied with ``with_hyper``). Returns a
@@ -293,7 +296,7 @@ def search(
     if MAP in uris:
         raise ValueError(f"{MAP!r} has no hyperparameters; pass posterior methods only")
     t0 = time.perf_counter()
-    chunks, images, skipped = search_tune.chunk_refs(val_ds, cfg)
+    chunks, images, skipped = chunked if chunked is not None else search_tune.chunk_refs(val_ds, cfg)
     if not chunks:
         raise StageError("search: the validation split has no valid image")
     root = None if store.output is None else store.tune_uri()

@@ -17,15 +17,17 @@ margin, where ``L`` keeps decreasing as ``T → 0``) the bound is returned and `
 says so.
 
 :func:`fit_temperature_run` is the stage's part: the MAP logits of the search split are
-computed on the actor engine (:mod:`pipelines.evaluation.actors`, :class:`LogitsWorker`,
-the same fixed-size batches as the search and the evaluation), gathered on the driver
-(``n x C`` numbers: 80 MB in float64 for a 10,000-image ImageNet search split) and fitted
-there (:func:`with_fallback`: ``T = 1`` on a separable split); with ``output`` the fit is written to
+computed from the search's own chunks (:func:`pipelines.evaluation.tune.chunk_refs`: the split
+read and decoded once, in the same fixed-size batches as the search and the evaluation) by up to
+``cfg.num_actors`` Ray tasks (:func:`chunk_logits`), gathered on the driver (``n x C`` numbers:
+80 MB in float64 for a 10,000-image ImageNet search split) and fitted there
+(:func:`with_fallback`: ``T = 1`` on a separable split); with ``output`` the fit is written to
 ``<output>/eval/temperature/temperature.json``.
 :class:`TemperaturePredictor` is what the evaluation actors predict with.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any, Mapping, Sequence
@@ -35,15 +37,15 @@ import torch
 from torch import nn
 
 from laplace_core.posteriors.methods import TEMPERATURE, method_info
-from pipelines.evaluation.actors import ActorProgress, ModelActor, run_actors
-from pipelines.evaluation.chunks import iter_chunks, valid_batches
+from pipelines.evaluation.actors import ActorProgress, await_round
+from pipelines.evaluation.chunks import load_chunk
 from pipelines.evaluation.predictors import model_ref
 from pipelines.evaluation.runtime import RuntimeFields, eval_uri
 from pipelines.storage import uris as storage
 from pipelines.storage.store import RunStore
 
-__all__ = ["T_BOUNDS", "FEW_ERRORS", "temperature_nll", "fit_temperature", "with_fallback", "TemperaturePredictor", "LogitsWorker",
-           "map_logits", "fit_temperature_run", "temperature_file", "load_temperature"]
+__all__ = ["T_BOUNDS", "FEW_ERRORS", "temperature_nll", "fit_temperature", "with_fallback", "TemperaturePredictor", "chunk_logits",
+           "fit_temperature_run", "temperature_file", "load_temperature"]
 
 #: The bracket of ``T`` (``β = 1/T`` is searched in ``[1/T_max, 1/T_min]``).
 T_BOUNDS = (1e-3, 1e3)
@@ -182,37 +184,40 @@ class TemperaturePredictor:
                     for x in xs]
 
 
-def map_logits(model: nn.Module, batches: Any, cfg: RuntimeFields, progress=None) -> tuple[np.ndarray, np.ndarray]:
-    """The MAP logits ``[n, C]`` and labels ``[n]`` of ``batches`` (fixed-size batches of
-    ``cfg.batch_size``, :func:`pipelines.evaluation.chunks.iter_chunks`)."""
-    zs, ys = [], []
-    with torch.no_grad():
-        for chunk in iter_chunks(batches, cfg.batch_size, cfg.batches_per_chunk, dtype=cfg.torch_dtype,
-                                 device=cfg.resolved_device):
-            for x, y, n in zip(chunk.xs, chunk.ys, chunk.sizes):
-                zs.append(model(x)[:n].detach().cpu().numpy())
-                ys.append(y.numpy())
-            if progress is not None:
-                progress(0, chunk.count)
-    if not zs:
+def chunk_logits(model_spec: Any, chunks: Sequence[Any], cfg: RuntimeFields,
+                 store: RunStore = RunStore()) -> tuple[np.ndarray, np.ndarray]:
+    """The MAP logits ``[n, C]`` and labels ``[n]`` of the search's chunks (object refs of
+    :func:`pipelines.evaluation.tune.chunk_refs`), each of up to ``cfg.num_actors`` Ray tasks
+    taking a contiguous share of them (no actor, no second read of the split)."""
+    import ray
+
+    k = max(1, min(int(cfg.num_actors), len(chunks)))
+    shares = [list(chunks[i * len(chunks) // k:(i + 1) * len(chunks) // k]) for i in range(k)]
+    task_cfg = dataclasses.replace(cfg, num_actors=k)  # the progress estimate counts the tasks that run
+
+    @ray.remote(num_cpus=cfg.cpus_per_actor, num_gpus=cfg.gpus_per_actor)
+    def logits(model, refs, cfg, store, index):
+        from pipelines.evaluation.predictors import load_eval_model
+
+        torch.set_num_threads(cfg.threads)
+        net = load_eval_model(model, dtype=cfg.torch_dtype, device=cfg.resolved_device, store=store,
+                              precision=cfg.precision)
+        prog = ActorProgress("temperature", index, cfg, splits=("search",))
+        zs, ys = [], []
+        with torch.no_grad():
+            for ref in refs:
+                c = load_chunk(ray.get(ref), cfg.resolved_device)
+                for x, y, n in zip(c.xs, c.ys, c.sizes):
+                    zs.append(net(x)[:n].detach().cpu().numpy())
+                    ys.append(y.numpy())
+                prog(0, c.count)
+        return (np.concatenate(zs), np.concatenate(ys)) if zs else (np.zeros((0, 0)), np.zeros(0, dtype=np.int64))
+
+    refs = [logits.remote(dict(model_ref(model_spec)), share, task_cfg, store, i) for i, share in enumerate(shares)]
+    parts = [p for p in await_round(refs, (), cfg, "temperature logits") if len(p[1])]
+    if not parts:
         return np.zeros((0, 0)), np.zeros(0, dtype=np.int64)
-    return np.concatenate(zs), np.concatenate(ys)
-
-
-class LogitsWorker(ModelActor):
-    """Ray actor: the MAP logits of one ``streaming_split`` shard (no posteriors)."""
-
-    def __init__(self, model: Mapping[str, Any], cfg: RuntimeFields, store: RunStore = RunStore()):
-        super().__init__(model, {}, None, cfg, store)
-
-    def run(self, shard: Any, actor_index: int = 0) -> dict[str, Any]:
-        if self.init_error is not None:
-            return {"init_error": self.init_error}
-        it, skipped = valid_batches(shard, self.cfg.batch_size)
-        it = self.watched(it)
-        prog = ActorProgress("temperature", actor_index, self.cfg, splits=("search",))
-        z, y = map_logits(self.model, it, self.cfg, prog)
-        return {"logits": z, "labels": y, "skipped": skipped().count}
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
 def temperature_file(output: str) -> str:
@@ -220,22 +225,19 @@ def temperature_file(output: str) -> str:
     return storage.join(eval_uri(output, TEMPERATURE), "temperature.json")
 
 
-def fit_temperature_run(model_spec: Any, val_ds: Any, cfg: RuntimeFields, *,
+def fit_temperature_run(model_spec: Any, chunks: Sequence[Any], cfg: RuntimeFields, *, skipped: int = 0,
                         store: RunStore = RunStore()) -> dict[str, Any]:
-    """Fit ``T`` on ``val_ds`` (the search split, a Ray Dataset of
-    :func:`pipelines.ingest.batches.build_dataset`): MAP logits on ``cfg.num_actors`` actors,
+    """Fit ``T`` on the search split's ``chunks`` (:func:`pipelines.evaluation.tune.chunk_refs`,
+    ``skipped`` images left out of them): MAP logits by :func:`chunk_logits`,
     :func:`fit_temperature` on the driver. Returns the fit plus ``num_stored`` (1),
     ``skipped``, ``wall_s``; with the store's output also writes :func:`temperature_file`."""
     t0 = time.perf_counter()
-    results = run_actors(LogitsWorker, (model_ref(model_spec), cfg, store), [val_ds], cfg)
-    parts = [r for r in results if len(r["labels"])]
-    if not parts:
+    z, y = chunk_logits(model_spec, chunks, cfg, store)
+    if not len(y):
         raise ValueError("temperature scaling: the search split has no valid image to fit T on")
-    z = np.concatenate([r["logits"] for r in parts]).astype(np.float64)
-    y = np.concatenate([r["labels"] for r in parts])
-    fit = with_fallback(fit_temperature(z, y))
+    fit = with_fallback(fit_temperature(z.astype(np.float64), y))
     fit.update(method=TEMPERATURE, split="search", num_stored=method_info(TEMPERATURE).num_stored,
-               skipped=sum(r["skipped"] for r in results), wall_s=time.perf_counter() - t0)
+               skipped=int(skipped), wall_s=time.perf_counter() - t0)
     if store.output is not None:
         store.write_json_atomic(temperature_file(store.output), fit)
     return fit

@@ -58,7 +58,7 @@ if "TUNE_WARN_THRESHOLD_S" not in os.environ:
 from pipelines.errors import DETERMINISTIC, StageError, error_line
 from pipelines.evaluation.actors import ModelActor, await_round
 from pipelines.evaluation.asha import GridSearcher, PromotionASHA, RunningLimiter
-from pipelines.evaluation.chunks import Chunk, iter_chunks, valid_batches
+from pipelines.evaluation.chunks import iter_chunks, load_chunk, valid_batches
 from pipelines.evaluation.runtime import SearchConfig
 from pipelines.evaluation.search_progress import SearchProgress
 from pipelines.storage import uris as storage
@@ -70,7 +70,7 @@ MAP_TRIAL = "map"
 #: same settings returns them without restoring the experiment.
 DONE_FILE = "infoform-done.json"
 
-__all__ = ["MAP_TRIAL", "chunk_refs", "load_chunk", "tpe_space", "SearchTrainable", "experiment_key", "run_experiment",
+__all__ = ["MAP_TRIAL", "chunk_refs", "tpe_space", "SearchTrainable", "experiment_key", "run_experiment",
            "map_reference"]
 
 
@@ -101,14 +101,6 @@ def chunk_refs(ds: Any, cfg: SearchConfig) -> tuple[list[Any], int, dict[str, An
 def _rows(cfg: SearchConfig) -> str:
     n = cfg.expected_rows[0] if cfg.expected_rows else None
     return f" ({n} images)" if n else ""
-
-
-def load_chunk(d: Mapping[str, Any], device: str) -> Chunk:
-    """One chunk of :func:`chunk_refs` (its ``ray.get`` value) as a :class:`Chunk` on ``device``."""
-    sizes = [int(s) for s in d["sizes"]]
-    ys = torch.from_numpy(np.array(d["ys"]))
-    xs = torch.from_numpy(np.array(d["xs"])).to(device)
-    return Chunk(list(xs.unbind(0)), list(ys.split(sizes)), sizes)
 
 
 # --------------------------------------------------------------------------- trainable

@@ -266,3 +266,25 @@ def test_tune_slow_step_warnings_wait_for_ten_seconds():
     out = subprocess.run([sys.executable, "-c", code], env={**env, "TUNE_WARN_THRESHOLD_S": "3"}, cwd=root,
                          capture_output=True, text=True, timeout=300)
     assert out.stdout.split()[-1] == "3.0", out.stderr[-2000:]
+
+
+def test_the_temperature_fit_scores_the_search_chunks(ray_session, data):
+    """The temperature row is fitted on the search's own chunks (the split read once, issue 43):
+    4 chunks on 2 Ray tasks give the MAP network's logits of every example, in the split's order
+    (float32, as the actors compute), and the fit equals :func:`fit_temperature` on them."""
+    import numpy as np
+
+    from pipelines.evaluation.temperature import chunk_logits, fit_temperature, fit_temperature_run
+    from pipelines.evaluation.tune import chunk_refs
+
+    cfg = _cfg(chunk_size=64)
+    chunks, images, skipped = chunk_refs(ray_session.data.from_items(data["rows"], override_num_blocks=3), cfg)
+    assert len(chunks) == 4 and images == N_EXAMPLES and skipped["count"] == 0
+    z, y = chunk_logits(data["model"], chunks, cfg)
+    with torch.no_grad():
+        want = torch.cat([data["net"](x) for x, _ in data["batches"]]).numpy()
+    assert z.shape == want.shape and np.array_equal(y, np.concatenate([b[1].numpy() for b in data["batches"]]))
+    np.testing.assert_allclose(z, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+    fit = fit_temperature_run(data["model"], chunks, cfg, skipped=3)
+    assert fit["temperature"] == pytest.approx(fit_temperature(z.astype(np.float64), y)["temperature"], rel=1e-12)
+    assert fit["skipped"] == 3 and fit["num_stored"] == 1
