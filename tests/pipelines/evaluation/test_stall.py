@@ -126,16 +126,25 @@ def test_a_pass_asks_its_decode_tasks_for_what_is_free_beside_its_workers(ray_se
     if free < 1.75:
         pytest.skip(f"the shared Ray instance holds {2 - free:g} CPU: no room to plant the shortage")
     hog = _hog(ray, round(free - 1.5, 4))  # 1.5 CPUs left: the workers' 1 and half a decode task
-    # the cluster's resource view lags the hog's placement (CI at load 8 read 2 CPUs free after it
-    # had started, and the pass's config was left at 1): wait until the view shows the shortage
-    deadline = time.perf_counter() + 30
-    while ray.available_resources().get("CPU", 0) > 1.5 + 1e-6 and time.perf_counter() < deadline:
-        time.sleep(0.1)
+    views = []  # the free CPUs the cluster reported around each call
     try:
-        fitted = decode_cpus_that_fit(cfg, data, "curvature", settle_s=0.0)
+        for _ in range(3):
+            # the cluster's resource view lags the hog's placement (CI at load 8 read 2 CPUs free after
+            # it had started, and the pass's config was left at 1), and work of earlier tests on the
+            # shared instance can give CPUs back meanwhile: a call counts when the view read 1.5 free
+            # just before and just after it
+            deadline = time.perf_counter() + 30
+            while ray.available_resources().get("CPU", 0) > 1.5 + 1e-6 and time.perf_counter() < deadline:
+                time.sleep(0.1)
+            before = ray.available_resources().get("CPU", 0)
+            fitted = decode_cpus_that_fit(cfg, data, "curvature", settle_s=0.0)
+            views.append((before, ray.available_resources().get("CPU", 0), fitted.decode_num_cpus))
+            if views[-1][:2] == (1.5, 1.5):
+                break
     finally:
         ray.kill(hog)
-    assert fitted.decode_num_cpus == 0.5 and fitted.root == data.root
+    assert views[-1][:2] == (1.5, 1.5), f"the free CPUs never held at 1.5 around a call: {views}"
+    assert fitted.decode_num_cpus == 0.5 and fitted.root == data.root, views
     assert "the decode tasks ask for 0.5 CPU instead of 1" in capsys.readouterr().out
     small = SimpleNamespace(num_workers=1, cpus_per_worker=0.1)  # fits beside whatever else the instance runs
     light = DataConfig(root="/nowhere", decode_num_cpus=0.1)
