@@ -15,8 +15,8 @@ imports it from here:
   :mod:`.posteriors.subnet`;
 - ``DEFAULT_ECE_BINS``, ``ENTROPY_BINS``, ``ECE_STRATEGIES``: :mod:`.metrics.base`.
 
-The method names are the method registry's (:func:`.posteriors.methods.method_names`), which
-builds posteriors and so imports torch; a configuration reads them on first use.
+The method names are the method registry's (:func:`.posteriors.methods.method_names`), which is
+torch-free too: its per-layer builders live apart, in :mod:`.posteriors.layer_builders`.
 """
 from __future__ import annotations
 

@@ -91,7 +91,6 @@ class LayerKind(str, Enum):
     NORM = "norm"
 
 
-
 NORM_TYPES: tuple[type, ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm)
 _LAYER_SCALE_PARENTS = frozenset({("torchvision.models.convnext", "CNBlock")})
 

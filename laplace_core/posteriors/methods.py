@@ -37,9 +37,8 @@ class MethodInfo:
 
     name: the registry name (config, artifacts, saved posteriors). label / color: in tables
     and figures. builder: the name of the per-layer builder in :mod:`.layer_builders` (None: a
-    whole-network method). needs_basis:
-    the eigendecomposition of ``A`` and ``G``. needs_efb: the second pass (per-example
-    gradients in the eigenbasis, ``Λ``). correlations: whether the posterior models weight
+    whole-network method). needs_basis: the eigendecomposition of ``A`` and ``G``. needs_efb:
+    the second pass (per-example gradients in the eigenbasis, ``Λ``). correlations: whether the posterior models weight
     correlations (Lee et al. Table 3, "Corr"). table3: whether its numbers stored follow from
     the layer shapes alone (Table 3's columns; INF's depend on the kept ``L``). reference:
     the paper it comes from. posterior: whether the method is a posterior (built by the

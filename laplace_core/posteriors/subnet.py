@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from ..curvature.statistics import CurvatureStatistics
-from ..names import SELECTION_RULES
 from ..curvature.subnet_fisher import DEFAULT_MEMORY_BUDGET, check_subnet_memory, collect_subnet_fisher
+from ..names import SELECTION_RULES
 from .structures.base import Posterior, vec
 from .structures.diag import DiagLayer, check_hyper
 from .structures.subnet import SubnetLayerView, SubnetPosterior

@@ -328,7 +328,7 @@ class ModelRun:
         if TEMPERATURE in self.methods:  # Guo et al. (2017): T by NLL on the search split
             from pipelines.evaluation.temperature import fit_temperature_run
 
-            fit = fit_temperature_run(self.spec, chunked[0], search_cfg, skipped=int(chunked[2].get("count", 0)),
+            fit = fit_temperature_run(self.spec, chunked[0], search_cfg, skipped=chunked[2]["count"],
                                       store=self.store)
             if fit.get("fallback"):
                 log(fit["fallback"])

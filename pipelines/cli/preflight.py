@@ -165,7 +165,6 @@ def _check_models(cfg: RunConfig, opts: storage.StorageOptions, world: bool = Tr
                                          resolve_factory, resolve_weights_enum)
     from pipelines.ingest.timm_models import check_timm_name, is_timm
 
-    valid = None  # torchvision's classifiers: listed only for a name that is none of the others
     for spec in cfg.all_models():
         if is_factory(spec.name):  # a user's package.module:callable; it builds its own model
             resolve_factory(spec.name)
@@ -179,7 +178,7 @@ def _check_models(cfg: RunConfig, opts: storage.StorageOptions, world: bool = Tr
                 raise PreflightError(str(e)) from None
             if spec.weights is not None and is_enum_name(spec.weights):
                 raise PreflightError(f"model {spec.name!r} has no torchvision weights; pass a state-dict file")
-        elif spec.name not in EXTRA_MODELS and spec.name not in (valid := valid or set(model_names())):
+        elif spec.name not in EXTRA_MODELS and spec.name not in (valid := model_names()):  # imports torchvision
             fam = sorted(n for n in valid if n.startswith(("resnet", "densenet"))) + sorted(EXTRA_MODELS)
             close = difflib.get_close_matches(spec.name, sorted(valid), n=3, cutoff=0.6)
             hint = f"did you mean {', '.join(close)}? " if close else ""

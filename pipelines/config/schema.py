@@ -50,7 +50,6 @@ __all__ = [
 ]
 
 STAGES = ("curvature", "posterior", "search", "evaluate", "report")
-
 METHOD_NAMES = method_names()  # laplace_core.posteriors.methods: the one method registry
 #: ``posterior.subnet_fisher``: ``auto`` (GGN for <= 10 classes, else ``curvature.fisher``) or a
 #: subnet Fisher of :mod:`laplace_core.posteriors.subnet`.

@@ -28,7 +28,6 @@ __all__ = ["DTYPES", "FaultInjection", "ModelRef", "Job", "model_ref", "make_tra
            "put_sources", "fetch_share"]
 
 
-
 @dataclass(frozen=True)
 class FaultInjection:
     """Test-only: worker ``rank`` (``None``: whichever rank gets there first) kills its
