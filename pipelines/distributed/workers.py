@@ -34,7 +34,9 @@ class FaultInjection:
     own process (``os._exit(1)``) in pass ``pass_no`` (1: pass 1, 2: EFB, 3: subnet) while
     reading partition ``partition``, after ``after_batches`` valid batches, exactly once: it
     first writes ``once_marker`` (a URI), and a restarted attempt that finds the marker
-    runs clean."""
+    runs clean. Rank 0 commits each checkpoint before it reads on; another rank may reach its
+    fault while rank 0 still writes one, and the kill then loses it: a test that asserts what
+    a restart resumes from names ``rank=0``."""
 
     pass_no: int
     partition: int

@@ -264,7 +264,7 @@ def test_s3_with_worker_killed_mid_pass(setup, ray_session, s3_bucket):
     # killed in the EFB pass: the restarted group skips every pass-1 partition and EFB
     # partition 0, reloads the saved eigenbasis and recomputes EFB partition 2 only
     cfg = _cfg(max_failures=1, checkpoint_every_s=0.0,
-               fault_injection={"pass": 2, "partition": 2, "once_marker": marker})
+               fault_injection={"pass": 2, "partition": 2, "rank": 0, "once_marker": marker})  # rank 0: see below
     store = RunStore.open(f"{bucket}/out", storage.StorageOptions(endpoint))
     res = run_curvature(setup["spec"], parts, cfg, store, data_config=dcfg)
     assert fs.exists(marker[len("s3://"):]), "the fault was not injected"
@@ -282,8 +282,10 @@ def test_s3_with_worker_killed_mid_pass(setup, ray_session, s3_bucket):
 def test_resume_computes_only_missing_partitions(setup, ray_session):
     out = str(setup["tmp"] / "out_resume")
     marker = str(setup["tmp"] / "resume-marker.json")
+    # rank 0 is killed: it commits each checkpoint before it reads on; a fault on another rank could
+    # fire while rank 0 still writes the checkpoint of partitions 0 and 1, and the kill would lose it
     cfg = _cfg(max_failures=0, methods=("diag",), checkpoint_every_s=0.0,
-               fault_injection={"pass": 1, "partition": 2, "once_marker": marker})
+               fault_injection={"pass": 1, "partition": 2, "rank": 0, "once_marker": marker})
     with pytest.raises(Exception):
         run_curvature(setup["spec"], setup["parts"], cfg, RunStore.open(out), data_config=setup["dcfg"])
     assert os.path.exists(marker)
