@@ -22,7 +22,7 @@ __all__ = ["log", "fingerprint", "Stages"]
 
 #: What to run fewer of per node when Ray's memory monitor kills a stage's workers.
 _FEWER = {"curvature": "fewer curvature workers (curvature.num_workers)",
-          "search": "fewer search actors (evaluate.num_actors)", "evaluate": "fewer actors (evaluate.num_actors)"}
+          "search": "fewer search trials at once (search.concurrent_trials, else evaluate.num_actors)", "evaluate": "fewer actors (evaluate.num_actors)"}
 
 
 def fingerprint(obj: Any) -> str:

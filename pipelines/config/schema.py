@@ -307,7 +307,8 @@ def method_range_entry(entry: Any) -> tuple[Any, Any, Any]:
 
 @dataclass(frozen=True)
 class SearchSpec(Checked):
-    """The (N, tau) search (:mod:`pipelines.evaluation.search`); its actors are ``evaluate``'s."""
+    """The (N, tau) search (:mod:`pipelines.evaluation.search`); its actors are ``evaluate``'s
+    (``concurrent_trials`` of them at once)."""
 
     num_configs: int = setting(100, "configurations drawn", range=COUNT)
     log10_n: tuple[float, float] = setting((0.0, 8.0), "log10 N range (low, high)", range=ANY)
@@ -328,6 +329,10 @@ class SearchSpec(Checked):
     map_limit_log10_tau: float | None = setting(
         None, "adds the MAP-limit configuration (log10 N at the top of the method's range, this log10 tau; "
               "8: the predictive is MAP's within MC noise) to every method's search; null: none", range=ANY)
+    concurrent_trials: int | None = setting(
+        None, "trials at once, each on its own actor (null: evaluate.num_actors); 1 where a trial takes less than "
+              "an actor's start (a one-chunk split of a small model): Tune then starts an actor per trial and "
+              "drops it before it runs", range=COUNT)
     pred_types: tuple[str, ...] | None = setting(
         None, "predictives searched per method (nn: weight sampling, glm: linearised); each method's is chosen "
               "on the validation objective and evaluated on test; null: evaluate.pred_type alone",

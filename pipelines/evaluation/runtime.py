@@ -164,6 +164,11 @@ class SearchConfig(SearchSpec, RuntimeFields):
         return tuple(out)
 
     @property
+    def trials_at_once(self) -> int:
+        """Trials run at once: ``concurrent_trials``, else ``num_actors``."""
+        return int(self.concurrent_trials or self.num_actors)
+
+    @property
     def searched_pred_types(self) -> tuple[str, ...]:
         """The predictives the search covers: ``pred_types``, else ``(pred_type,)``."""
         return tuple(self.pred_types) if self.pred_types else (self.pred_type,)

@@ -281,7 +281,7 @@ def search(
     :func:`pipelines.evaluation.tune.chunk_refs` made of it, when the caller reads the split's
     chunks for other work too, e.g. the temperature fit): one Ray Tune experiment per
     method (:mod:`pipelines.evaluation.tune`: ``cfg.scheduler``, ``cfg.algorithm``; at most
-    ``cfg.num_actors`` trials at once). ``posterior_uris``: ``method -> artifact URI`` (any
+    ``cfg.trials_at_once`` trials at once). ``posterior_uris``: ``method -> artifact URI`` (any
     stored ``(N, τ)``; each configuration is applied with ``with_hyper``). Returns a
     :class:`SearchResult`; with an output in ``store`` (the run's store) keeps the Tune experiments under ``eval/tune/``
     (a repeated call resumes them; ``key`` names the data, e.g. the split's fingerprint)
@@ -390,6 +390,7 @@ def _search_info(cfg: SearchConfig, methods: Sequence[str], rows: Sequence[dict[
         "image_samples_full": len(rows) * images * cfg.mc_samples,
         "wall_s": wall,
         "num_actors": cfg.num_actors,
+        "concurrent_trials": cfg.trials_at_once,
         "failed": {m: sum(1 for r in rows if r["method"] == m and r["status"] == "failed") for m in methods},
         "stopped": {m: sum(1 for r in rows if r["method"] == m and r["status"] == "stopped") for m in methods},
     }

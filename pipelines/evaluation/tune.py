@@ -261,7 +261,7 @@ def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
     trial frees its slot) instead of Tune's concurrency limit."""
     sched = None
     if cfg.scheduler == "asha":
-        sched = PromotionASHA(max_t, cfg.reduction_factor, exempt=(MAP_TRIAL,), max_concurrent=cfg.num_actors)
+        sched = PromotionASHA(max_t, cfg.reduction_factor, exempt=(MAP_TRIAL,), max_concurrent=cfg.trials_at_once)
     if cfg.algorithm == "random":
         from pipelines.evaluation.trials import sample_configs
 
@@ -269,8 +269,8 @@ def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
         first = cfg.pred_type == cfg.searched_pred_types[0]
         names = [f"{MAP_TRIAL}:0"] * first + [f"{m}:{c.config_id}" for m in methods for c in sample_configs(cfg, m)]
         if sched is None:
-            return {"trial": tune.grid_search(names)}, None, 1, None, cfg.num_actors
-        alg = RunningLimiter(GridSearcher([{"trial": n} for n in names]), cfg.num_actors, sched)
+            return {"trial": tune.grid_search(names)}, None, 1, None, cfg.trials_at_once
+        alg = RunningLimiter(GridSearcher([{"trial": n} for n in names]), cfg.trials_at_once, sched)
         return {}, alg, len(names), sched, None
     try:
         from ray.tune.search.optuna import OptunaSearch
@@ -283,8 +283,8 @@ def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
     alg = OptunaSearch(sampler=optuna.samplers.TPESampler(seed=cfg.seed), metric="objective", mode="min",
                        points_to_evaluate=first)
     if sched is None:
-        return space, alg, cfg.num_configs, None, cfg.num_actors
-    return space, RunningLimiter(alg, cfg.num_actors, sched), cfg.num_configs, sched, None
+        return space, alg, cfg.num_configs, None, cfg.trials_at_once
+    return space, RunningLimiter(alg, cfg.trials_at_once, sched), cfg.num_configs, sched, None
 
 
 def tpe_space(cfg: SearchConfig, method: str) -> tuple[dict[str, Any], list[dict[str, float]] | None]:

@@ -346,8 +346,8 @@ def test_one_allreduce_per_pass_of_exactly_the_payload(submitted):
 def test_demo_preset_with_an_s3_output_runs_on_the_worker_node(ray_head, moto_s3):
     """The embedded demo on a cluster: its digits, letters and trained CNN are written to the
     (S3) output and read from there by the worker node, which cannot see the driver's disk.
-    Cut to a few configurations and samples, weight sampling alone (it is the data placement that
-    is tested here; the demo's default search is the fresh-clone demo's)."""
+    Cut to a few configurations and samples, weight sampling alone, one trial at a time (it is the
+    data placement that is tested here; the demo's default search is the fresh-clone demo's)."""
     import boto3
 
     from pipelines.storage import uris as storage
@@ -359,7 +359,8 @@ def test_demo_preset_with_an_s3_output_runs_on_the_worker_node(ray_head, moto_s3
     res = _submit(address, ["--preset", "demo", "--output", out, "--endpoint-url", moto_s3, "--methods", "diag,inf",
                             "--set", "data.limit=400", "--set", "data.val_limit=100", "--set", "data.test_limit=100",
                             "--set", "data.ood_limit=60", "--set", "search.num_configs=2", "--set",
-                            "search.pred_types=[nn]", "--set", "search.mc_samples=2", "--set", "evaluate.mc_samples=3"])
+                            "search.pred_types=[nn]", "--set", "search.mc_samples=2", "--set", "search.concurrent_trials=1",
+                            "--set", "evaluate.mc_samples=3"])
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
     assert "cluster: 2 node(s)" in log and f"demo data written to {out}/demo-data" in log, log[-3000:]

@@ -265,6 +265,26 @@ def test_the_run_scores_the_search_with_the_evaluation_ece():
     assert (ece.strategy, ece.n_bins) == ("equal_mass", 7)
 
 
+def test_concurrent_trials_sets_the_experiments_concurrency_apart_from_the_actors():
+    """``search.concurrent_trials`` (null: ``evaluate.num_actors``) is what every experiment's
+    limiter and Tune get (random grid, random with ASHA, TPE); the evaluation keeps its actors.
+    The smoke preset runs one trial at a time beside two evaluation actors."""
+    from pipelines.config.load import load_config
+    from pipelines.evaluation.runtime import eval_config, search_config
+    from pipelines.evaluation.tune import _space_and_search
+
+    for kw, want in (({}, 3), ({"concurrent_trials": 1}, 1)):
+        for extra in ({}, {"scheduler": "asha"}, {"algorithm": "tpe"}):
+            cfg = SearchConfig(num_actors=3, num_configs=4, **kw, **extra)
+            assert cfg.trials_at_once == want
+            _, alg, _, sched, concurrent = _space_and_search(cfg, ["diag", "kfac"][:1 if extra.get("algorithm") else 2], 8)
+            limits = [x for x in (concurrent, getattr(alg, "max_concurrent", None),
+                                  getattr(sched, "max_concurrent", None)) if x is not None]
+            assert limits and set(limits) == {want}, (kw, extra, limits)
+    run = load_config("smoke")
+    assert search_config(run).trials_at_once == 1 and eval_config(run).num_actors == 2
+
+
 def test_runtime_configs_copy_every_field_they_share_with_the_specs():
     """``from_spec`` copies every field a spec shares with the runtime class (no hand-written
     list): each shared field, set away from its default in the spec, arrives; the fields only
@@ -281,7 +301,7 @@ def test_runtime_configs_copy_every_field_they_share_with_the_specs():
                "method_ranges": (("kfac", (0.0, 1.0), (2.0, 3.0)),), "dtype": "float64", "torch_threads": 3,
                "log_every_s": 2.0, "entropy_bins": 7, "ood_exact_limit": 11, "scheduler": "asha",
                "algorithm": "tpe", "reduction_factor": 3, "stall_timeout_s": 12.0, "bootstrap": 50,
-               "map_limit_log10_tau": 7.5, "pred_types": ("glm", "nn"),
+               "map_limit_log10_tau": 7.5, "pred_types": ("glm", "nn"), "concurrent_trials": 4,
                "shift": ShiftSpec(corruptions=("contrast",), severities=(2,))}
     # precision bf16 needs pred_type nn and dtype float32 (ActorSpec._check): a second set for it
     autocast = {**changed, "precision": "bf16", "pred_type": "nn", "pred_types": ("nn",), "dtype": "float32"}
