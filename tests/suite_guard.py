@@ -12,7 +12,7 @@ What is counted, in the pytest process:
   initialised, no address, no ``RAY_ADDRESS``); a ``ray start --head``; a ``python -c`` child whose
   code calls ``ray.init(`` without ``address=`` (one that joins a running cluster starts none).
 - ``jobs``: a run of a job entry point in a child process (``jobs/imagenet_inf.py``,
-  ``jobs/core_demo.py``, ``python -m pipelines run`` / ``pipelines.cli.main run``, ``infoform run``,
+  ``jobs/core_demo.py``, ``benchmarks/paper/table2.py`` (the job in its own process), ``python -m pipelines run`` / ``pipelines.cli.main run``, ``infoform run``,
   ``make demo``; not with ``--dry-run`` or ``--help``) that did not exit 2 (the job's exit for bad
   input, before any cluster work: such a launch is listed as rejected, not budgeted); a ``ray job
   submit`` that exited 0 (its retries while the head's job agent comes up are not runs); an
@@ -49,7 +49,7 @@ from pathlib import Path
 import pytest
 
 KINDS = ("ray_instances", "jobs")
-JOB_SCRIPTS = ("jobs/imagenet_inf.py", "jobs/core_demo.py")
+JOB_SCRIPTS = ("jobs/imagenet_inf.py", "jobs/core_demo.py", "benchmarks/paper/table2.py")
 _NOT_A_RUN = ("--dry-run", "--help", "-h")
 
 _lock = threading.Lock()

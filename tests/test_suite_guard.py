@@ -29,6 +29,7 @@ PY = sys.executable
     (["ray", "job", "submit", "--address", "http://127.0.0.1:8265", "--", "python", "jobs/imagenet_inf.py"], "jobs"),
     (["ray", "status"], None),
     (["make", "demo"], "jobs"),
+    ([PY, "benchmarks/paper/table2.py", "--configs", "8"], "jobs"),
     (["make", "install"], None),
     ([PY, "-c", "import ray; ray.init(num_cpus=1)"], "ray_instances"),
     ([PY, "-c", "import ray, sys\nray.init(address=sys.argv[1], logging_level='ERROR')", "127.0.0.1:6379"], None),
