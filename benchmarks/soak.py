@@ -51,8 +51,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: The environment of a ``ray start --block`` node that :func:`stop_head` ends. On SIGTERM the node
+#: first asks the GCS to drain it and waits for its raylet to go idle, up to
+#: ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S`` (30 s): a node that still hosts a detached actor (Ray
+#: Data's cluster-wide singletons, left by any job that read a dataset) never goes idle, so each
+#: such node took the full 30 s to end (test_job.py's teardown: 60 s for its two nodes). The drain
+#: is for Serve's proxies; these nodes serve nothing, and 0 ends them at once.
+NODE_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    env.update(NODE_ENV)
     env.pop("RAY_ADDRESS", None)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
@@ -80,9 +90,9 @@ def start_head(tmp: Path):
 
 
 def stop_head(proc) -> None:
-    """End a ``ray start --block`` node started in its own process group: SIGTERM to that process
-    alone (it drains the node through the GCS and stops its daemons: 1-2 s), then SIGKILL to what is
-    left of the group. A SIGTERM to the whole group kills the GCS first, and the head then waits 30 s
+    """End a ``ray start --block`` node started in its own process group (with :data:`NODE_ENV`):
+    SIGTERM to that process alone (it stops its daemons: 1-2 s), then SIGKILL to what is left of
+    the group. A SIGTERM to the whole group kills the GCS first, and the head then waits 30 s
     for it to drain (``Timed out while waiting for GCS to become available``)."""
     for kill, sig, wait in ((os.kill, signal.SIGTERM, 30), (os.killpg, signal.SIGKILL, 10)):
         with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):

@@ -51,7 +51,7 @@ def _other_ray_instance(env):
            "--node-ip-address=127.0.0.1", "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={tmp}",
            f"--dashboard-agent-listen-port={ports[1]}", f"--dashboard-agent-grpc-port={ports[2]}",
            f"--runtime-env-agent-port={ports[3]}", f"--metrics-export-port={ports[4]}", "--disable-usage-stats"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, env={**env, **soak.NODE_ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.time() + 120
         while not list(Path(tmp).glob("session_*/logs/gcs_server.out")) and time.time() < deadline:

@@ -94,7 +94,7 @@ def ray_head(tmp_path_factory):
     ports = [_free_port() for _ in range(9)]
     gcs, dash = ports[0], ports[1]
     ray_bin = str(Path(sys.executable).parent / "ray")
-    env = {**_env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}  # several nodes on one machine
+    env = {**_env(), **soak.NODE_ENV, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}  # several nodes on one machine
     hidden = [tmp_path_factory.getbasetemp(), Path.home() / ".cache" / "infoform"]
     for d in hidden:
         d.mkdir(parents=True, exist_ok=True)
