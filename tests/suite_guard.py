@@ -9,7 +9,7 @@ as deterministic as the tests themselves.
 What is counted, in the pytest process:
 
 - ``ray_instances``: an in-process ``ray.init`` that starts a local instance (Ray not yet
-  initialised, no address, no ``RAY_ADDRESS``); a ``ray start --head``; a ``python -c`` child whose
+  initialised, and ``address="local"`` or no address and no ``RAY_ADDRESS``); a ``ray start --head``; a ``python -c`` child whose
   code calls ``ray.init(`` without ``address=`` (one that joins a running cluster starts none).
 - ``jobs``: a run of a job entry point in a child process (``jobs/imagenet_inf.py``,
   ``jobs/core_demo.py``, ``benchmarks/paper/table2.py`` (the job in its own process), ``python -m pipelines run`` / ``pipelines.cli.main run``, ``infoform run``,
@@ -170,7 +170,8 @@ def _wrap_ray(ray) -> None:
     @functools.wraps(init)
     def counted_init(*args, **kwargs):
         address = kwargs.get("address", args[0] if args else None)
-        if not ray.is_initialized() and address in (None, "local") and not os.environ.get("RAY_ADDRESS"):
+        starts = address == "local" or (address is None and not os.environ.get("RAY_ADDRESS"))
+        if not ray.is_initialized() and starts:
             count("ray_instances", "ray.init()")
         return init(*args, **kwargs)
 

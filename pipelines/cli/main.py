@@ -219,13 +219,22 @@ def _init_ray(address: str | None) -> None:
     port = _free_port()
     here = f"127.0.0.1:{port}"
     os.environ["RAY_GCS_SERVER_PORT"] = str(port)
+    # The instance's processes inherit this environment (the raylet, so every worker): set here
+    # rather than as the job's runtime env, which would start each worker through Ray's setup
+    # process (a second Python importing Ray: ~1 CPU-s per worker, ~35 workers in a smoke job).
+    # RAY_ADDRESS is this process's own Ray clients' too (state API, Ray Data, Train); with
+    # address="local", ray.init starts the instance rather than looking for one there.
+    for k, v in quiet_env(here).items():
+        os.environ[k] = v if k == "RAY_ADDRESS" else os.environ.get(k, v)
     try:
         # the dashboard serves the state API that Ray Train's placement-group cleaner polls
-        ray.init(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=_free_port(),
-                 _node_ip_address="127.0.0.1", logging_level=level, runtime_env={"env_vars": quiet_env(here)})
+        ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=_free_port(),
+                 _node_ip_address="127.0.0.1", logging_level=level)
+    except BaseException:
+        del os.environ["RAY_ADDRESS"]
+        raise
     finally:
         del os.environ["RAY_GCS_SERVER_PORT"]
-    os.environ["RAY_ADDRESS"] = here  # this process's own Ray clients (state API, Ray Data, Train)
 
 
 def run_job(argv: list[str] | None = None, prog: str = "imagenet_inf.py") -> int:
