@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Generator
 
-__all__ = ["job", "jobs_for", "start", "result", "queued", "smoke_job", "JOB_ATTR", "spans"]
+__all__ = ["job", "jobs_for", "start", "then", "result", "queued", "smoke_job", "JOB_ATTR", "spans"]
 
 #: The attribute :func:`job` sets on a generator function.
 JOB_ATTR = "infoform_background_job"
@@ -107,12 +107,30 @@ def _prepare(fn: Callable, base: Path) -> Generator[None, None, Any]:
     return gen
 
 
-def start(fns: list[Callable], tmp_path_factory: Any = None) -> None:
-    """Prepare each job of ``fns`` here, in order, and queue the rest of each (one at a time)."""
+def _the_pool() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
             _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="infoform-bg")
+        return _pool
+
+
+def then(name: str, work: Callable[[], Any]) -> concurrent.futures.Future:
+    """Queue ``work()`` (nothing to prepare, no fixture) after every job queued so far; its span is
+    in the suite's timeline under ``name``. For work that shares nothing with the tests and should
+    fill the CPU the queue leaves at its end (the fresh-clone demo) rather than compete with it."""
+    def run() -> Any:
+        t0 = time.time()
+        try:
+            return work()
+        finally:
+            spans.append((name, t0, time.time()))
+    return _the_pool().submit(run)
+
+
+def start(fns: list[Callable], tmp_path_factory: Any = None) -> None:
+    """Prepare each job of ``fns`` here, in order, and queue the rest of each (one at a time)."""
+    _the_pool()
     for fn in fns:
         if fn in _queued:
             continue
@@ -123,7 +141,7 @@ def start(fns: list[Callable], tmp_path_factory: Any = None) -> None:
             fut: concurrent.futures.Future = concurrent.futures.Future()
             fut.set_exception(e)
         else:
-            fut = _pool.submit(_finish, gen, log, fn.__qualname__)
+            fut = _the_pool().submit(_finish, gen, log, fn.__qualname__)
         _queued[fn] = fut
 
 

@@ -102,8 +102,8 @@ FRESH_DEMO = "tests/jobs/test_demo_fresh.py::test_make_demo_from_a_fresh_clone"
 def pytest_collection_finish(session):
     """Beside the suite (issue 43): the whole jobs of ``tests/background.py`` are prepared and queued
     now, and the modules that read them move to the end; the fresh-clone demo (install + `make
-    demo`, minutes, nothing shared with the other tests) starts now too, and its test runs last to
-    wait for it and check it."""
+    demo`, minutes, nothing shared with the other tests) is queued after them, and its test runs
+    last to wait for it and check it."""
     items = session.items
     if session.config.option.collectonly:
         return
