@@ -21,12 +21,12 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/pip install -e '.[dev,bench,timm]'
 	@touch $(STAMP)
 
-# `make demo` needs the base and dev only, not the bench peers (a full install serves it too).
+# `make demo` needs the base alone, not the test tools or the bench peers (a full install serves it too).
 install-demo: $(DEMO_STAMP)
 
 $(DEMO_STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@test $(STAMP) -nt pyproject.toml -a $(STAMP) -nt Makefile || $(VENV)/bin/pip install -e '.[dev]'
+	@test $(STAMP) -nt pyproject.toml -a $(STAMP) -nt Makefile || $(VENV)/bin/pip install -e .
 	@touch $(DEMO_STAMP)
 
 # The project's own modules compiled once (only what changed): every Ray worker process imports
