@@ -185,20 +185,12 @@ def runtime_env_for(address: str | None) -> dict | None:
     return {"working_dir": root, "excludes": list(WORKING_DIR_EXCLUDES)}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_ray(address: str | None) -> None:
     import logging
 
     import ray
 
-    from pipelines.distributed.cluster import quiet_env, verbose
+    from pipelines.distributed.cluster import quiet_env, start_local_instance, verbose
 
     if ray.is_initialized():  # e.g. a notebook or a test session that started Ray itself
         return
@@ -211,30 +203,7 @@ def _init_ray(address: str | None) -> None:
             print(f"infoform: connecting to {address}; shipping {env['working_dir']} as the job's working dir")
         ray.init(address=address, runtime_env=env, logging_level=level)
         return
-    # A private local instance, bound to loopback only, on a port chosen here so that its
-    # processes can be told its address (another Ray instance on the machine must not make
-    # Ray's own clients inside the job ask which one to use).
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    port = _free_port()
-    here = f"127.0.0.1:{port}"
-    os.environ["RAY_GCS_SERVER_PORT"] = str(port)
-    # The instance's processes inherit this environment (the raylet, so every worker): set here
-    # rather than as the job's runtime env, which would start each worker through Ray's setup
-    # process (a second Python importing Ray: ~1 CPU-s per worker, ~35 workers in a smoke job).
-    # RAY_ADDRESS is this process's own Ray clients' too (state API, Ray Data, Train); with
-    # address="local", ray.init starts the instance rather than looking for one there.
-    for k, v in quiet_env(here).items():
-        os.environ[k] = v if k == "RAY_ADDRESS" else os.environ.get(k, v)
-    try:
-        # the dashboard serves the state API that Ray Train's placement-group cleaner polls
-        ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=_free_port(),
-                 _node_ip_address="127.0.0.1", logging_level=level)
-    except BaseException:
-        del os.environ["RAY_ADDRESS"]
-        raise
-    finally:
-        del os.environ["RAY_GCS_SERVER_PORT"]
+    start_local_instance(level)
 
 
 def run_job(argv: list[str] | None = None, prog: str = "imagenet_inf.py") -> int:

@@ -166,3 +166,38 @@ def train_log_level() -> str:
     Data's autoscaling coordinator timed out, "safe to ignore": a wall of lines the job's own
     progress and errors do not need)."""
     return "INFO" if verbose() else "ERROR"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_local_instance(level: int) -> str:
+    """Start the job's private local Ray instance, bound to loopback only, on a port chosen here so
+    that its processes can be told its address (another Ray instance on the machine must not make
+    Ray's own clients inside the job ask which one to use); its address, also left in
+    ``RAY_ADDRESS`` for this process's own clients (state API, Ray Data, Train).
+
+    The instance's processes inherit this process's environment (the raylet, so every worker):
+    :func:`quiet_env` and the address go there, not into a runtime env, which would start each
+    worker through Ray's ``setup_worker.py`` (a second Python importing Ray before the worker)."""
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    here = f"127.0.0.1:{(port := _free_port())}"
+    os.environ.update({k: os.environ.get(k, v) for k, v in quiet_env().items()}, RAY_ADDRESS=here,
+                      RAY_GCS_SERVER_PORT=str(port))
+    try:  # the dashboard serves the state API that Ray Train's placement-group cleaner polls
+        ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=_free_port(),
+                 _node_ip_address="127.0.0.1", logging_level=level)
+    except BaseException:
+        del os.environ["RAY_ADDRESS"]
+        raise
+    finally:
+        del os.environ["RAY_GCS_SERVER_PORT"]
+    return here
