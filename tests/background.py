@@ -45,14 +45,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Generator
 
-__all__ = ["job", "jobs_for", "start", "then", "result", "queued", "smoke_job", "JOB_ATTR", "spans"]
+__all__ = ["job", "jobs_for", "Queue", "suite", "start", "then", "result", "queued", "smoke_job", "JOB_ATTR", "spans"]
 
 #: The attribute :func:`job` sets on a generator function.
 JOB_ATTR = "infoform_background_job"
 
-_lock = threading.Lock()
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_queued: dict[Callable, concurrent.futures.Future] = {}
 _log: dict[Callable, list[str]] = {}
 _registry: dict[str, Callable] = {}  # fixture name -> its job
 #: ``(job, start, end)`` (``time.time()``) of each job run to its end, for the suite's timeline
@@ -74,10 +71,6 @@ def job(fixture: str) -> Callable[[Callable], Callable]:
 def jobs_for(fixtures: set[str]) -> list[Callable]:
     """The background jobs behind ``fixtures`` (those of the test modules and conftests imported so far)."""
     return [fn for name, fn in _registry.items() if name in fixtures]
-
-
-def queued(fn: Callable) -> bool:
-    return fn in _queued
 
 
 def _base(fn: Callable, tmp_path_factory: Any = None) -> Path:
@@ -107,57 +100,71 @@ def _prepare(fn: Callable, base: Path) -> Generator[None, None, Any]:
     return gen
 
 
-def _the_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _pool
-    with _lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="infoform-bg")
-        return _pool
+class Queue:
+    """A queue of one thread: jobs prepared where they are queued, run one at a time in queue order.
+    The suite has one (:data:`suite`, behind the module's functions); a test of the queue itself
+    makes its own, so that it does not wait behind the suite's jobs."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._queued: dict[Callable, concurrent.futures.Future] = {}
 
-def then(name: str, work: Callable[[], Any]) -> concurrent.futures.Future:
-    """Queue ``work()`` (nothing to prepare, no fixture) after every job queued so far; its span is
-    in the suite's timeline under ``name``. For work that shares nothing with the tests and should
-    fill the CPU the queue leaves at its end (the fresh-clone demo) rather than compete with it."""
-    def run() -> Any:
-        t0 = time.time()
-        try:
-            return work()
-        finally:
-            spans.append((name, t0, time.time()))
-    return _the_pool().submit(run)
+    def _the_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="infoform-bg")
+            return self._pool
 
+    def queued(self, fn: Callable) -> bool:
+        return fn in self._queued
 
-def start(fns: list[Callable], tmp_path_factory: Any = None) -> None:
-    """Prepare each job of ``fns`` here, in order, and queue the rest of each (one at a time)."""
-    _the_pool()
-    for fn in fns:
-        if fn in _queued:
-            continue
-        log = _log.setdefault(fn, [])
-        try:
+    def start(self, fns: list[Callable], tmp_path_factory: Any = None) -> None:
+        """Prepare each job of ``fns`` here, in order, and queue the rest of each (one at a time)."""
+        for fn in fns:
+            if fn in self._queued:
+                continue
+            log = _log.setdefault(fn, [])
+            try:
+                gen = _prepare(fn, _base(fn, tmp_path_factory))
+            except BaseException as e:  # noqa: BLE001 - raised again in the fixture that needs it
+                fut: concurrent.futures.Future = concurrent.futures.Future()
+                fut.set_exception(e)
+            else:
+                fut = self._the_pool().submit(_finish, gen, log, fn.__qualname__)
+            self._queued[fn] = fut
+
+    def then(self, name: str, work: Callable[[], Any]) -> concurrent.futures.Future:
+        """Queue ``work()`` (nothing to prepare, no fixture) after every job queued so far; its span
+        is in the suite's timeline under ``name``. For work that shares nothing with the tests and
+        should fill the CPU the queue leaves at its end (the fresh-clone demo) rather than compete
+        with it."""
+        def run() -> Any:
+            t0 = time.time()
+            try:
+                return work()
+            finally:
+                spans.append((name, t0, time.time()))
+        return self._the_pool().submit(run)
+
+    def result(self, fn: Callable, tmp_path_factory: Any = None, timeout: float = 3000) -> Any:
+        """The value ``fn`` returned: waited for when queued, else run here (prepare and run)."""
+        if fn not in self._queued:
+            log = _log.setdefault(fn, [])
             gen = _prepare(fn, _base(fn, tmp_path_factory))
-        except BaseException as e:  # noqa: BLE001 - raised again in the fixture that needs it
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            fut.set_exception(e)
+            value = _finish(gen, log, fn.__qualname__)
         else:
-            fut = _the_pool().submit(_finish, gen, log, fn.__qualname__)
-        _queued[fn] = fut
+            t0 = time.time()
+            value = self._queued[fn].result(timeout=timeout)
+            _log.setdefault(fn, []).append(f"{fn.__qualname__}: waited {time.time() - t0:.0f} s for it")
+        for line in _log.pop(fn, []):
+            print(line)
+        return value
 
 
-def result(fn: Callable, tmp_path_factory: Any = None, timeout: float = 3000) -> Any:
-    """The value ``fn`` returned: waited for when queued, else run here (prepare and run)."""
-    if fn not in _queued:
-        log = _log.setdefault(fn, [])
-        gen = _prepare(fn, _base(fn, tmp_path_factory))
-        value = _finish(gen, log, fn.__qualname__)
-    else:
-        t0 = time.time()
-        value = _queued[fn].result(timeout=timeout)
-        _log.setdefault(fn, []).append(f"{fn.__qualname__}: waited {time.time() - t0:.0f} s for it")
-    for line in _log.pop(fn, []):
-        print(line)
-    return value
+#: The suite's queue (``tests/conftest.py`` fills it when collection is done).
+suite = Queue()
+start, then, result, queued = suite.start, suite.then, suite.result, suite.queued
 
 
 def smoke_job(output: Path, sets: list[str], timeout: float = 1200) -> Path:

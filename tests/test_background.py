@@ -29,20 +29,22 @@ def _probe(name: str, fail: bool = False):
 def test_queued_jobs_prepare_here_run_in_the_queue_and_return_their_value(tmp_path_factory):
     a, seen_a = _probe("a")
     b, seen_b = _probe("b")
-    background.start([a, b], tmp_path_factory)
+    queue = background.Queue()  # not the suite's: its jobs would run first
+    queue.start([a, b], tmp_path_factory)
     assert seen_a["prepare"] == seen_b["prepare"] == threading.current_thread().name
-    assert background.queued(a) and background.queued(b)
-    assert background.result(b) == seen_b["base"] / "out"
-    assert background.result(a) == seen_a["base"] / "out"
+    assert queue.queued(a) and queue.queued(b) and not background.queued(a)
+    assert queue.result(b) == seen_b["base"] / "out"
+    assert queue.result(a) == seen_a["base"] / "out"
     assert seen_a["run"] == seen_b["run"] != threading.current_thread().name  # one queue thread
     assert seen_a["order"][0] <= seen_b["order"][0]  # in the order queued
 
 
 def test_a_failure_is_raised_where_the_result_is_asked_for(tmp_path_factory):
     bad, _ = _probe("bad", fail=True)
-    background.start([bad], tmp_path_factory)
+    queue = background.Queue()
+    queue.start([bad], tmp_path_factory)
     with pytest.raises(ValueError, match="the job failed"):
-        background.result(bad)
+        queue.result(bad)
 
 
 def test_an_unqueued_job_runs_in_place_and_a_plain_function_is_refused(tmp_path_factory):
