@@ -231,7 +231,7 @@ def test_acceptance_digits_search_then_evaluate(ray_session, digits):
     """
     out = str(digits["root"] / "acceptance")
     scfg = SearchConfig(num_configs=8, log10_n=(2.0, 4.0), log10_tau=(2.5, 3.5), mc_samples=5, seed=0,
-                        batch_size=64, num_actors=2, torch_threads=1)
+                        batch_size=64, num_actors=2, concurrent_trials=1, torch_threads=1)  # trials < an actor's start
     found = search(digits["model"], digits["uris"], _ds(digits, "val"), scfg, store=RunStore.open(out))
     assert set(found.chosen) == set(METHODS)
     assert all(found.chosen[m] is not None for m in METHODS), found.notes

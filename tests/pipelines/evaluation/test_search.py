@@ -165,7 +165,10 @@ def tiny(tiny_cnn_posteriors):
 
 
 def _cfg(**kw) -> SearchConfig:
-    base = dict(num_actors=2, batch_size=16, mc_samples=3, cpus_per_actor=0.5, torch_threads=1, seed=0)
+    # one trial at a time: a trial here scores fewer images than an actor takes to start, and with
+    # two at once Tune starts an actor for nearly every trial (search.concurrent_trials, RESULTS.md)
+    base = dict(num_actors=2, concurrent_trials=1, batch_size=16, mc_samples=3, cpus_per_actor=0.5, torch_threads=1,
+                seed=0)
     base.update(kw)
     return SearchConfig(**base)
 
