@@ -2,9 +2,11 @@
 installs the project with one pip command (the base alone, no extra: `make install-demo`,
 run first here to time it apart), runs the job on the embedded demo and writes the report. This
 is what a new user does first; it is slow (an install plus the demo), so it is opt-in locally
-(`INFOFORM_FRESH_DEMO=1`) and on in CI (`make test` sets the variable). In a run of the suite it
-is queued beside it after the suite's background jobs (:class:`Background`, issue 43); the test,
-moved last, waits for it and checks what it printed and wrote.
+(`INFOFORM_FRESH_DEMO=1`) and on in CI (`make test` sets the variable). Under `make test` the
+clone and its install (``tests/fresh_clone.py``) start beside the suite's own install, whose single
+pip process leaves a core idle (issue 43), and `make demo` in it is queued beside the suite after
+the suite's background jobs (:class:`Background`); the test, moved last, waits for it and checks
+what both halves printed and wrote.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 from benchmarks import soak  # noqa: E402  one way to end a `ray start --block` node
+import fresh_clone  # noqa: E402  tests/fresh_clone.py: the clone and its install
 #: what `make demo` may print (issue: a clean log): the job's own stage and progress lines. 60, was
 #: 40 before issue 32 asked for more: progress with images/s at least every log_every_s in each pass
 #: and the search, the disk announcement and what was kept, the eigendecomposition, the verdict
@@ -73,21 +76,23 @@ def enabled() -> str | None:
     return None
 
 
-def fresh_demo(base: Path) -> dict:
-    """Clone, `make install-demo`, `make demo` (with another Ray instance up) under ``base``: what
-    the test asserts on. A new user's machine: no infoform cache (the demo's CNN is trained)."""
-    clone = base / "infoform"
-    subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True, timeout=300)
-    # a new user's shell: not inside this suite's `make test` (MAKELEVEL would add make's
-    # "Entering/Leaving directory" lines around the demo's own)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH", "RAY_ADDRESS", "MAKELEVEL", "MAKEFLAGS", "MFLAGS"))}
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if "/.venv/" not in p)
-    env["INFOFORM_CACHE"] = str(base / "machine-cache")
-    t0 = time.time()
-    inst = subprocess.run(["make", "install-demo"], cwd=clone, env=env, capture_output=True, text=True, timeout=1200)
+def fresh_demo(base: Path, prepared: bool = False) -> dict:
+    """Clone, `make install-demo` (``tests/fresh_clone.py``; with ``prepared``, done already under
+    ``base`` by ``make test`` beside its own install: its result is waited for), then `make demo`
+    with another Ray instance up, under ``base``: what the test asserts on."""
+    if prepared:
+        result = fresh_clone.prepared(base, timeout=1200)
+        if result is None:
+            result = {"returncode": -2, "seconds": 1200.0}
+            (base / "install.err").write_text("the prepared install did not end in 1,200 s\n")
+    else:
+        base.mkdir(parents=True, exist_ok=True)
+        result = fresh_clone.prepare(base)
+    clone, env = base / "infoform", fresh_clone.new_user_env(base)
+    inst = subprocess.CompletedProcess(["make", "install-demo"], result["returncode"],
+                                       _read(base / "install.out"), _read(base / "install.err"))
     if inst.returncode != 0:
-        return {"clone": clone, "inst": inst, "res": None, "took": time.time() - t0, "install": time.time() - t0}
+        return {"clone": clone, "inst": inst, "res": None, "took": result["seconds"], "install": result["seconds"]}
     t1 = time.time()
     # the demo's own output, both streams in order: what a new user reads; with another local
     # Ray instance up (a user's, or this pytest session's), which must not confuse Ray's clients
@@ -95,16 +100,21 @@ def fresh_demo(base: Path) -> dict:
         res = subprocess.run(["make", "demo"], cwd=clone, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, timeout=1700)
     res.stderr = ""
-    return {"clone": clone, "inst": inst, "res": res, "took": time.time() - t0, "install": t1 - t0}
+    return {"clone": clone, "inst": inst, "res": res, "took": result["seconds"] + time.time() - t1,
+            "install": result["seconds"]}
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 class Background:
     """The fresh-clone demo run beside the rest of the suite (``tests/conftest.py`` queues it when the
     suite begins and runs this test last): its own clone, venv and Ray instances share nothing with
-    the other tests. It is queued after the suite's background jobs (``background.then``): the
-    queue ends minutes before the main thread, whose tests alone leave about a third of the 2 cores
-    idle, which the demo's install (one pip process) and job then use instead of competing with
-    every other job at the start (issue 43)."""
+    the other tests. It is queued after the suite's background jobs (``background.then``), where
+    the main thread's tests alone leave part of the 2 cores idle; its install, when `make test`
+    started it (``INFOFORM_FRESH_DEMO_DIR``), ran beside the suite's own install instead, the
+    one phase where a core had nothing else to do (issue 43)."""
 
     future: concurrent.futures.Future | None = None
     base: Path | None = None
@@ -113,8 +123,13 @@ class Background:
     def start(cls) -> None:
         import background
 
-        cls.base = Path(tempfile.mkdtemp(prefix="infoform-fresh-demo-"))
-        cls.future = background.then("fresh_demo", lambda: fresh_demo(cls.base))
+        made = os.environ.get("INFOFORM_FRESH_DEMO_DIR")  # `make test` started the clone's install
+        if made and Path(made).is_dir():
+            cls.base = Path(made)
+            cls.future = background.then("fresh_demo", lambda: fresh_demo(cls.base, prepared=True))
+        else:
+            cls.base = Path(tempfile.mkdtemp(prefix="infoform-fresh-demo-"))
+            cls.future = background.then("fresh_demo", lambda: fresh_demo(cls.base))
 
 
 @pytest.mark.timeout(1800)
@@ -124,7 +139,7 @@ def test_make_demo_from_a_fresh_clone(tmp_path):
         pytest.skip(why)
     if Background.future is None:  # run alone (this file, or a selection the conftest did not start it for)
         Background.base = tmp_path
-        result = fresh_demo(tmp_path)
+        result = fresh_demo(tmp_path / "fresh")
     else:
         try:
             result = Background.future.result(timeout=1750)
