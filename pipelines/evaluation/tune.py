@@ -350,7 +350,7 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
         print(f"[search] the Tune experiment at {storage.join(storage_root, name)} is finished; its results are reused",
               flush=True)
         return json.loads(store.read_bytes(done_uri))["trials"]
-    _no_credentials_in_runtime_envs()
+    no_runtime_env_for_trainables()
     try:
         if tune.Tuner.can_restore(exp, storage_filesystem=fs):
             print(f"[search] resuming the Tune experiment at {storage.join(storage_root, name)}", flush=True)
@@ -407,14 +407,19 @@ class StopOnError(tune.Stopper):
         return self.failed
 
 
-def _no_credentials_in_runtime_envs() -> None:
-    """Ray Tune copies the driver's ``AWS_*`` credentials into every trainable's runtime env,
-    which Ray's runtime-env agent writes to its log on each node. Credentials never go there:
-    the trainables, like every other worker, read them from their node's AWS chain."""
+def no_runtime_env_for_trainables() -> None:
+    """Ray Tune registers every trainable with a runtime env of the driver's Tune and Train
+    variables (and ``PL_DISABLE_FORK``): a runtime env that is not empty starts each trial actor
+    through Ray's ``setup_worker.py`` (a second Python importing Ray before the worker, ~0.5 CPU-s
+    and a second of start-up per actor), and it would copy the driver's ``AWS_*`` credentials there,
+    which Ray's runtime-env agent writes to its log on each node. The trainables need none of it:
+    they run no Ray Train, do not depend on their working directory, read credentials from their
+    node's AWS chain like every other worker, and inherit the job's own runtime env (or, on a
+    local instance, the driver's environment) as every actor does."""
     from ray.tune.execution import class_cache
 
-    class_cache.ENV_VARS_TO_PROPAGATE = frozenset(v for v in class_cache.ENV_VARS_TO_PROPAGATE
-                                                  if not v.startswith("AWS_"))
+    class_cache.DEFAULT_ENV_VARS = {}
+    class_cache.ENV_VARS_TO_PROPAGATE = frozenset()
 
 
 def map_reference(model: Mapping[str, Any], chunks: Sequence[Any], cfg: SearchConfig,

@@ -295,3 +295,43 @@ def test_the_temperature_fit_scores_the_search_chunks(ray_session, data):
     fit = fit_temperature_run(data["model"], chunks, cfg, skipped=3)
     assert fit["temperature"] == pytest.approx(fit_temperature(z.astype(np.float64), y)["temperature"], rel=1e-12)
     assert fit["skipped"] == 3 and fit["num_stored"] == 1
+
+
+def test_trial_actors_start_without_a_runtime_env_and_without_the_drivers_credentials(ray_session, monkeypatch,
+                                                                                       tmp_path):
+    """What the search does before each experiment (``no_runtime_env_for_trainables``): Tune's trial
+    actors are registered with no runtime env (a non-empty one starts each through Ray's
+    setup_worker.py, issue 43), so the driver's AWS credentials and Tune/Train variables do not
+    travel with them. The trial reports its own runtime env and environment; the session's Ray
+    instance was started before the planted values below were set, so only a runtime env could carry
+    them (the session's own AWS variables, set before Ray started, are every worker's)."""
+    import os
+
+    from ray import tune
+
+    from pipelines.evaluation.tune import no_runtime_env_for_trainables
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAPLANTEDFORTHETEST")
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "61")
+
+    class Probe(tune.Trainable):
+        def step(self):
+            import ray
+
+            return {"done": True, "runtime_env": ray.get_runtime_context().get_runtime_env_string(),
+                    "aws": os.environ.get("AWS_ACCESS_KEY_ID", ""),
+                    "train": os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "")}
+
+        def save_checkpoint(self, checkpoint_dir):
+            return {}
+
+        def load_checkpoint(self, state):
+            pass
+
+    no_runtime_env_for_trainables()
+    grid = tune.Tuner(tune.with_resources(Probe, {"cpu": 0.5}),
+                      run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0)).fit()
+    (r,) = list(grid)
+    assert r.error is None, r.error
+    assert r.metrics["runtime_env"] in ("{}", ""), r.metrics["runtime_env"]
+    assert r.metrics["aws"] != "AKIAPLANTEDFORTHETEST" and r.metrics["train"] == "", r.metrics
