@@ -410,8 +410,8 @@ class StopOnError(tune.Stopper):
 def no_runtime_env_for_trainables() -> None:
     """Ray Tune registers every trainable with a runtime env of the driver's Tune and Train
     variables (and ``PL_DISABLE_FORK``): a runtime env that is not empty starts each trial actor
-    through Ray's ``setup_worker.py`` (a second Python importing Ray before the worker, ~0.5 CPU-s
-    and a second of start-up per actor), and it would copy the driver's ``AWS_*`` credentials there,
+    through Ray's ``setup_worker.py`` (a second Python importing Ray before the worker: ~0.2 CPU-s
+    per actor, measured), and it would copy the driver's ``AWS_*`` credentials there,
     which Ray's runtime-env agent writes to its log on each node. The trainables need none of it:
     they run no Ray Train, do not depend on their working directory, read credentials from their
     node's AWS chain like every other worker, and inherit the job's own runtime env (or, on a

@@ -297,22 +297,28 @@ def test_the_temperature_fit_scores_the_search_chunks(ray_session, data):
     assert fit["skipped"] == 3 and fit["num_stored"] == 1
 
 
-def test_trial_actors_start_without_a_runtime_env_and_without_the_drivers_credentials(ray_session, monkeypatch,
+def test_trial_actors_start_without_a_runtime_env_and_without_the_drivers_credentials(ray_session, data, monkeypatch,
                                                                                        tmp_path):
-    """What the search does before each experiment (``no_runtime_env_for_trainables``): Tune's trial
-    actors are registered with no runtime env (a non-empty one starts each through Ray's
-    setup_worker.py, issue 43), so the driver's AWS credentials and Tune/Train variables do not
-    travel with them. The trial reports its own runtime env and environment; the session's Ray
-    instance was started before the planted values below were set, so only a runtime env could carry
-    them (the session's own AWS variables, set before Ray started, are every worker's)."""
+    """A search leaves Tune registering trial actors with no runtime env
+    (``no_runtime_env_for_trainables``, issue 43: a non-empty one starts each through Ray's
+    setup_worker.py), so the driver's AWS credentials and Tune/Train variables do not travel with
+    them. Tune's own propagation lists are put back first, then a one-configuration search runs;
+    after it a trial reports its own runtime env and environment. The session's Ray instance was
+    started before the planted values below were set, so only a runtime env could carry them (the
+    session's own AWS variables, set before Ray started, are every worker's)."""
     import os
 
     from ray import tune
+    from ray.tune.execution import class_cache
 
-    from pipelines.evaluation.tune import no_runtime_env_for_trainables
-
+    monkeypatch.setattr(class_cache, "DEFAULT_ENV_VARS", {"PL_DISABLE_FORK": "1"})
+    monkeypatch.setattr(class_cache, "ENV_VARS_TO_PROPAGATE",
+                        frozenset({"AWS_ACCESS_KEY_ID", "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"}))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAPLANTEDFORTHETEST")
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "61")
+    cfg = _cfg(num_configs=1, chunk_size=N_EXAMPLES, method_ranges=())
+    ds = ray_session.data.from_items(data["rows"], override_num_blocks=2)
+    search(data["model"], {"diag": data["uris"]["diag"]}, ds, cfg)
 
     class Probe(tune.Trainable):
         def step(self):
@@ -328,7 +334,6 @@ def test_trial_actors_start_without_a_runtime_env_and_without_the_drivers_creden
         def load_checkpoint(self, state):
             pass
 
-    no_runtime_env_for_trainables()
     grid = tune.Tuner(tune.with_resources(Probe, {"cpu": 0.5}),
                       run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0)).fit()
     (r,) = list(grid)
