@@ -21,24 +21,26 @@ the demo data: 6 of 24 configurations per method ran to the end, 0.31 of the ful
 image-samples). With ``⌊n_k / η⌋`` nobody is promoted from a rung with fewer than ``η``
 entries, as in the paper.
 
-Trials are grouped (``group(trial)``: the method of ``config["trial"] = "<method>:<i>"``,
-or ``""`` for TPE's single-method experiments); configurations compete within their group;
+Trials are grouped (``group(trial)``: ``config["method"]`` (TPE, :class:`MethodSearcher`) or the
+method of ``config["trial"] = "<method>:<i>"`` (random)); configurations compete within their group;
 ``exempt`` groups (the MAP reference) always go on. ``max_concurrent`` trials run at once;
 :class:`RunningLimiter` (the searcher side) counts paused trials as not running, so a
 paused trial frees its slot for the next configuration. :class:`GridSearcher` hands out a
-fixed list of configurations in order (the random search's grid).
+fixed list of configurations in order (the random search's grid); :class:`MethodSearcher` puts
+one searcher per method (TPE's) behind one experiment.
 """
 from __future__ import annotations
 
 import json
 import math
+import pickle
 from typing import Any, Callable, Mapping, Sequence
 
 from ray.tune.experiment import Trial
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 from ray.tune.search import ConcurrencyLimiter, Searcher
 
-__all__ = ["rung_steps", "method_group", "PromotionASHA", "RunningLimiter", "GridSearcher"]
+__all__ = ["rung_steps", "method_group", "PromotionASHA", "RunningLimiter", "GridSearcher", "MethodSearcher"]
 
 
 def rung_steps(max_t: int, eta: int) -> list[int]:
@@ -51,7 +53,10 @@ def rung_steps(max_t: int, eta: int) -> list[int]:
 
 
 def method_group(trial: Trial) -> str:
-    """``"<method>"`` of ``config["trial"] = "<method>:<i>"``; ``""`` when there is none (TPE)."""
+    """``config["method"]`` (TPE), else ``"<method>"`` of ``config["trial"] = "<method>:<i>"``;
+    ``""`` when there is neither."""
+    if "method" in trial.config:
+        return str(trial.config["method"])
     return str(trial.config.get("trial", "")).split(":")[0]
 
 
@@ -229,3 +234,46 @@ class GridSearcher(Searcher):
         with open(checkpoint_path) as f:
             state = json.load(f)
         self.configs, self.next = state["configs"], state["next"]
+
+
+class MethodSearcher(Searcher):
+    """One searcher per method behind one Tune experiment (TPE: an Optuna sampler each, seeded
+    alike): the first ``per_method`` trials are the first method's, the next ``per_method`` the
+    second's, and so on; each suggestion carries ``"method"``, and a trial's results reach its
+    own method's searcher only, so each sampler sees what it would see in an experiment of its
+    own (the same proposals). One experiment keeps one trial actor per slot for every method
+    (``reuse_actors``): one experiment per method started a new actor process for each."""
+
+    def __init__(self, searchers: Mapping[str, Searcher], per_method: int, metric: str = "objective",
+                 mode: str = "min"):
+        super().__init__(metric=metric, mode=mode)
+        self.searchers, self.per_method = dict(searchers), int(per_method)
+        self.given, self.owner = 0, {}
+
+    def suggest(self, trial_id: str) -> dict | None:
+        methods = list(self.searchers)
+        if self.given >= self.per_method * len(methods):
+            return Searcher.FINISHED
+        method = methods[self.given // self.per_method]
+        got = self.searchers[method].suggest(trial_id)
+        if got is None or got == Searcher.FINISHED:
+            return got
+        self.given += 1
+        self.owner[trial_id] = method
+        return {**got, "method": method}
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        if trial_id in self.owner:
+            self.searchers[self.owner[trial_id]].on_trial_result(trial_id, result)
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        if trial_id in self.owner:
+            self.searchers[self.owner[trial_id]].on_trial_complete(trial_id, result, error)
+
+    def save(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "wb") as f:
+            pickle.dump(self.__dict__.copy(), f)
+
+    def restore(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "rb") as f:
+            self.__dict__.update(pickle.load(f))

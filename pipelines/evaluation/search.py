@@ -280,7 +280,7 @@ def search(
     columns, a held-out labelled split of the in-domain data; or ``chunked``, what
     :func:`pipelines.evaluation.tune.chunk_refs` made of it, when the caller reads the split's
     chunks for other work too, e.g. the temperature fit): one Ray Tune experiment per
-    method (:mod:`pipelines.evaluation.tune`: ``cfg.scheduler``, ``cfg.algorithm``; at most
+    predictive (:mod:`pipelines.evaluation.tune`: ``cfg.scheduler``, ``cfg.algorithm``; at most
     ``cfg.trials_at_once`` trials at once). ``posterior_uris``: ``method -> artifact URI`` (any
     stored ``(N, τ)``; each configuration is applied with ``with_hyper``). Returns a
     :class:`SearchResult`; with an output in ``store`` (the run's store) keeps the Tune experiments under ``eval/tune/``
@@ -300,7 +300,7 @@ def search(
     if not chunks:
         raise StageError("search: the validation split has no valid image")
     root = None if store.output is None else store.tune_uri()
-    runs = len(cfg.searched_pred_types) * (1 if cfg.algorithm == "random" else len(uris))  # Tune experiments
+    runs = len(cfg.searched_pred_types)  # Tune experiments
     kw = dict(storage_root=root, key=key, store=store, progress_end=runs == 1)
     trials = [dict(t, pred_type=pt) for pt in cfg.searched_pred_types  # one search per predictive
               for t in _trials(ref, uris, chunks, images, dataclasses.replace(cfg, pred_type=pt), kw)]
@@ -320,13 +320,11 @@ def search(
 
 def _trials(ref: Mapping[str, Any], uris: Mapping[str, str], chunks: Sequence[Any], images: int, cfg: SearchConfig,
             kw: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The trials of one predictive (``cfg.pred_type``): random: one experiment, the MAP reference
+    """The trials of one predictive (``cfg.pred_type``), one experiment: random: the MAP reference
     and every method's grid; tpe: one TPE sampler per method."""
     from pipelines.evaluation import tune as search_tune
 
-    if cfg.algorithm == "random":
-        return search_tune.run_experiment(ref, uris, chunks, images, cfg, **kw)
-    return [t for m in uris for t in search_tune.run_experiment(ref, {m: uris[m]}, chunks, images, cfg, **kw)]
+    return search_tune.run_experiment(ref, uris, chunks, images, cfg, **kw)
 
 
 def _against_map(ref: Mapping[str, Any], uris: Mapping[str, str], chosen: Mapping[str, Any], chunks: Sequence[Any],

@@ -1,6 +1,6 @@
 """The ``(N, τ)`` search as a Ray Tune experiment (``docs/design.md`` §2).
 
-One Tune experiment per method, one trial per configuration ``(method, N, τ)``.
+One Tune experiment per predictive, one trial per configuration ``(method, N, τ)``.
 :func:`chunk_refs` reads the search split **once** on the driver into fixed-size chunks
 (:func:`pipelines.evaluation.chunks.iter_chunks`, Ray Data in order) that go to the object
 store; a trial's step ``k`` scores chunk ``k`` and reports the running objective (NLL, or
@@ -17,7 +17,9 @@ order of the float64 sums.
 Search algorithms: ``random`` runs :func:`pipelines.evaluation.trials.sample_configs`'s
 configurations as a grid of configuration ids (the same configurations and seeds as the
 paper's protocol); ``tpe`` asks Optuna's TPE sampler (``ray.tune.search.optuna``) for
-``num_configs`` points in the method's ranges, seeded with ``seed``. Schedulers: ``none``
+``num_configs`` points in each method's ranges, one sampler per method seeded with ``seed``,
+all behind one experiment (:class:`pipelines.evaluation.asha.MethodSearcher`: one trial actor
+serves every method, as in the random search). Schedulers: ``none``
 (every configuration sees the whole split) or ``asha``
 (:class:`pipelines.evaluation.asha.PromotionASHA`: promotion-based ASHA within each method,
 grace period one chunk, ``reduction_factor``, at most all chunks; paused trials keep their
@@ -57,7 +59,7 @@ if "TUNE_WARN_THRESHOLD_S" not in os.environ:
 
 from pipelines.errors import DETERMINISTIC, StageError, error_line
 from pipelines.evaluation.actors import ModelActor, await_round
-from pipelines.evaluation.asha import GridSearcher, PromotionASHA, RunningLimiter
+from pipelines.evaluation.asha import GridSearcher, MethodSearcher, PromotionASHA, RunningLimiter
 from pipelines.evaluation.chunks import iter_chunks, load_chunk, valid_batches
 from pipelines.evaluation.runtime import SearchConfig
 from pipelines.evaluation.search_progress import SearchProgress
@@ -108,10 +110,11 @@ class SearchTrainable(tune.Trainable):
     """One configuration of one method per trial; one chunk per ``step``.
 
     ``config``: ``{"trial": "<method>:<i>"}`` (random: configuration ``i`` of the method's
-    ``sample_configs``; ``"map:0"`` scores the MAP reference) or ``{"log10_n": a, "log10_tau":
-    b}`` (tpe, for ``method``). Set up through ``tune.with_parameters`` with ``model`` (model
-    ref), ``uris`` (``method -> posterior URI``: every posterior is loaded once), ``method``
-    (tpe's), ``cfg``, ``chunks`` (object refs of :func:`chunk_refs`), ``store`` (the run's). Each result: ``objective`` (running NLL or
+    ``sample_configs``; ``"map:0"`` scores the MAP reference) or ``{"method": m, "log10_n": a,
+    "log10_tau": b}`` (tpe; ``method`` when the config names none). Set up through
+    ``tune.with_parameters`` with ``model`` (model ref), ``uris`` (``method -> posterior URI``:
+    every posterior is loaded once), ``method``, ``cfg``, ``chunks`` (object refs of
+    :func:`chunk_refs`), ``store`` (the run's). Each result: ``objective`` (running NLL or
     ECE; ``inf`` once failed), ``images`` (scored so far), ``acc`` (accumulators as JSON),
     ``status`` / ``reason``, ``seconds``, ``done`` after the last chunk or a failure."""
 
@@ -161,7 +164,7 @@ class SearchTrainable(tune.Trainable):
                 return
             self.hc = sample_configs(self.cfg, self.method)[int(cid)]
         else:
-            self.method = self.default_method
+            self.method = str(config.get("method", self.default_method))
             self.hc = HyperConfig(-1, float(config["log10_n"]), float(config["log10_tau"]))
         t0 = time.perf_counter()
         try:
@@ -257,8 +260,9 @@ def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
     """``(param_space, search_alg, num_samples, scheduler, max_concurrent_trials)`` of one
     experiment: random runs the MAP reference (in the first of ``cfg.searched_pred_types``'
     experiments only) and every method's configurations as one grid;
-    tpe one method. With ASHA the searcher is wrapped in a :class:`RunningLimiter` (a paused
-    trial frees its slot) instead of Tune's concurrency limit."""
+    tpe one sampler per method, the methods one after another. With ASHA the searcher is
+    wrapped in a :class:`RunningLimiter` (a paused trial frees its slot) instead of Tune's
+    concurrency limit."""
     sched = None
     if cfg.scheduler == "asha":
         sched = PromotionASHA(max_t, cfg.reduction_factor, exempt=(MAP_TRIAL,), max_concurrent=cfg.trials_at_once)
@@ -278,13 +282,15 @@ def _space_and_search(cfg: SearchConfig, methods: Sequence[str], max_t: int):
     except ImportError:
         raise StageError("search.algorithm=tpe needs optuna (pip install optuna)") from None
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "A new study created" per method in the job's log
-    (method,) = methods
-    space, first = tpe_space(cfg, method)
-    alg = OptunaSearch(sampler=optuna.samplers.TPESampler(seed=cfg.seed), metric="objective", mode="min",
-                       points_to_evaluate=first)
+    samplers = {}
+    for m in methods:
+        space, first = tpe_space(cfg, m)
+        samplers[m] = OptunaSearch(OptunaSearch.convert_search_space(space), metric="objective", mode="min",
+                                   points_to_evaluate=first, sampler=optuna.samplers.TPESampler(seed=cfg.seed))
+    alg, total = MethodSearcher(samplers, cfg.num_configs), cfg.num_configs * len(methods)
     if sched is None:
-        return space, alg, cfg.num_configs, None, cfg.trials_at_once
-    return space, RunningLimiter(alg, cfg.trials_at_once, sched), cfg.num_configs, sched, None
+        return {}, alg, total, None, cfg.trials_at_once
+    return {}, RunningLimiter(alg, cfg.trials_at_once, sched), total, sched, None
 
 
 def tpe_space(cfg: SearchConfig, method: str) -> tuple[dict[str, Any], list[dict[str, float]] | None]:
@@ -324,10 +330,10 @@ def _fit_from(tuner: Any, where: str) -> Any:
 def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Sequence[Any], images: int,
                    cfg: SearchConfig, *, storage_root: str | None = None, key: str = "",
                    store: RunStore = RunStore(), progress_end: bool = True) -> list[dict[str, Any]]:
-    """Run (or restore) one Tune experiment over the methods of ``uris`` (random: all of them
-    and the MAP reference; tpe: exactly one method); returns one dict per trial: ``trial``
+    """Run (or restore) one Tune experiment over the methods of ``uris`` (random: with the MAP
+    reference); returns one dict per trial: ``trial``
     (``"<method>:<i>"``, or ``"<method>:tpe"``), ``trial_id``, ``timestamp`` (of its last
-    result) and the last reported result's fields. A trial that still fails after
+    result), ``pid`` (of the trial actor that reported it) and the last reported result's fields. A trial that still fails after
     ``cfg.max_failures`` retries ends the call with a :class:`pipelines.errors.StageError`;
     the experiment state keeps the finished trials, and the next call with the same settings
     runs only the rest. ``progress_end``: False when the caller runs several experiments and writes
@@ -378,8 +384,9 @@ def run_experiment(model: Mapping[str, Any], uris: Mapping[str, str], chunks: Se
             if r.error is not None or not r.metrics or "acc" not in r.metrics:
                 why = str(r.error).strip().splitlines()[-1][:300] if r.error is not None else "no result"
                 raise StageError(f"search trial {r.config} failed: {why}")
-            out.append({"trial": r.config.get("trial", f"{methods[0]}:tpe"), "trial_id": r.metrics.get("trial_id", ""),
-                        "timestamp": r.metrics.get("timestamp"),
+            out.append({"trial": r.config.get("trial", f"{r.config.get('method', methods[0])}:tpe"),
+                        "trial_id": r.metrics.get("trial_id", ""), "timestamp": r.metrics.get("timestamp"),
+                        "pid": r.metrics.get("pid"),
                         **{k: r.metrics[k] for k in ("objective", "images", "chunks", "seconds", "status", "reason",
                                                      "log10_n", "log10_tau", "acc")}})
         if done_uri is not None:  # the commit point of the experiment (Tune would resume paused trials)

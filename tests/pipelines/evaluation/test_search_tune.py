@@ -226,6 +226,25 @@ def test_tpe_proposes_num_configs_in_the_method_s_ranges(ray_session, data):
     assert r["count"] == N_EXAMPLES and r["nll"] == pytest.approx(want["nll"], rel=1e-12)
 
 
+def test_tpe_over_two_methods_is_one_experiment_whose_one_actor_serves_both(ray_session, data):
+    """``algorithm: tpe`` over diag and KFAC: one Tune experiment (one trial actor, one trial at a
+    time, serves both methods: one experiment per method started an actor each), and each
+    method's configurations and scores are exactly those of a TPE search of that method alone
+    (its own seeded sampler sees only its own trials)."""
+    from pipelines.evaluation.tune import chunk_refs, run_experiment
+
+    cfg = _cfg(num_configs=3, chunk_size=128, algorithm="tpe")
+    chunks, images, _ = chunk_refs(ray_session.data.from_items(data["rows"], override_num_blocks=3), cfg)
+    both = run_experiment(data["model"], data["uris"], chunks, images, cfg)
+    assert [t["trial"] for t in both] == ["diag:tpe"] * 3 + ["kfac:tpe"] * 3
+    assert len({t["pid"] for t in both}) == 1 and None not in {t["pid"] for t in both}, both
+    for m in METHODS:
+        alone = run_experiment(data["model"], {m: data["uris"][m]}, chunks, images, cfg)
+        got = [t for t in both if t["trial"] == f"{m}:tpe"]
+        for key in ("log10_n", "log10_tau", "objective", "acc"):
+            assert [t[key] for t in got] == [t[key] for t in alone], (m, key)
+
+
 def test_each_predictive_is_searched_and_each_method_chooses_among_them(ray_session, data, reference):
     """``search.pred_types: [nn, glm]`` (issue #38): every configuration is scored under both
     predictives on Tune (the ``nn`` rows equal the hand-written loop's, the ``glm`` rows its
