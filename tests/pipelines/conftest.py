@@ -101,6 +101,7 @@ def _smoke_shift_job(base):
         "posterior.methods=[temperature, diag, inf]",
         "evaluate.shift={corruptions: [gaussian_noise, contrast], severities: [1, 5]}",
         "evaluate.mc_samples=4", "search.scheduler=asha", "search.chunk_size=25", "evaluate.batch_size=25",
+        "curvature.num_workers=1", "evaluate.num_actors=1",  # two of each: tests/jobs/test_job.py's runs
         *_second_ood_set(base / "smoke_noise" / "noise"),
     ]
     yield
@@ -110,7 +111,8 @@ def _smoke_shift_job(base):
 @pytest.fixture(scope="session")
 def smoke_shift_run(ray_session, tmp_path_factory):
     """One smoke job (temperature, diag and INF; a shift sweep of two corruptions at severities 1
-    and 5; ASHA) that the scoring tests and the shift tests both read: run once per session, beside
+    and 5; ASHA; one Train worker, one evaluation actor) that the scoring tests and the shift tests
+    both read: run once per session, beside
     the suite. Its output is read only: a test writes under its own folders. (``ray_session`` is
     started for the tests that read it in this process.)"""
     return background.result(_smoke_shift_job, tmp_path_factory)

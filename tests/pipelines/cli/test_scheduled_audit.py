@@ -40,8 +40,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 RULE = "accuracy<0.9"  # the demo CNN: 96-98% on the clean test digits, 78-81% under the noise (seeded)
 REUSED = ("curvature", "posterior", "search")
 DEMO_NORM = ["--set", "data.mean=[0.5, 0.5, 0.5]", "--set", "data.std=[0.5, 0.5, 0.5]"]
-#: fewer methods and samples than the preset, as tests/pipelines/serve/test_score.py: the runs' cost is the point here
-SMALL = ["--set", "posterior.methods=[temperature, diag, inf]", "--set", "evaluate.mc_samples=4"]
+#: fewer methods, samples, workers and actors than the preset, as tests/pipelines/serve/test_score.py: the runs'
+#: cost is the point here (the two-worker pass and two-actor evaluation are tests/jobs/test_job.py's)
+SMALL = ["--set", "posterior.methods=[temperature, diag, inf]", "--set", "evaluate.mc_samples=4",
+         "--set", "curvature.num_workers=1", "--set", "evaluate.num_actors=1"]
 
 
 def _write_inputs(base: Path) -> dict[str, Path]:

@@ -208,6 +208,7 @@ def test_a_killed_runs_stale_lease_is_taken_over_and_the_run_resumes_from_its_ma
         f"output={out}", "posterior.methods=[temperature, diag, inf]",
         "evaluate.shift={corruptions: [gaussian_noise, contrast], severities: [1, 5]}",
         "evaluate.mc_samples=4", "search.scheduler=asha", "search.chunk_size=25", "evaluate.batch_size=25",
+        "curvature.num_workers=1", "evaluate.num_actors=1",
         f"data.ood_limit={data['ood_limit']}", f"data.ood={json.dumps(data['ood'])}"]))
     log = capsys.readouterr().out
     assert f"lease: taking over {out / 'lease.json'} from {socket.gethostname()}:{killed.pid}:killed" in log, log

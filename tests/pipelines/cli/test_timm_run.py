@@ -1,9 +1,10 @@
 """timm models through the whole job (issue 40, acceptance 2): ONE small audit job, run beside the suite
 (``tests/background.py``; was in this process on the session's Ray, 200 s between the other tests)
 (the smoke preset's demo digits at 32x32, cut to 40 training images in 2 partitions, 20 search /
-OOD and 50 test images, diag and KFAC, two (N, τ) configurations, 2 MC samples) holding two timm
-models (issue 43: sized to what is asserted; was 100 training, 50 search / OOD images and 4 MC
-samples, the slowest session-Ray fixture at 311 s on the loaded machine):
+OOD and 50 test images, diag and KFAC, two (N, τ) configurations, 2 MC samples, one Ray Train
+worker and one evaluation actor) holding two timm models (issue 43: sized to what is asserted; was
+100 training, 50 search / OOD images and 4 MC samples, the slowest session-Ray fixture at 311 s on
+the loaded machine; 2 workers and 2 actors per model cost 34 more CPU-s, 155 against 121):
 
 * ``timm:resnet10t`` with ``--weights random`` (timm's registry by name, a random initialisation);
 * ``vit_tiny_timm_test`` (timm's ``VisionTransformer``: its ``Attention`` with fused ``qkv`` and
@@ -48,7 +49,8 @@ def _timm_job(root: Path):
         f"models=[{{name: 'timm:resnet10t', weights: random}}, {{name: vit_tiny_timm_test, weights: '{weights}'}}]",
         "posterior.methods=[diag, kfac]", "data.limit=40", "data.per_class=4", "data.val_limit=20",
         "data.test_limit=50", "data.ood_limit=20", "data.partition_size=20", "search.num_configs=2",
-        "search.mc_samples=2", "evaluate.mc_samples=2", "evaluate.batch_size=50",
+        "search.mc_samples=2", "evaluate.mc_samples=2", "evaluate.batch_size=50", "curvature.num_workers=1",
+        "evaluate.num_actors=1",
     ]
     yield
     return background.smoke_job(root / "out", sets)
