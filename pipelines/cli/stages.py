@@ -18,7 +18,7 @@ from pipelines.console import log
 from pipelines.errors import PreflightError, StageError, memory_line
 from pipelines.storage.store import RunStore
 
-__all__ = ["log", "fingerprint", "Stages"]
+__all__ = ["log", "fingerprint", "Stages", "DRIVER_ONLY_STAGES"]
 
 #: What to run fewer of per node when Ray's memory monitor kills a stage's workers.
 _FEWER = {"curvature": "fewer curvature workers (curvature.num_workers)",
@@ -28,6 +28,11 @@ _FEWER = {"curvature": "fewer curvature workers (curvature.num_workers)",
 def fingerprint(obj: Any) -> str:
     """A short stable hash of a JSON-able settings tree."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+#: Stages that run in the driver alone (the report reads the stored results and renders them): a
+#: run of nothing else (``--stages report``, ``--force report``) neither starts nor joins a cluster.
+DRIVER_ONLY_STAGES = frozenset({"report"})
 
 
 class Stages:
@@ -59,7 +64,8 @@ class Stages:
             log(f"stage {stage}: done earlier, skipped ({uri})")
             self.results[stage] = marker["summary"]
             return marker["summary"]
-        self.ensure_ray()  # connects and checks the cluster's shape before the stage starts
+        if stage not in DRIVER_ONLY_STAGES:
+            self.ensure_ray()  # connects and checks the cluster's shape before the stage starts
         log(f"stage {stage}: running")
         t0 = time.perf_counter()
         try:
