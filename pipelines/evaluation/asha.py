@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
+import os
 from typing import Any, Callable, Mapping, Sequence
 
 from ray.tune.experiment import Trial
@@ -270,10 +270,23 @@ class MethodSearcher(Searcher):
         if trial_id in self.owner:
             self.searchers[self.owner[trial_id]].on_trial_complete(trial_id, result, error)
 
+    def _method_path(self, checkpoint_path: str, method: str) -> str:
+        """Where method ``method``'s searcher keeps its own state, beside this one's file."""
+        return os.path.join(os.path.dirname(checkpoint_path), f"method-searcher-{method}.state")
+
     def save(self, checkpoint_path: str) -> None:
-        with open(checkpoint_path, "wb") as f:
-            pickle.dump(self.__dict__.copy(), f)
+        """This searcher's own state as JSON (``given``, ``owner``); each method's searcher saves
+        its own beside it (Optuna's study and sampler: Ray's ``OptunaSearch.save``)."""
+        for method, searcher in self.searchers.items():
+            searcher.save(self._method_path(checkpoint_path, method))
+        with open(checkpoint_path, "w") as f:
+            json.dump({"given": self.given, "owner": self.owner, "methods": list(self.searchers)}, f)
 
     def restore(self, checkpoint_path: str) -> None:
-        with open(checkpoint_path, "rb") as f:
-            self.__dict__.update(pickle.load(f))
+        with open(checkpoint_path) as f:
+            state = json.load(f)
+        if state["methods"] != list(self.searchers):
+            raise ValueError(f"searcher state of methods {state['methods']}, not {list(self.searchers)}")
+        self.given, self.owner = int(state["given"]), dict(state["owner"])
+        for method, searcher in self.searchers.items():
+            searcher.restore(self._method_path(checkpoint_path, method))

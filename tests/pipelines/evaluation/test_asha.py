@@ -84,3 +84,36 @@ def test_grid_searcher_hands_out_its_configurations_in_order_and_restores(tmp_pa
     h = GridSearcher([])
     h.restore(str(tmp_path / "s.json"))
     assert h.suggest("b") == {"trial": "diag:0"} and h.suggest("c") == GridSearcher.FINISHED
+
+
+def test_method_searcher_restores_from_json_and_each_method_s_own_state(tmp_path):
+    """``MethodSearcher`` saved after three of four trials and restored into a new one (as Tune does
+    for a re-submitted job): its own file is JSON (no pickle of ours), and the restored searcher
+    proposes exactly what the saved one goes on to propose, each method's Optuna sampler included."""
+    import json
+
+    import optuna
+    from ray.tune.search.optuna import OptunaSearch
+
+    from pipelines.evaluation.asha import MethodSearcher
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+    def make():
+        space = {"log10_n": optuna.distributions.FloatDistribution(0.0, 4.0),
+                 "log10_tau": optuna.distributions.FloatDistribution(-2.0, 3.0)}
+        return MethodSearcher({m: OptunaSearch(dict(space), metric="objective", mode="min",
+                                               sampler=optuna.samplers.TPESampler(seed=3)) for m in ("diag", "kfac")}, 2)
+
+    first = make()
+    for i in range(3):  # diag's two and kfac's first: kfac's sampler has moved on
+        got = first.suggest(f"t{i}")
+        first.on_trial_complete(f"t{i}", {"objective": got["log10_n"] - got["log10_tau"]})
+    path = tmp_path / "searcher-state.json"
+    first.save(str(path))
+    assert json.loads(path.read_text())["given"] == 3
+    again = make()
+    again.restore(str(path))
+    want, got = [first.suggest("t3"), first.suggest("t4")], [again.suggest("t3"), again.suggest("t4")]
+    assert got == want and got[0]["method"] == "kfac" and got[1] == "FINISHED"
+    assert got[0] != make().searchers["kfac"].suggest("x") | {"method": "kfac"}  # not a fresh sampler's first
