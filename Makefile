@@ -1,6 +1,7 @@
 # Two commands for a fresh machine: `make demo` and `make test`.
-# Both create .venv/ (Python 3.11) when missing and install the project with one pip command;
-# the install is skipped while .venv/.installed-stamp is newer than pyproject.toml.
+# Both create .venv/ (Python 3.11) when missing and install the project with one command
+# (infra/install.py: uv with pip's settings, pip where uv cannot be had); the install is skipped
+# while its stamp in .venv/ is newer than pyproject.toml, the Makefile and infra/install.py.
 
 PYTHON ?= python3.11
 VENV   := .venv
@@ -16,17 +17,17 @@ export RAY_AUTH_MODE := disabled
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile infra/install.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -e '.[dev,bench,timm]'
+	$(PY) infra/install.py '.[dev,bench,timm]'
 	@touch $(STAMP)
 
 # `make demo` needs the base alone, not the test tools or the bench peers (a full install serves it too).
 install-demo: $(DEMO_STAMP)
 
-$(DEMO_STAMP): pyproject.toml Makefile
+$(DEMO_STAMP): pyproject.toml Makefile infra/install.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@test $(STAMP) -nt pyproject.toml -a $(STAMP) -nt Makefile || $(VENV)/bin/pip install -e .
+	@test $(STAMP) -nt pyproject.toml -a $(STAMP) -nt Makefile -a $(STAMP) -nt infra/install.py || $(PY) infra/install.py .
 	@touch $(DEMO_STAMP)
 
 # The project's own modules compiled once (only what changed): every Ray worker process imports
@@ -49,7 +50,7 @@ core-demo: $(STAMP)
 INFOFORM_FRESH_DEMO ?= 1
 export INFOFORM_FRESH_DEMO
 # Its clone and `make install-demo` start here, in the background, beside this checkout's own
-# install (one pip process: a core idle otherwise); the test runs `make demo` in the clone.
+# install (one install process: a core idle otherwise); the test runs `make demo` in the clone.
 FRESH_DEMO_DIR := /tmp/infoform-fresh-demo-$(shell printf %s "$(CURDIR)" | cksum | cut -d" " -f1)
 
 test: fresh-demo-install $(STAMP) bytecode

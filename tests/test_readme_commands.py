@@ -14,7 +14,6 @@ quoted beside a command are checked on the page that quotes them (``infoform siz
 | --- | --- |
 | ``make demo`` / ``python jobs/imagenet_inf.py`` | tests/jobs/test_demo_fresh.py (fresh clone, new venv; on in ``make test``) |
 | ``make test`` | ``.ci/run`` (CI runs exactly ``make test``) |
-| ``pip install -e '.[dev,bench,timm]'`` / ``.`` | the Makefile's install recipes (``make test`` / ``make demo``) |
 | ``ray job submit ... --preset smoke ...``, ``ray start --head`` | tests/jobs/test_job.py (submits to a ``ray start --head`` on loopback, with a worker node; S3 on moto) |
 | ``ray job submit ... --preset imagenet-resnet50 ... s3://`` | parse: Ray's own ``job submit`` CLI + the job's parser (dry run) |
 | ``infoform sizes ...`` | run here (meta device, seconds); docs/methods.md's resnet18 figures checked |
@@ -73,8 +72,6 @@ EXERCISED: dict[str, tuple[str, str]] = {
     "make demo": ("run", "tests/jobs/test_demo_fresh.py"),
     "make test": ("run", ".ci/run"),
     "python jobs/imagenet_inf.py": ("run", "Makefile"),  # `make demo` runs it; test_demo_fresh runs make demo
-    "pip install -e '.[dev,bench,timm]'": ("run", "Makefile"),
-    "pip install -e .": ("run", "Makefile"),  # `make demo`'s install (install-demo)
     "ray job submit --address http://127.0.0.1:8265 --working-dir . -- python jobs/imagenet_inf.py --preset smoke "
     "--output s3://bucket/infoform-smoke --endpoint-url http://127.0.0.1:9000": ("run", "tests/jobs/test_job.py"),
     "ray job submit --address $RAY_ADDRESS --working-dir . --runtime-env infra/runtime_env.yaml -- python "
@@ -136,8 +133,6 @@ RUNNER_NEEDLES = {
     "make demo": '["make", "demo"]',
     "make test": "make test",
     "python jobs/imagenet_inf.py": "$(PY) jobs/imagenet_inf.py",
-    "pip install -e '.[dev,bench,timm]'": "pip install -e '.[dev,bench,timm]'",
-    "pip install -e .": "pip install -e .",
     "ray start --head": '"start", "--head"',
     "python jobs/imagenet_inf.py --data my_data --model resnet18 --weights my_model.pt":
         'QUICK_START = ["--data", "my_data", "--model", "resnet18", "--weights", "my_model.pt"]',
