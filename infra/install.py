@@ -79,7 +79,8 @@ def install(spec: str) -> int:
     if got_uv:
         args, env = uv_arguments(pip_settings(python))
         cmd = [str(uv), "pip", "install", "--python", python, "--compile-bytecode", *args, "-e", spec]
-        print("install:", " ".join(cmd), flush=True)
+        # not the flags: an index URL can carry a user and token (never logged)
+        print(f"install: uv pip install -e {spec} with pip's index settings ({len(args) // 2} flags)", flush=True)
         rc = subprocess.run(cmd, env={**os.environ, **env}).returncode
         if rc == 0:
             return 0
