@@ -22,11 +22,13 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
+    """The smoke job's curvature stage with ``args``, on one Ray Train worker (what is compared is the
+    listing and the sums, not the all-reduce: two workers are tests/jobs/test_job.py's)."""
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
                PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     env.pop("RAY_ADDRESS", None)
     res = subprocess.run([sys.executable, "-m", "pipelines.cli.main", "run", "--preset", "smoke",
-                          "--stages", "curvature", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          "--stages", "curvature", "--set", "curvature.num_workers=1", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=1200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res

@@ -348,8 +348,9 @@ def test_one_allreduce_per_pass_of_exactly_the_payload(submitted):
 def test_demo_preset_with_an_s3_output_runs_on_the_worker_node(ray_head, moto_s3):
     """The embedded demo on a cluster: its digits, letters and trained CNN are written to the
     (S3) output and read from there by the worker node, which cannot see the driver's disk.
-    Cut to a few configurations and samples, weight sampling alone, one trial at a time (it is the
-    data placement that is tested here; the demo's default search is the fresh-clone demo's)."""
+    Cut to a few configurations and samples, weight sampling alone, one trial at a time, one Ray
+    Train worker and one evaluation actor (it is the data placement that is tested here; the demo's
+    default search is the fresh-clone demo's, two workers are the submitted smoke job's)."""
     import boto3
 
     from pipelines.storage import uris as storage
@@ -362,7 +363,8 @@ def test_demo_preset_with_an_s3_output_runs_on_the_worker_node(ray_head, moto_s3
                             "--set", "data.limit=400", "--set", "data.val_limit=100", "--set", "data.test_limit=100",
                             "--set", "data.ood_limit=60", "--set", "search.num_configs=2", "--set",
                             "search.pred_types=[nn]", "--set", "search.mc_samples=2", "--set", "search.concurrent_trials=1",
-                            "--set", "evaluate.mc_samples=3"])
+                            "--set", "evaluate.mc_samples=3", "--set", "curvature.num_workers=1",
+                            "--set", "evaluate.num_actors=1"])
     log = res.stdout + res.stderr
     assert res.returncode == 0, log[-4000:]
     assert "cluster: 2 node(s)" in log and f"demo data written to {out}/demo-data" in log, log[-3000:]
@@ -395,13 +397,15 @@ def test_a_local_output_on_two_nodes_is_refused_before_any_pass(ray_head, tmp_pa
 
 def test_a_shared_local_output_runs_on_two_nodes(ray_head):
     """With ``storage.shared_fs: true`` and a folder both nodes see, the job runs (demo data
-    and model in the output folder, read there by the worker node)."""
+    and model in the output folder, read there by the worker node; one Ray Train worker and one
+    evaluation actor: where the output lives is what is tested)."""
     address, _ = ray_head
     base = Path(tempfile.mkdtemp(prefix="infoform-shared-", dir="/tmp"))  # outside the hidden folders
     try:
         out = base / "out"
         res = _submit(address, ["--preset", "smoke", "--output", str(out), "--set", "storage.shared_fs=true",
-                                "--methods", "diag,inf", "--set", "search.num_configs=2"])
+                                "--methods", "diag,inf", "--set", "search.num_configs=2",
+                                "--set", "curvature.num_workers=1", "--set", "evaluate.num_actors=1"])
         log = res.stdout + res.stderr
         assert res.returncode == 0, log[-4000:]
         assert "cluster: 2 node(s)" in log
