@@ -64,11 +64,12 @@ def _free(ray) -> float:
 
 def _leave_free(ray, leave: float):
     """Plant the shortage: hold CPUs of the shared instance until ``leave`` are free; the hog
-    (None when nothing needs holding). Its CPUs are first given up to 60 s to come back from
-    earlier tests' work (they come back in a second or two); what the instance still holds then is held by nobody: Ray 2.60's
-    raylet has been seen keeping 0.5 CPU after the search tests with no actor, task or placement
-    group on it (its state dump), so the hog takes what is free beyond ``leave`` rather than a
-    fixed share of the 2 CPUs. Skips (counted) when even ``leave`` is not free."""
+    (None when nothing needs holding). The instance's CPUs are first given up to 20 s to come
+    back from earlier tests' work (they come back in a second or two); what it still holds then
+    is held by nobody: Ray 2.60's raylet has been seen keeping 0.5 CPU after the search tests
+    with no actor, task or placement group on it (its state dump), so the hog takes what is free
+    beyond ``leave`` rather than a fixed share of the 2 CPUs. Skips (counted) when even
+    ``leave`` is not free."""
     total = float(ray.cluster_resources().get("CPU", 0.0))
     deadline = time.perf_counter() + 20
     while _free(ray) < total and time.perf_counter() < deadline:
