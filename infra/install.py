@@ -27,8 +27,9 @@ from pathlib import Path
 # pip setting -> uv flag, for the settings that hold one or more values (space-separated in pip).
 _LIST_FLAGS = {"extra-index-url": "--extra-index-url", "find-links": "--find-links",
                "constraint": "--constraint", "trusted-host": "--allow-insecure-host"}
-# Scopes of `pip config list`, lowest precedence first (pip: global < user < site < environment).
-_SCOPES = ("global", "install", "user", "site", ":env:")
+# The sections of `pip config list` that apply to `pip install`, lowest precedence first: [global],
+# then [install], then the PIP_* variables (":env:"); within one, a later file (user, site) wins.
+_SCOPES = ("global", "install", ":env:")
 
 
 def pip_settings(python: str) -> dict[str, str]:
@@ -46,7 +47,9 @@ def parse_pip_config(listing: str) -> dict[str, str]:
         if not sep or "." not in key:
             continue
         scope, _, name = key.rpartition(".")
-        rank = next((i for i, s in enumerate(_SCOPES) if scope.startswith(s)), 0)
+        if scope not in _SCOPES:  # another command's section ([download], [wheel], ...)
+            continue
+        rank = _SCOPES.index(scope)
         try:
             value = str(ast.literal_eval(raw))
         except (ValueError, SyntaxError):
@@ -80,7 +83,7 @@ def install(spec: str) -> int:
         args, env = uv_arguments(pip_settings(python))
         cmd = [str(uv), "pip", "install", "--python", python, "--compile-bytecode", *args, "-e", spec]
         # not the flags: an index URL can carry a user and token (never logged)
-        print(f"install: uv pip install -e {spec} with pip's index settings ({len(args) // 2} flags)", flush=True)
+        print(f"install: uv pip install -e {spec} with pip's index settings", flush=True)
         rc = subprocess.run(cmd, env={**os.environ, **env}).returncode
         if rc == 0:
             return 0

@@ -15,7 +15,8 @@ global.cert='/etc/ssl/certs/ca.crt'
 global.extra-index-url='file:///opt/a/simple file:///opt/b/simple'
 global.find-links='/opt/old'
 global.constraint='/etc/pip/constraints.txt'
-user.index-url='https://mirror.example/simple'
+install.index-url='https://mirror.example/simple'
+download.index-url='https://elsewhere.example/simple'
 :env:.find-links='/opt/wheels /opt/more'
 :env:.default-timeout='180'
 not a setting
@@ -25,7 +26,7 @@ not a setting
 def test_the_highest_scope_wins_and_values_keep_their_text():
     s = install.parse_pip_config(LISTING)
     assert s["find-links"] == "/opt/wheels /opt/more"  # the environment over the global file
-    assert s["index-url"] == "https://mirror.example/simple"
+    assert s["index-url"] == "https://mirror.example/simple"  # [install]; [download] is another command's
     assert s["extra-index-url"] == "file:///opt/a/simple file:///opt/b/simple"
     assert "not a setting" not in s and len(s) == 6
 
